@@ -1,0 +1,457 @@
+"""Run a piece of Python on N ranks under real torchrun, and bring back what happened.
+
+    run(code, nproc_per_node=4)
+        │  writes RUN_DIR/cell.py
+        ▼
+    python -m torch.distributed.run ... -m megalab.worker RUN_DIR/cell.py
+        │  one process per rank (see megalab/worker.py)
+        ▼
+    RUN_DIR/rank{k}.out .err .pid .stack .done .error.json, RUN_DIR/publish/*.pkl
+        │  read back by this module
+        ▼
+    LaunchResult (output grouped by rank, published values)  or  RankFailedError / LaunchTimeoutError
+
+This is what the `%%torchrun` cell magic calls (megalab/magic.py), and what tests and
+benchmarks call directly. Every process it starts is gone when `run` returns or raises.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import re
+import shlex
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+DEFAULT_TIMEOUT = 300.0
+FAILURE_GRACE = 3.0  # seconds torchrun gets to stop the other ranks after one fails
+# c10/glog-style native log lines ("[W1121 08:00:00.123 1234 file.cpp:12] ...", optionally
+# prefixed "[rank0]:"): timestamped noise, kept in the run dir but not printed on success.
+_NATIVE_LOG = re.compile(r"^(\[rank\d+\]:)?\[[IWE]\d{4} ")
+
+
+class LaunchError(RuntimeError):
+    """The launch itself cannot go ahead (bad arguments, missing GPUs, torchrun failed)."""
+
+
+class _RankError(RuntimeError):
+    """Base for errors that IPython shows as our own text instead of the launcher's frames."""
+
+    def __init__(self, summary: str, details: str):
+        super().__init__(summary)
+        self.details = details
+
+    def _render_traceback_(self) -> list[str]:  # IPython's hook for custom tracebacks
+        return [f"{type(self).__name__}: {self}", *self.details.rstrip().splitlines()]
+
+
+class RankFailedError(_RankError):
+    """A rank raised (or died); `rank` is the first one to fail, `details` its traceback."""
+
+    def __init__(self, rank: int, summary: str, details: str):
+        super().__init__(summary, details)
+        self.rank = rank
+
+
+class LaunchTimeoutError(_RankError, TimeoutError):
+    """The ranks ran past the timeout; `stacks` holds each rank's Python stack when stopped."""
+
+    def __init__(self, summary: str, details: str, stacks: dict[int, str]):
+        super().__init__(summary, details)
+        self.stacks = stacks
+
+
+@dataclass
+class LaunchResult:
+    world_size: int
+    stdout: dict[int, str]  # rank -> what it printed, progress redraws removed
+    stderr: dict[int, str]
+    results: dict[str, dict[int, Any]]  # name -> {rank: value} from megalab.dist.publish
+    elapsed: float
+    run_dir: Path
+    ranks_shown: list[int] = field(default_factory=list)
+
+    def text(self, stream: str = "stdout") -> str:
+        """The output of the shown ranks, grouped in rank order, `[rank k] ` prefixed."""
+        return format_rank_output(getattr(self, stream), self.ranks_shown)
+
+
+# --------------------------------------------------------------------------- arguments
+
+
+def resolve_backend(backend: str, nproc_per_node: int) -> str:
+    """auto: NCCL when this node has a CUDA device for every local rank, else gloo (CPU)."""
+    if backend not in ("auto", "gloo", "nccl"):
+        raise LaunchError(f"unknown backend {backend!r}: use auto, gloo or nccl")
+    if backend == "gloo":
+        return backend
+    import torch
+
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if backend == "auto":
+        return "nccl" if gpus >= nproc_per_node else "gloo"
+    if gpus < nproc_per_node:
+        raise LaunchError(
+            f"--backend nccl needs {nproc_per_node} CUDA devices on this node (one per rank), "
+            f"but {gpus} {'is' if gpus == 1 else 'are'} visible. Use --backend gloo (or auto) to "
+            f"run on CPU, or start at most {gpus} ranks per node."
+        )
+    return backend
+
+
+def parse_ranks(ranks: str | list[int], world_size: int) -> list[int]:
+    """'all' | '0' | '0,2' -> sorted rank list, checked against the world size."""
+    if isinstance(ranks, str):
+        if ranks.strip() == "all":
+            return list(range(world_size))
+        try:
+            ranks = [int(r) for r in ranks.split(",") if r.strip()]
+        except ValueError:
+            raise LaunchError(f"--ranks takes 'all' or rank numbers like '0' or '0,2', not {ranks!r}")
+    bad = [r for r in ranks if not 0 <= r < world_size]
+    if bad or not ranks:
+        raise LaunchError(f"--ranks {ranks}: ranks must lie in 0..{world_size - 1}")
+    return sorted(set(ranks))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def slurm_nodes() -> list[str]:
+    """Hostnames of the current Slurm allocation, in Slurm's order."""
+    if "SLURM_JOB_ID" not in os.environ:
+        raise LaunchError("--slurm needs a Slurm allocation: run inside `salloc`/`sbatch` (SLURM_JOB_ID is unset)")
+    nodelist = os.environ.get("SLURM_JOB_NODELIST") or os.environ.get("SLURM_NODELIST", "")
+    out = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True, check=True)
+    return out.stdout.split()
+
+
+def torchrun_command(
+    script: Path,
+    nproc_per_node: int,
+    nnodes: int = 1,
+    node_rank: int | None = None,
+    rdzv_endpoint: str | None = None,
+    slurm: bool = False,
+) -> list[str]:
+    """The command line: torchrun (single node, static multi-node, c10d multi-node or srun)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc_per_node}", "--max-restarts=0"]
+    if slurm:
+        nodes = slurm_nodes()
+        nnodes = len(nodes)
+        endpoint = rdzv_endpoint or f"{nodes[0]}:29500"
+        job = os.environ["SLURM_JOB_ID"]
+        cmd += [f"--nnodes={nnodes}", "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}", f"--rdzv-id=megalab-{job}"]
+        cmd = ["srun", f"--nodes={nnodes}", f"--ntasks={nnodes}", "--ntasks-per-node=1", "--kill-on-bad-exit=1", *cmd]
+    elif nnodes == 1 and rdzv_endpoint is None:
+        cmd += ["--standalone"]  # torchrun binds a free port itself: parallel launches never collide
+    else:
+        if rdzv_endpoint is None:
+            raise LaunchError("--nnodes > 1 needs --rdzv-endpoint HOST:PORT (the node that hosts the rendezvous)")
+        if node_rank is not None:  # static rendezvous: each node says which one it is
+            host, _, port = rdzv_endpoint.rpartition(":")
+            cmd += [f"--nnodes={nnodes}", f"--node-rank={node_rank}", f"--master-addr={host}", f"--master-port={port}"]
+        else:
+            cmd += [f"--nnodes={nnodes}", "--rdzv-backend=c10d", f"--rdzv-endpoint={rdzv_endpoint}", "--rdzv-id=megalab"]
+    return cmd + ["-m", "megalab.worker", str(script)]
+
+
+# --------------------------------------------------------------------------- output
+
+
+def clean_progress(text: str) -> str:
+    """Drop lines that redraw themselves with '\\r' (tqdm bars): live-only, never deterministic."""
+    kept = [line for line in text.splitlines(keepends=True) if "\r" not in line.rstrip("\r\n")]
+    return "".join(kept)
+
+
+def format_rank_output(texts: dict[int, str], ranks: list[int]) -> str:
+    """Group output in rank order; prefix each line with `[rank k] ` when several ranks show."""
+    prefix = len(ranks) > 1
+    out = []
+    for r in ranks:
+        for line in texts.get(r, "").splitlines():
+            out.append(f"[rank {r}] {line}" if prefix else line)
+    return "\n".join(out) + ("\n" if out else "")
+
+
+def _last_line(path: Path) -> str:
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, os.path.getsize(path) - 4096))
+            tail = f.read().decode(errors="replace")
+    except OSError:
+        return ""
+    parts = [p.strip() for p in re.split(r"[\r\n]", tail) if p.strip()]
+    return parts[-1] if parts else ""
+
+
+# --------------------------------------------------------------------------- processes
+
+
+def _rank_files(run_dir: Path, suffix: str) -> dict[int, Path]:
+    files = {}
+    for path in run_dir.glob(f"rank*.{suffix}"):
+        m = re.fullmatch(rf"rank(\d+)\.{re.escape(suffix)}", path.name)
+        if m:
+            files[int(m.group(1))] = path
+    return files
+
+
+def _rank_pids(run_dir: Path) -> dict[int, int]:
+    pids = {}
+    for rank, path in _rank_files(run_dir, "pid").items():
+        try:
+            pids[rank] = int(path.read_text())
+        except ValueError:
+            continue
+    return pids
+
+
+def _is_our_worker(pid: int, run_dir: Path) -> bool:
+    """Guard against PID reuse: the process must still be a worker of this run."""
+    try:
+        return str(run_dir) in Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+    except OSError:
+        return False
+
+
+def _alive_workers(run_dir: Path) -> dict[int, int]:
+    return {r: p for r, p in _rank_pids(run_dir).items() if _is_our_worker(p, run_dir)}
+
+
+def _kill_all(proc: subprocess.Popen, run_dir: Path) -> None:
+    """SIGKILL torchrun's session and every rank (each rank has a session of its own)."""
+    for pid in _alive_workers(run_dir).values():
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    proc.wait()
+    deadline = time.monotonic() + 5
+    while _alive_workers(run_dir) and time.monotonic() < deadline:
+        time.sleep(0.02)
+
+
+def _die_with_parent() -> None:  # runs in the child between fork and exec
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+# --------------------------------------------------------------------------- diagnosis
+
+
+def _stack_of(text: str, source_lines: list[str]) -> str:
+    """The main thread's frames from a faulthandler dump, cell lines shown with their source."""
+    threads = re.split(r"\n(?=(?:Current thread|Thread) 0x)", text.strip())
+    main = next((t for t in threads if "<torchrun cell>" in t), threads[0] if threads else "")
+    out = []
+    for line in main.splitlines():
+        m = re.match(r'\s+File "(.*)", line (\d+) in (.*)', line)
+        if not m:
+            continue
+        filename, lineno, func = m.group(1), int(m.group(2)), m.group(3)
+        if filename.endswith(("megalab/worker.py", "<frozen runpy>")):
+            continue
+        if filename == "<torchrun cell>":
+            code = source_lines[lineno - 1].strip() if 0 < lineno <= len(source_lines) else ""
+            out.append(f"  cell line {lineno}, in {func}:  {code}")
+        else:
+            out.append(f'  File "{filename}", line {lineno}, in {func}')
+    return "\n".join(out)
+
+
+def _stuck_line(stack: str) -> str:
+    """Most recent cell frame of a stack (faulthandler lists the most recent call first)."""
+    return next((line.strip() for line in stack.splitlines() if line.strip().startswith("cell line")), "outside the cell")
+
+
+def _timeout_error(run_dir: Path, source: str, timeout: float, world: int) -> LaunchTimeoutError:
+    workers = _alive_workers(run_dir)
+    stacks_files = _rank_files(run_dir, "stack")
+    sizes = {r: stacks_files[r].stat().st_size if r in stacks_files else 0 for r in workers}
+    for pid in workers.values():
+        try:
+            os.kill(pid, signal.SIGUSR1)
+        except ProcessLookupError:
+            pass
+    deadline = time.monotonic() + 2.0
+    while time.monotonic() < deadline:  # faulthandler writes from its signal handler: fast
+        if all(stacks_files[r].stat().st_size > sizes[r] for r in workers if r in stacks_files):
+            break
+        time.sleep(0.05)
+    lines = source.splitlines()
+    stacks = {}
+    for rank in sorted(workers):
+        text = stacks_files[rank].read_text(errors="replace")[sizes[rank]:] if rank in stacks_files else ""
+        stacks[rank] = _stack_of(text, lines)
+    done = sorted(_rank_files(run_dir, "done"))
+    summary = f"cell timed out after {timeout:g} s on {world} ranks; " + "; ".join(
+        f"rank {r} stuck at {_stuck_line(s)}" for r, s in stacks.items()
+    )
+    if done:
+        summary += f" (ranks {done} had finished)"
+    details = "\n".join(f"[rank {r}] stack when stopped (most recent call first):\n{s}" for r, s in stacks.items())
+    return LaunchTimeoutError(summary, details, stacks)
+
+
+def _failure_error(run_dir: Path, world: int, torchrun_log: str) -> Exception:
+    errors = []
+    for rank, path in _rank_files(run_dir, "error.json").items():
+        errors.append(json.loads(path.read_text()))
+    if errors:
+        first = min(errors, key=lambda e: e["time"])  # the root cause; later ones are fallout
+        others = sorted(e["rank"] for e in errors if e is not first)
+        summary = f"rank {first['rank']} failed: {first['type']}"
+        if first["message"]:
+            summary += f": {first['message']}"
+        details = f"[rank {first['rank']}] {first['traceback']}"
+        if others:
+            details += f"\n(ranks {others} failed after it, most likely because rank {first['rank']} had stopped)"
+        return RankFailedError(first["rank"], summary, details)
+    started = _rank_files(run_dir, "pid")
+    if not started:
+        return LaunchError(f"torchrun could not start the ranks:\n{torchrun_log[-3000:]}")
+    done = _rank_files(run_dir, "done")
+    dead = sorted(r for r in range(world) if r not in done)
+    rank = dead[0] if dead else 0
+    stack = ""
+    if rank in _rank_files(run_dir, "stack"):
+        stack = (run_dir / f"rank{rank}.stack").read_text(errors="replace")
+    err = (run_dir / f"rank{rank}.err").read_text(errors="replace") if (run_dir / f"rank{rank}.err").exists() else ""
+    details = "\n".join(filter(None, [err[-2000:], stack[-2000:], torchrun_log[-2000:]]))
+    return RankFailedError(rank, f"rank {rank} died before finishing (killed by a signal or exited early)", details)
+
+
+# --------------------------------------------------------------------------- run
+
+
+def run(
+    code: str,
+    nproc_per_node: int = 1,
+    *,
+    backend: str = "auto",
+    timeout: float = DEFAULT_TIMEOUT,
+    ranks: str | list[int] = "all",
+    nnodes: int = 1,
+    node_rank: int | None = None,
+    rdzv_endpoint: str | None = None,
+    slurm: bool = False,
+    env: dict[str, str] | None = None,
+    cwd: str | os.PathLike | None = None,
+    on_progress: Callable[[float, str], None] | None = None,
+    keep_run_dir: bool = False,
+) -> LaunchResult:
+    """Run `code` (a Python script as text) on `nproc_per_node` ranks per node under torchrun.
+
+    Returns a LaunchResult once every rank has finished the code; raises RankFailedError with
+    the first failing rank's traceback, LaunchTimeoutError (with every rank's stack) after
+    `timeout` seconds, and LaunchError for impossible requests. KeyboardInterrupt stops all ranks.
+    """
+    if nproc_per_node < 1 or nnodes < 1:
+        raise LaunchError("need at least one rank per node and one node")
+    world = nproc_per_node * nnodes
+    shown = parse_ranks(ranks, world)
+    chosen = resolve_backend(backend, nproc_per_node)
+    cwd = Path(cwd or os.getcwd()).resolve()
+    base = cwd / ".megalab" / "runs" if slurm else None  # ranks on other nodes need a shared path
+    if base:
+        base.mkdir(parents=True, exist_ok=True)
+    run_dir = Path(tempfile.mkdtemp(prefix="megalab-run-", dir=base))
+    script = run_dir / "cell.py"
+    script.write_text(code)
+    (run_dir / "publish").mkdir()
+
+    package_root = str(Path(__file__).resolve().parent.parent)
+    child_env = dict(os.environ)
+    child_env.update(
+        MEGALAB_RUN_DIR=str(run_dir),
+        MEGALAB_BACKEND=chosen,
+        MEGALAB_CWD=str(cwd),
+        PYTHONPATH=os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")])),
+        PYTHONUNBUFFERED="1",
+        MPLBACKEND="Agg",  # ranks draw to files; the notebook plots what they publish
+    )
+    # An explicit OMP_NUM_THREADS silences torchrun's banner; split the cores between ranks.
+    child_env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc_per_node)))
+    child_env.update(env or {})
+
+    cmd = torchrun_command(script, nproc_per_node, nnodes, node_rank, rdzv_endpoint, slurm)
+    log_path = run_dir / "torchrun.log"
+    start = time.monotonic()
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(
+            cmd, cwd=cwd, env=child_env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+            start_new_session=True, preexec_fn=_die_with_parent,
+        )
+    error: BaseException | None = None
+    try:
+        failed_at = None
+        next_progress = start + 0.5
+        while proc.poll() is None:
+            now = time.monotonic()
+            if now - start > timeout:
+                error = _timeout_error(run_dir, code, timeout, world)
+                break
+            if failed_at is None and _rank_files(run_dir, "error.json"):
+                failed_at = now
+            if failed_at is not None and now - failed_at > FAILURE_GRACE:
+                break  # torchrun is slow to stop the others: we do it
+            if on_progress and now >= next_progress:
+                on_progress(now - start, _last_line(run_dir / f"rank{shown[0]}.err") or _last_line(run_dir / f"rank{shown[0]}.out"))
+                next_progress = now + 0.5
+            time.sleep(0.05)
+    except BaseException as exc:  # KeyboardInterrupt from the notebook: stop every rank
+        error = exc
+    finally:
+        _kill_all(proc, run_dir)
+    elapsed = time.monotonic() - start
+
+    torchrun_log = log_path.read_text(errors="replace")
+    done = _rank_files(run_dir, "done")
+    local_ranks = set(_rank_files(run_dir, "pid"))
+    # Success means every rank finished the cell: a rank that aborts in teardown after that
+    # (the gloo destructor crash) does not fail it. Other nodes' ranks report on their nodes.
+    finished = len(local_ranks) >= nproc_per_node and local_ranks <= set(done)
+    if error is None and not finished:
+        error = _failure_error(run_dir, world, torchrun_log)
+    if error is not None:
+        if not keep_run_dir:
+            shutil.rmtree(run_dir, ignore_errors=True)
+        raise error
+
+    def read(rank: int, kind: str) -> str:
+        path = run_dir / f"rank{rank}.{kind}"
+        return clean_progress(path.read_text(errors="replace")) if path.exists() else ""
+
+    stdout = {r: read(r, "out") for r in sorted(local_ranks)}
+    stderr = {r: "".join(l for l in read(r, "err").splitlines(True) if not _NATIVE_LOG.match(l)) for r in sorted(local_ranks)}
+    results: dict[str, dict[int, Any]] = {}
+    for path in sorted((run_dir / "publish").glob("*.pkl")):
+        name, _, rank = path.stem.rpartition(".rank")
+        with open(path, "rb") as f:
+            results.setdefault(name, {})[int(rank)] = pickle.load(f)
+    results = {name: dict(sorted(values.items())) for name, values in results.items()}
+    if not keep_run_dir:
+        shutil.rmtree(run_dir, ignore_errors=True)
+    return LaunchResult(world, stdout, stderr, results, elapsed, run_dir, [r for r in shown if r in local_ranks])
+
