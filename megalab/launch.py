@@ -81,6 +81,11 @@ class LaunchResult:
     run_dir: Path
     ranks_shown: list[int] = field(default_factory=list)
 
+    @property
+    def returns(self) -> dict[int, Any]:
+        """What `run_function`'s function returned on each rank."""
+        return self.results.get("returns", {})
+
     def text(self, stream: str = "stdout") -> str:
         """The output of the shown ranks, grouped in rank order, `[rank k] ` prefixed."""
         return format_rank_output(getattr(self, stream), self.ranks_shown)
@@ -455,3 +460,30 @@ def run(
         shutil.rmtree(run_dir, ignore_errors=True)
     return LaunchResult(world, stdout, stderr, results, elapsed, run_dir, [r for r in shown if r in local_ranks])
 
+
+
+def run_function(fn: Callable, nproc_per_node: int, *args, **kwargs) -> LaunchResult:
+    """Call a module-level `fn(*args, **kwargs)` on every rank; `result.returns` maps rank -> value.
+
+    Launch options go in `launch=dict(...)` (e.g. `launch=dict(timeout=30)`). The function is
+    imported by name in each rank, so it must live in an importable module (not `__main__`).
+    """
+    options = kwargs.pop("launch", {})
+    module, name = fn.__module__, fn.__qualname__
+    if module == "__main__" or "<locals>" in name:
+        raise LaunchError(f"run_function needs a module-level function of an importable module, not {module}.{name}")
+    payload = Path(tempfile.mkdtemp(prefix="megalab-args-")) / "args.pkl"
+    payload.write_bytes(pickle.dumps((args, kwargs)))
+    code = (
+        "import importlib, pickle\n"
+        "from megalab.dist import publish\n"
+        f"args, kwargs = pickle.loads(open({str(payload)!r}, 'rb').read())\n"
+        f"fn = importlib.import_module({module!r})\n"
+        f"for part in {name!r}.split('.'):\n"
+        "    fn = getattr(fn, part)\n"
+        "publish('returns', fn(*args, **kwargs))\n"
+    )
+    try:
+        return run(code, nproc_per_node, **options)
+    finally:
+        shutil.rmtree(payload.parent, ignore_errors=True)

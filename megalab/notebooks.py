@@ -1,0 +1,48 @@
+"""Execute course notebooks in place, top to bottom, each in a clean kernel (`make notebooks`).
+
+The wall time of each run is stored in the notebook's metadata (`megalab.run_seconds`), so the
+budget check in tests/test_notebooks.py can report it without running anything.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import nbformat
+from nbclient import NotebookClient
+
+BUDGET_SECONDS = 180  # DESIGN.md §4: about a minute, never over three, on 2 CPU cores
+
+
+def find_notebooks(paths: list[str]) -> list[Path]:
+    found = []
+    for p in map(Path, paths):
+        found += sorted(p.rglob("*.ipynb")) if p.is_dir() else [p]
+    return [p for p in found if ".ipynb_checkpoints" not in p.parts]
+
+
+def execute(path: Path, timeout: float = 600) -> float:
+    """Run one notebook in place; returns its wall time in seconds."""
+    nb = nbformat.read(path, as_version=4)
+    client = NotebookClient(nb, timeout=timeout, kernel_name="python3", resources={"metadata": {"path": str(path.parent)}})
+    start = time.perf_counter()
+    client.execute()
+    seconds = time.perf_counter() - start
+    nb.metadata.setdefault("megalab", {})["run_seconds"] = round(seconds, 1)
+    nbformat.write(nb, path)
+    return seconds
+
+
+def execute_all(paths: list[str], timeout: float = 600) -> int:
+    status = 0
+    for path in find_notebooks(paths):
+        try:
+            seconds = execute(path, timeout)
+        except Exception as exc:  # report every notebook, then fail
+            print(f"FAILED  {path}: {type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}")
+            status = 1
+            continue
+        flag = "" if seconds <= BUDGET_SECONDS else f"  over the {BUDGET_SECONDS} s budget"
+        print(f"ok      {path}  {seconds:6.1f} s{flag}")
+    return status
