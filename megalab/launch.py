@@ -179,8 +179,8 @@ def torchrun_command(
 
 def clean_progress(text: str) -> str:
     """Drop lines that redraw themselves with '\\r' (tqdm bars): live-only, never deterministic."""
-    kept = [line for line in text.splitlines(keepends=True) if "\r" not in line.rstrip("\r\n")]
-    return "".join(kept)
+    lines = text.split("\n")  # not splitlines(): that splits at '\r' too
+    return "\n".join(line for line in lines if "\r" not in line.rstrip("\r"))
 
 
 def format_rank_output(texts: dict[int, str], ranks: list[int]) -> str:
@@ -336,15 +336,22 @@ def _failure_error(run_dir: Path, world: int, torchrun_log: str) -> Exception:
     started = _rank_files(run_dir, "pid")
     if not started:
         return LaunchError(f"torchrun could not start the ranks:\n{torchrun_log[-3000:]}")
-    done = _rank_files(run_dir, "done")
-    dead = sorted(r for r in range(world) if r not in done)
-    rank = dead[0] if dead else 0
-    stack = ""
-    if rank in _rank_files(run_dir, "stack"):
-        stack = (run_dir / f"rank{rank}.stack").read_text(errors="replace")
-    err = (run_dir / f"rank{rank}.err").read_text(errors="replace") if (run_dir / f"rank{rank}.err").exists() else ""
-    details = "\n".join(filter(None, [err[-2000:], stack[-2000:], torchrun_log[-2000:]]))
-    return RankFailedError(rank, f"rank {rank} died before finishing (killed by a signal or exited early)", details)
+    # No Python exception: a rank died (signal, os._exit). torchrun's report names the first one.
+    cause = re.search(r"Root Cause.*?rank\s*:\s*(\d+).*?exitcode\s*:\s*(-?\d+)", torchrun_log, re.S)
+    if cause:
+        rank, code = int(cause.group(1)), int(cause.group(2))
+        how = f"killed by {signal.Signals(-code).name}" if code < 0 and -code in signal.valid_signals() else f"exit code {code}"
+    else:
+        done = _rank_files(run_dir, "done")
+        rank = min((r for r in range(world) if r not in done), default=0)
+        how = "killed by a signal or exited early"
+    tails = []
+    for kind in ("err", "stack"):
+        path = run_dir / f"rank{rank}.{kind}"
+        if path.exists() and path.stat().st_size:
+            tails.append(path.read_text(errors="replace")[-2000:])
+    details = "\n".join(tails) or (torchrun_log[-2000:] if not cause else "(the rank printed nothing to stderr)")
+    return RankFailedError(rank, f"rank {rank} died before finishing ({how})", details)
 
 
 # --------------------------------------------------------------------------- run
@@ -374,6 +381,8 @@ def run(
     """
     if nproc_per_node < 1 or nnodes < 1:
         raise LaunchError("need at least one rank per node and one node")
+    if slurm:
+        nnodes = len(slurm_nodes())
     world = nproc_per_node * nnodes
     shown = parse_ranks(ranks, world)
     chosen = resolve_backend(backend, nproc_per_node)
@@ -446,7 +455,7 @@ def run(
 
     def read(rank: int, kind: str) -> str:
         path = run_dir / f"rank{rank}.{kind}"
-        return clean_progress(path.read_text(errors="replace")) if path.exists() else ""
+        return clean_progress(path.read_bytes().decode(errors="replace")) if path.exists() else ""
 
     stdout = {r: read(r, "out") for r in sorted(local_ranks)}
     stderr = {r: "".join(l for l in read(r, "err").splitlines(True) if not _NATIVE_LOG.match(l)) for r in sorted(local_ranks)}
