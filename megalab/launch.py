@@ -286,8 +286,13 @@ def _stack_of(text: str, source_lines: list[str]) -> str:
 
 
 def _stuck_line(stack: str) -> str:
-    """Most recent cell frame of a stack (faulthandler lists the most recent call first)."""
-    return next((line.strip() for line in stack.splitlines() if line.strip().startswith("cell line")), "outside the cell")
+    """'cell line N: code' for the most recent cell frame (faulthandler lists it first)."""
+    for line in stack.splitlines():
+        m = re.match(r"\s*cell line (\d+), in [^:]*:\s*(.*)", line)
+        if m:
+            code = re.sub(r"\s+#.*$", "", m.group(2))  # trailing comment
+            return f"cell line {m.group(1)}: {code}"
+    return "a line outside the cell"
 
 
 def _timeout_error(run_dir: Path, source: str, timeout: float, world: int) -> LaunchTimeoutError:

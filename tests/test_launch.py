@@ -107,7 +107,7 @@ def test_deadlock_timeout_shows_each_ranks_stuck_line():
     assert set(err.stacks) == {0, 1}
     assert "cell line 7, in <module>:  dist.recv(x, src=1)" in err.stacks[0]
     assert "cell line 9, in <module>:  dist.recv(x, src=0)" in err.stacks[1]
-    assert "rank 0 stuck at cell line 7" in str(err)
+    assert "rank 0 stuck at cell line 7: dist.recv(x, src=1);" in str(err)
     assert not _workers_alive()
 
 
