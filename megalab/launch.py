@@ -21,7 +21,6 @@ import json
 import os
 import pickle
 import re
-import shlex
 import shutil
 import signal
 import socket
@@ -29,9 +28,10 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 DEFAULT_TIMEOUT = 300.0
 FAILURE_GRACE = 3.0  # seconds torchrun gets to stop the other ranks after one fails
@@ -122,7 +122,7 @@ def parse_ranks(ranks: str | list[int], world_size: int) -> list[int]:
         try:
             ranks = [int(r) for r in ranks.split(",") if r.strip()]
         except ValueError:
-            raise LaunchError(f"--ranks takes 'all' or rank numbers like '0' or '0,2', not {ranks!r}")
+            raise LaunchError(f"--ranks takes 'all' or rank numbers like '0' or '0,2', not {ranks!r}") from None
     bad = [r for r in ranks if not 0 <= r < world_size]
     if bad or not ranks:
         raise LaunchError(f"--ranks {ranks}: ranks must lie in 0..{world_size - 1}")
@@ -325,9 +325,7 @@ def _timeout_error(run_dir: Path, source: str, timeout: float, world: int) -> La
 
 
 def _failure_error(run_dir: Path, world: int, torchrun_log: str) -> Exception:
-    errors = []
-    for rank, path in _rank_files(run_dir, "error.json").items():
-        errors.append(json.loads(path.read_text()))
+    errors = [json.loads(path.read_text()) for path in _rank_files(run_dir, "error.json").values()]
     if errors:
         first = min(errors, key=lambda e: e["time"])  # the root cause; later ones are fallout
         others = sorted(e["rank"] for e in errors if e is not first)
@@ -463,7 +461,7 @@ def run(
         return clean_progress(path.read_bytes().decode(errors="replace")) if path.exists() else ""
 
     stdout = {r: read(r, "out") for r in sorted(local_ranks)}
-    stderr = {r: "".join(l for l in read(r, "err").splitlines(True) if not _NATIVE_LOG.match(l)) for r in sorted(local_ranks)}
+    stderr = {r: "".join(ln for ln in read(r, "err").splitlines(True) if not _NATIVE_LOG.match(ln)) for r in sorted(local_ranks)}
     results: dict[str, dict[int, Any]] = {}
     for path in sorted((run_dir / "publish").glob("*.pkl")):
         name, _, rank = path.stem.rpartition(".rank")
