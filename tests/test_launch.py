@@ -1,6 +1,7 @@
 """The launcher under real torchrun: output, results, crashes, deadlocks, interrupts, multi-node."""
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -222,3 +223,35 @@ def _rank_and_arg(x):
 
     rank, world = mdist.init()
     return rank, world, x
+
+
+def test_abort_after_the_cell_finished_does_not_fail_it():
+    """The gloo teardown crash: a rank aborts (SIGABRT) after finishing the cell's code."""
+    code = textwrap.dedent("""
+        import os, threading, time, pathlib
+        from megalab import dist as mdist
+        rank, world = mdist.init()
+        done = pathlib.Path(os.environ["MEGALAB_RUN_DIR"]) / f"rank{rank}.done"
+        def abort_after_done():
+            while not done.exists():
+                time.sleep(0.001)
+            os.abort()                       # what "terminate called without an active exception" does
+        if rank == 1:
+            threading.Thread(target=abort_after_done, daemon=True).start()
+            import torch.distributed as dist
+            dist.barrier = lambda *a, **k: time.sleep(5)   # hold the teardown until the abort hits
+        print("finished")
+    """)
+    res = launch.run(code, 2, timeout=60, keep_run_dir=True)
+    assert res.text() == "[rank 0] finished\n[rank 1] finished\n"
+    assert "SIGABRT" in (res.run_dir / "torchrun.log").read_text()  # the crash really happened
+    shutil.rmtree(res.run_dir)
+    assert not _workers_alive()
+
+
+def test_progress_callback_sees_the_latest_line():
+    seen = []
+    code = "import time\nfor i in range(8):\n    print(f'step {i}', flush=True)\n    time.sleep(0.25)\n"
+    launch.run(code, 1, on_progress=lambda elapsed, line: seen.append((elapsed, line)), timeout=60)
+    assert seen and all(e >= 0 for e, _ in seen)
+    assert any(line.startswith("step ") for _, line in seen)
