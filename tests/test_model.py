@@ -181,6 +181,7 @@ def test_gpt_logits_match_plain_pytorch_reference(variant):
     torch.testing.assert_close(loss, F.cross_entropy(ref.transpose(1, 2), ids, reduction="none"), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.exercise("model.gpt_forward")
 def test_gpt_is_causal_and_checks_length():
     c = TransformerConfig(**TINY)
     model = GPTModel(c).eval()
@@ -256,6 +257,7 @@ def test_checkpoint_replays_dropout_and_passes_non_tensors():
     assert torch.equal(torch.get_rng_state(), after_forward)  # backward leaves the RNG stream alone
 
 
+@pytest.mark.exercise("model.layer_forward")
 def test_saved_bytes_of_one_layer_match_korthikanti_in_bf16():
     # 16-bit activations, 1-byte dropout masks: the paper's assumptions; MHA, unfused attention.
     s, b, h, a = 32, 2, 64, 4
@@ -277,6 +279,8 @@ def test_saved_bytes_of_one_layer_match_korthikanti_in_bf16():
 
 
 # ------------------------------------------------------------------ calc's FLOPs, counted by PyTorch
+@pytest.mark.exercise("model.gpt_forward")
+@pytest.mark.exercise("model.recompute")
 @pytest.mark.parametrize("recompute", [False, True])
 def test_flops_per_iteration_equals_pytorch_flop_count(recompute):
     settings = RECOMPUTE["full-uniform-1"] if recompute else {}

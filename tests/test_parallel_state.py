@@ -129,6 +129,7 @@ def test_orders_agree_when_megatron_says_they_do(tp, pp, ep):
         assert sorted(a[name]) == sorted(b[name]), name
 
 
+@pytest.mark.exercise("parallel_state.get_ranks")
 def test_order_changes_groups():
     # tp=2, pp=2, dp=2: pp-last puts stages 4 ranks apart, dp-last puts them 2 apart.
     pp_last = ps.RankGenerator(tp=2, ep=1, dp=2, pp=2, cp=1, order="tp-cp-ep-dp-pp")
@@ -138,6 +139,7 @@ def test_order_changes_groups():
     assert dp_last.get_ranks("dp") == [[0, 4], [1, 5], [2, 6], [3, 7]]
 
 
+@pytest.mark.exercise("parallel_state.get_ranks")
 def test_rank_offset_and_missing_names():
     gen = ps.RankGenerator(tp=2, ep=1, dp=2, pp=2, cp=1, order="tp-dp-pp", rank_offset=8)
     assert gen.order == "tp-dp-pp-ep-cp"
@@ -146,6 +148,7 @@ def test_rank_offset_and_missing_names():
     assert gen.get_ranks("dp") == [[8, 10], [9, 11], [12, 14], [13, 15]]
 
 
+@pytest.mark.exercise("parallel_state.get_ranks")
 def test_rank_groups_layout():
     groups = ps.rank_groups(ps.ParallelSizes(8, tensor_model_parallel_size=2, pipeline_model_parallel_size=2))
     assert groups["embd"] == [[0, 4], [1, 5], [2, 6], [3, 7]]
