@@ -34,6 +34,9 @@ class CoreAttention(nn.Module):
         self.attention_dropout = config.attention_dropout
         self.backend = config.attention_backend
 
+    def extra_repr(self) -> str:
+        return f"backend={self.backend!r}, attention_dropout={self.attention_dropout}"
+
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
         # query [s, b, np, hn], key/value [s, b, ng, hn] -> context [s, b, np * hn]
         s, b, np_, hn = query.shape

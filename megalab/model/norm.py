@@ -27,6 +27,9 @@ class LayerNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., h] -> [..., h]
         return F.layer_norm(x, self.weight.shape, self.weight, self.bias, self.eps)
 
+    def extra_repr(self) -> str:
+        return f"{self.weight.shape[0]}, eps={self.eps}"
+
 
 class RMSNorm(nn.Module):
     def __init__(self, hidden_size: int, eps: float = 1e-5):
@@ -41,6 +44,9 @@ class RMSNorm(nn.Module):
         normed = x32 * torch.rsqrt(x32.pow(2).mean(dim=-1, keepdim=True) + self.eps)
         return normed.type_as(x) * self.weight
         ### END SOLUTION
+
+    def extra_repr(self) -> str:
+        return f"{self.weight.shape[0]}, eps={self.eps}"
 
 
 def build_norm(config: TransformerConfig, hidden_size: int | None = None) -> nn.Module:
