@@ -343,7 +343,7 @@ class ParallelState:
         return self.group("pos_embd")
 
     def is_rank_in_embedding_group(self) -> bool:
-        return self.rank in self.global_ranks["embd"]
+        return "embd" in self.global_ranks  # middle pipeline stages hold no embedding
 
     # experts
     def get_expert_model_parallel_group(self):
