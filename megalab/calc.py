@@ -1,0 +1,81 @@
+"""The papers' formulas for parameters, FLOPs, activation memory and training time.
+
+Symbols follow the papers: l layers, h hidden size, a attention heads, s sequence length,
+b micro-batch size, B global batch size, V vocabulary size, t tensor-parallel size.
+
+    Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU Clusters
+        Using Megatron-LM" (SC'21), Section 5.1: Eq. 2 parameters, Eq. 3 FLOPs, Eq. 4 time.
+    Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models"
+        (MLSys'23): Section 4 and Table 2 activation memory, Eq. 7 model FLOPs.
+
+Where the counts come from (one transformer layer, forward, matmuls only, 2 FLOPs per MAC):
+
+    QKV 6Bsh^2 + scores 2Bs^2h + attention-over-values 2Bs^2h + projection 2Bsh^2
+    + MLP 16Bsh^2  =  24Bsh^2 + 4Bs^2h;   the logit layer adds 2BshV.
+    Backward costs twice the forward; full recomputation adds one more forward.
+"""
+
+from __future__ import annotations
+
+SECONDS_PER_DAY = 86400
+
+
+def num_parameters(num_layers: int, hidden_size: int, vocab_size: int, seq_length: int) -> float:
+    """Parameters of a GPT model: 12 l h^2 (1 + 13/(12h) + (V+s)/(12 l h)). Narayanan 2021, Eq. 2.
+
+    Per layer 12h^2 weights and 13h biases/norm gains; V*h word and s*h position embeddings
+    (the output layer shares the word embeddings; the final norm's 2h is left out).
+    """
+    l, h, V, s = num_layers, hidden_size, vocab_size, seq_length  # noqa: E741 (the paper's symbols)
+    return 12 * l * h**2 * (1 + 13 / (12 * h) + (V + s) / (12 * l * h))
+
+
+def flops_per_iteration(batch_size: int, seq_length: int, num_layers: int, hidden_size: int, vocab_size: int,
+                        recompute: bool = True) -> float:
+    """FLOPs of one training iteration (forward + backward) over a global batch of B sequences.
+
+    recompute=True:  96 B s l h^2 (1 + s/(6h) + V/(16 l h))  -- Narayanan 2021, Eq. 3, which
+                     counts the extra forward pass of full activation recomputation;
+    recompute=False: 72 B s l h^2 (1 + s/(6h) + V/(12 h l))  -- the model FLOPs of Korthikanti
+                     2022, Eq. 7 (what the model needs, whatever the implementation recomputes).
+    """
+    B, s, l, h, V = batch_size, seq_length, num_layers, hidden_size, vocab_size  # noqa: E741 (the paper's symbols)
+    if recompute:
+        return 96 * B * s * l * h**2 * (1 + s / (6 * h) + V / (16 * l * h))
+    return 72 * B * s * l * h**2 * (1 + s / (6 * h) + V / (12 * h * l))
+
+
+def activation_memory_per_layer(seq_length: int, micro_batch_size: int, hidden_size: int, num_attention_heads: int,
+                                tensor_parallel_size: int = 1, sequence_parallel: bool = False,
+                                recompute: str = "none") -> float:
+    """Bytes of activations one transformer layer keeps for backward. Korthikanti 2022, Table 2.
+
+    16-bit activations, 1-byte dropout masks. Without parallelism a layer keeps
+    34 s b h + 5 a s^2 b bytes: attention 11sbh + 5as^2b (the 5as^2b is the softmax output,
+    its dropout mask and the dropped-out probabilities), MLP 19sbh, two LayerNorms 4sbh.
+
+        recompute   sequence_parallel   bytes
+        "none"      False               s b h (10 + 24/t + 5 a s / (h t))
+        "none"      True                s b h / t * (34 + 5 a s / h)
+        "selective" False               s b h (10 + 24/t)      (core attention recomputed)
+        "selective" True                s b h / t * 34
+        "full"      either              2 s b h                (only the layer's input)
+    """
+    s, b, h, a, t = seq_length, micro_batch_size, hidden_size, num_attention_heads, tensor_parallel_size
+    if recompute == "full":
+        return 2 * s * b * h
+    if recompute not in ("none", "selective"):
+        raise ValueError(f'recompute must be "none", "selective" or "full", got {recompute!r}')
+    attention_scores = 5 * a * s / h if recompute == "none" else 0.0
+    if sequence_parallel:
+        return s * b * h / t * (34 + attention_scores)
+    return s * b * h * (10 + 24 / t + attention_scores / t)
+
+
+def training_days(num_tokens: float, num_parameters: float, num_gpus: int, flops_per_gpu: float) -> float:
+    """End-to-end training time 8 T P / (n X), in days. Narayanan 2021, Eq. 4.
+
+    T tokens, P parameters, n GPUs each sustaining X FLOP/s; the 8 is Eq. 3's 96 B s l h^2
+    over the 12 l h^2 parameters (with recomputation), per token.
+    """
+    return 8 * num_tokens * num_parameters / (num_gpus * flops_per_gpu) / SECONDS_PER_DAY

@@ -1,0 +1,73 @@
+"""Token and position embeddings: learned absolute positions (GPT-2/3) or rotary (RoPE).
+
+Megatron: LanguageModelEmbedding (megatron/core/models/common/embeddings/
+language_model_embedding.py) and RotaryEmbedding / apply_rotary_pos_emb (rotary_pos_embedding.py).
+Activations leave the embedding sequence-first, [s, b, h], the layout Megatron uses throughout
+(sequence and context parallelism later split dimension 0).
+
+RoPE rotates each pair (x_i, x_{i+d/2}) of a query/key head by the angle pos * base^(-2i/d), so
+q.k depends only on the distance between positions ("rotate half" layout, as Megatron's default).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megalab.config import TransformerConfig
+from megalab.model.layers import init_method_normal
+
+
+class LanguageModelEmbedding(nn.Module):
+    def __init__(self, config: TransformerConfig):
+        super().__init__()
+        init = init_method_normal(config.init_method_std)
+        self.word_embeddings = nn.Embedding(config.vocab_size, config.hidden_size)
+        init(self.word_embeddings.weight)
+        self.position_embeddings = None
+        if config.position_embedding_type == "learned_absolute":
+            self.position_embeddings = nn.Embedding(config.seq_length, config.hidden_size)
+            init(self.position_embeddings.weight)
+        self.dropout = config.hidden_dropout
+        self.max_positions = config.seq_length
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        b, s = input_ids.shape
+        if s > self.max_positions:
+            raise ValueError(f"sequence of {s} tokens is longer than config.seq_length={self.max_positions}")
+        embeddings = self.word_embeddings(input_ids)  # [b, s, h]
+        if self.position_embeddings is not None:
+            if position_ids is None:
+                position_ids = torch.arange(s, device=input_ids.device).expand(b, s)
+            embeddings = embeddings + self.position_embeddings(position_ids)
+        embeddings = embeddings.transpose(0, 1).contiguous()  # [s, b, h]
+        return F.dropout(embeddings, self.dropout, self.training)
+
+
+class RotaryEmbedding(nn.Module):
+    """The rotation angles for every position: forward(s) -> [s, 1, 1, rotary_dim]."""
+
+    def __init__(self, kv_channels: int, rotary_percent: float = 1.0, rotary_base: int = 10000):
+        super().__init__()
+        dim = int(kv_channels * rotary_percent)
+        inv_freq = 1.0 / (rotary_base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def forward(self, seq_length: int) -> torch.Tensor:
+        positions = torch.arange(seq_length, device=self.inv_freq.device, dtype=torch.float32)
+        freqs = torch.outer(positions, self.inv_freq)  # [s, dim/2]
+        return torch.cat([freqs, freqs], dim=-1)[:, None, None, :]  # [s, 1, 1, dim]
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([-x2, x1], dim=-1)
+
+
+def apply_rotary_pos_emb(t: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+    """Rotate the first rotary_dim channels of t [s, b, heads, head_dim]; the rest pass through."""
+    rot_dim = freqs.shape[-1]
+    t_rot, t_pass = t[..., :rot_dim], t[..., rot_dim:]
+    cos, sin = freqs.cos().to(t.dtype), freqs.sin().to(t.dtype)
+    return torch.cat([t_rot * cos + _rotate_half(t_rot) * sin, t_pass], dim=-1)

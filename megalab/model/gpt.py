@@ -1,0 +1,62 @@
+"""GPTModel: embeddings, a TransformerBlock, and logits over the vocabulary.
+
+    input_ids [b, s] ─ embedding (word + learned positions) ─> [s, b, h]
+                     ─ decoder (TransformerBlock: L layers, final_layernorm) ─> [s, b, h]
+                     ─ output_layer (tied: the word-embedding matrix) ─> logits [b, s, V]
+                       or, with labels, the per-token cross-entropy loss [b, s]
+
+With RoPE the positions enter inside attention (rotary_pos_emb) instead of the embedding.
+Megatron: GPTModel (megatron/core/models/gpt/gpt_model.py); `decoder`, `embedding`,
+`rotary_pos_emb`, `output_layer` and `shared_embedding_or_output_weight` are its names.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megalab.config import TransformerConfig
+from megalab.model.embeddings import LanguageModelEmbedding, RotaryEmbedding
+from megalab.model.layers import init_method_normal
+from megalab.model.spec import LayerSpec
+from megalab.model.transformer import TransformerBlock
+
+
+class GPTModel(nn.Module):
+    def __init__(self, config: TransformerConfig, spec: LayerSpec | None = None):
+        super().__init__()
+        spec = spec or LayerSpec()
+        self.config = config
+        self.embedding = LanguageModelEmbedding(config)
+        self.rotary_pos_emb = None
+        if config.position_embedding_type == "rope":
+            self.rotary_pos_emb = RotaryEmbedding(config.kv_channels, config.rotary_percent, config.rotary_base)
+        self.decoder = TransformerBlock(config, spec)
+        self.output_layer = None
+        if not config.share_embeddings_and_output_weights:
+            self.output_layer = spec.column_linear(
+                config.hidden_size, config.vocab_size, config=config,
+                init_method=init_method_normal(config.init_method_std), bias=False,
+            )
+
+    def shared_embedding_or_output_weight(self) -> torch.Tensor:
+        return self.embedding.word_embeddings.weight
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
+                labels: torch.Tensor | None = None) -> torch.Tensor:
+        # EXERCISE model.gpt_forward: embed, (rotary angles), decoder, output layer (tied or not), logits or loss
+        ### BEGIN SOLUTION
+        hidden_states = self.embedding(input_ids, position_ids)  # [s, b, h]
+        rotary_pos_emb = self.rotary_pos_emb(input_ids.shape[1]) if self.rotary_pos_emb is not None else None
+        hidden_states = self.decoder(hidden_states, rotary_pos_emb)
+        if self.output_layer is None:
+            logits = F.linear(hidden_states, self.shared_embedding_or_output_weight())  # [s, b, V]
+        else:
+            logits = self.output_layer(hidden_states)
+        logits = logits.transpose(0, 1).contiguous()  # [b, s, V]
+        if labels is None:
+            return logits
+        loss = F.cross_entropy(logits.float().view(-1, logits.shape[-1]), labels.reshape(-1), reduction="none")
+        return loss.view_as(labels)  # [b, s]
+        ### END SOLUTION

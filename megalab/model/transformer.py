@@ -1,0 +1,86 @@
+"""A pre-norm transformer layer, and the block that stacks them (with activation recomputation).
+
+    x ─┬─ input_layernorm ─ self_attention ─ dropout ─(+)─┬─ pre_mlp_layernorm ─ mlp ─ dropout ─(+)─> out
+       └──────────────────── residual ─────────────────────┘└──────────────── residual ─────────────┘
+
+Megatron: TransformerLayer (megatron/core/transformer/transformer_layer.py) and
+TransformerBlock (transformer_block.py), whose final_layernorm ends the stack.
+
+Recomputation (config.recompute_granularity), in training only:
+    "selective"  the core attention of every layer (SelfAttention checkpoints it): the s^2 part
+    "full"       whole layers; recompute_method "uniform" checkpoints every chunk of
+                 recompute_num_layers layers, "block" the first recompute_num_layers layers one by one.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megalab.config import TransformerConfig
+from megalab.model.attention import SelfAttention
+from megalab.model.mlp import MLP
+from megalab.model.norm import build_norm
+from megalab.model.recompute import checkpoint
+from megalab.model.spec import LayerSpec
+
+
+class TransformerLayer(nn.Module):
+    def __init__(self, config: TransformerConfig, spec: LayerSpec | None = None, layer_number: int = 1):
+        super().__init__()
+        spec = spec or LayerSpec()
+        self.layer_number = layer_number  # 1-based, as in Megatron
+        self.input_layernorm = build_norm(config)
+        self.self_attention = SelfAttention(config, spec, layer_number)
+        self.pre_mlp_layernorm = build_norm(config)
+        self.mlp = MLP(config, spec)
+        self.hidden_dropout = config.hidden_dropout
+
+    def forward(self, hidden_states: torch.Tensor, rotary_pos_emb: torch.Tensor | None = None) -> torch.Tensor:
+        # [s, b, h] -> [s, b, h]
+        # EXERCISE model.layer_forward: norm, attention, dropout, residual add; norm, MLP, dropout, residual add
+        ### BEGIN SOLUTION
+        residual = hidden_states
+        attention_output = self.self_attention(self.input_layernorm(hidden_states), rotary_pos_emb)
+        hidden_states = residual + F.dropout(attention_output, self.hidden_dropout, self.training)
+        residual = hidden_states
+        mlp_output = self.mlp(self.pre_mlp_layernorm(hidden_states))
+        return residual + F.dropout(mlp_output, self.hidden_dropout, self.training)
+        ### END SOLUTION
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, config: TransformerConfig, spec: LayerSpec | None = None):
+        super().__init__()
+        self.config = config
+        self.layers = nn.ModuleList(TransformerLayer(config, spec, i + 1) for i in range(config.num_layers))
+        self.final_layernorm = build_norm(config)
+
+    def forward(self, hidden_states: torch.Tensor, rotary_pos_emb: torch.Tensor | None = None) -> torch.Tensor:
+        if self.config.recompute_granularity == "full" and self.training:
+            hidden_states = self._checkpointed_forward(hidden_states, rotary_pos_emb)
+        else:
+            for layer in self.layers:
+                hidden_states = layer(hidden_states, rotary_pos_emb)
+        return self.final_layernorm(hidden_states)
+
+    def _checkpointed_forward(self, hidden_states, rotary_pos_emb):
+        n, layers = self.config.recompute_num_layers, self.layers
+        if self.config.recompute_method == "uniform":  # only every chunk's input is kept
+            for start in range(0, len(layers), n):
+                hidden_states = checkpoint(_run_layers(layers[start:start + n]), hidden_states, rotary_pos_emb)
+        else:  # "block": the first n layers are recomputed, the others keep their activations
+            for i, layer in enumerate(layers):
+                hidden_states = (checkpoint(layer, hidden_states, rotary_pos_emb) if i < n
+                                 else layer(hidden_states, rotary_pos_emb))
+        return hidden_states
+
+
+def _run_layers(layers):
+    def run(hidden_states, rotary_pos_emb):
+        for layer in layers:
+            hidden_states = layer(hidden_states, rotary_pos_emb)
+        return hidden_states
+
+    return run

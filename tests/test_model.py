@@ -1,0 +1,293 @@
+"""The model package against an independent plain-PyTorch GPT, recomputation, and calc's counts."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils.flop_counter import FlopCounterMode
+
+from megalab import calc
+from megalab.config import TransformerConfig
+from megalab.model import (
+    MLP,
+    CoreAttention,
+    GPTModel,
+    LayerSpec,
+    RMSNorm,
+    SavedTensorsMeter,
+    TransformerLayer,
+    checkpoint,
+)
+
+TINY = dict(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=61, seq_length=12,
+            hidden_dropout=0.0, attention_dropout=0.0)
+VARIANTS = {
+    "gpt": dict(),
+    "gpt-untied-unfused": dict(share_embeddings_and_output_weights=False, attention_backend="unfused"),
+    "llama": dict(normalization="RMSNorm", activation_func="silu", gated_linear_unit=True, add_bias_linear=False,
+                  position_embedding_type="rope", num_query_groups=2, share_embeddings_and_output_weights=False),
+    "llama-mqa-unfused": dict(normalization="RMSNorm", activation_func="silu", gated_linear_unit=True,
+                              position_embedding_type="rope", rotary_percent=0.5, num_query_groups=1,
+                              attention_backend="unfused", add_bias_linear=False, add_qkv_bias=True),
+    "relu-nopos": dict(activation_func="squared_relu", position_embedding_type="none", ffn_hidden_size=48),
+}
+
+
+# ------------------------------------------------------------------ the independent reference
+def ref_norm(x, sd, prefix, c):
+    if c.normalization == "LayerNorm":
+        return F.layer_norm(x, (c.hidden_size,), sd[prefix + ".weight"], sd[prefix + ".bias"], c.layernorm_epsilon)
+    return F.rms_norm(x, (c.hidden_size,), sd[prefix + ".weight"], c.layernorm_epsilon)
+
+
+def ref_rope(x, c):
+    """x [b, s, heads, hn]: rotate channel pairs (i, i + d/2) by pos * base^(-2i/d), as complex numbers."""
+    d = int(c.kv_channels * c.rotary_percent)
+    pos = torch.arange(x.shape[1], dtype=torch.float64)
+    angle = pos[:, None] * c.rotary_base ** (-torch.arange(0, d, 2, dtype=torch.float64) / d)  # [s, d/2]
+    z = torch.complex(x[..., : d // 2].double(), x[..., d // 2: d].double()) * torch.polar(
+        torch.ones_like(angle), angle)[None, :, None, :]
+    return torch.cat([z.real.float(), z.imag.float(), x[..., d:]], dim=-1)
+
+
+def ref_attention(q, k, v):
+    """q [b, s, np, hn], k/v [b, s, np, hn] -> [b, s, np*hn], causal."""
+    b, s, n, hn = q.shape
+    scores = torch.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(hn)
+    scores = scores.masked_fill(~torch.tril(torch.ones(s, s, dtype=torch.bool)), float("-inf"))
+    return torch.einsum("bhqk,bkhd->bqhd", scores.softmax(-1), v).reshape(b, s, n * hn)
+
+
+def ref_mlp(x, sd, prefix, c):
+    act = {"gelu": F.gelu, "silu": F.silu, "relu": F.relu, "squared_relu": lambda t: F.relu(t) ** 2}[c.activation_func]
+    y = F.linear(x, sd[prefix + ".linear_fc1.weight"], sd.get(prefix + ".linear_fc1.bias"))
+    if c.gated_linear_unit:
+        y = act(y[..., : c.ffn_hidden_size]) * y[..., c.ffn_hidden_size:]
+    else:
+        y = act(y)
+    return F.linear(y, sd[prefix + ".linear_fc2.weight"], sd.get(prefix + ".linear_fc2.bias"))
+
+
+def ref_layer(x, sd, p, c):
+    b, s, _ = x.shape
+    n, ng, hn = c.num_attention_heads, c.num_query_groups, c.kv_channels
+    g = n // ng
+    h = ref_norm(x, sd, p + "input_layernorm", c)
+    qkv = F.linear(h, sd[p + "self_attention.linear_qkv.weight"], sd.get(p + "self_attention.linear_qkv.bias"))
+    qkv = qkv.view(b, s, ng, g + 2, hn)  # Megatron's layout: per group, its g query heads then k then v
+    q, k, v = qkv[:, :, :, :g].reshape(b, s, n, hn), qkv[:, :, :, g], qkv[:, :, :, g + 1]
+    if c.position_embedding_type == "rope":
+        q, k = ref_rope(q, c), ref_rope(k, c)
+    k, v = k[:, :, torch.arange(n) // g], v[:, :, torch.arange(n) // g]
+    a = F.linear(ref_attention(q, k, v), sd[p + "self_attention.linear_proj.weight"],
+                 sd.get(p + "self_attention.linear_proj.bias"))
+    x = x + a
+    return x + ref_mlp(ref_norm(x, sd, p + "pre_mlp_layernorm", c), sd, p + "mlp", c)
+
+
+def ref_gpt(sd, c, ids):
+    x = sd["embedding.word_embeddings.weight"][ids]  # [b, s, h]
+    if c.position_embedding_type == "learned_absolute":
+        x = x + sd["embedding.position_embeddings.weight"][: ids.shape[1]]
+    for i in range(c.num_layers):
+        x = ref_layer(x, sd, f"decoder.layers.{i}.", c)
+    x = ref_norm(x, sd, "decoder.final_layernorm", c)
+    out = sd["embedding.word_embeddings.weight"] if c.share_embeddings_and_output_weights else sd["output_layer.weight"]
+    return x @ out.T
+
+
+def randomize(module):
+    """Non-trivial norms and biases too (they start at 1 and 0), so the comparison sees them."""
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    return module
+
+
+# ------------------------------------------------------------------ exercises, piece by piece
+@pytest.mark.exercise("model.core_attention")
+@pytest.mark.parametrize("groups", [4, 2, 1])
+def test_core_attention_unfused_matches_sdpa_and_reference(groups):
+    torch.manual_seed(0)
+    c = TransformerConfig(**TINY, num_query_groups=groups)
+    s, b, n, hn = 7, 3, 4, 8
+    q = torch.randn(s, b, n, hn)
+    k, v = torch.randn(s, b, groups, hn), torch.randn(s, b, groups, hn)
+    unfused = CoreAttention(TransformerConfig(**{**TINY, "attention_backend": "unfused"})).eval()(q, k, v)
+    sdpa = CoreAttention(c).eval()(q, k, v)
+    idx = torch.arange(n) // (n // groups)
+    ref = ref_attention(q.transpose(0, 1), k[:, :, idx].transpose(0, 1), v[:, :, idx].transpose(0, 1)).transpose(0, 1)
+    assert unfused.shape == (s, b, n * hn)
+    torch.testing.assert_close(unfused, ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(sdpa, ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.exercise("model.norm")
+def test_rmsnorm_matches_torch():
+    torch.manual_seed(0)
+    norm = randomize(RMSNorm(16, eps=1e-6))
+    x = torch.randn(5, 3, 16, requires_grad=True)
+    x_ref = x.detach().clone().requires_grad_()
+    out, ref = norm(x), F.rms_norm(x_ref, (16,), norm.weight.detach(), 1e-6)
+    torch.testing.assert_close(out, ref, atol=1e-6, rtol=1e-5)
+    out.square().sum().backward()
+    ref.square().sum().backward()
+    torch.testing.assert_close(x.grad, x_ref.grad, atol=1e-5, rtol=1e-5)
+    assert norm.to(torch.bfloat16)(x.to(torch.bfloat16)).dtype == torch.bfloat16
+
+
+@pytest.mark.exercise("model.mlp")
+@pytest.mark.parametrize("variant", ["gpt", "llama", "relu-nopos"])
+def test_mlp_matches_reference(variant):
+    c = TransformerConfig(**TINY, **VARIANTS[variant])
+    mlp = randomize(MLP(c, LayerSpec()))
+    x = torch.randn(5, 2, c.hidden_size)
+    sd = {"m." + k: v for k, v in mlp.state_dict().items()}
+    torch.testing.assert_close(mlp(x), ref_mlp(x, sd, "m", c), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.exercise("model.layer_forward")
+@pytest.mark.parametrize("variant", ["gpt", "gpt-untied-unfused", "llama"])
+def test_transformer_layer_matches_reference(variant):
+    c = TransformerConfig(**TINY, **VARIANTS[variant])
+    torch.manual_seed(0)
+    layer = randomize(TransformerLayer(c)).eval()
+    x = torch.randn(c.seq_length, 2, c.hidden_size)
+    rotary = None
+    if c.position_embedding_type == "rope":
+        from megalab.model import RotaryEmbedding
+
+        rotary = RotaryEmbedding(c.kv_channels, c.rotary_percent, c.rotary_base)(c.seq_length)
+    sd = {"l." + k: v for k, v in layer.state_dict().items()}
+    ref = ref_layer(x.transpose(0, 1), sd, "l.", c).transpose(0, 1)
+    torch.testing.assert_close(layer(x, rotary), ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.exercise("model.gpt_forward")
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_gpt_logits_match_plain_pytorch_reference(variant):
+    c = TransformerConfig(**TINY, **VARIANTS[variant])
+    torch.manual_seed(0)
+    model = randomize(GPTModel(c)).eval()
+    ids = torch.randint(0, c.vocab_size, (3, c.seq_length))
+    logits = model(ids)
+    assert logits.shape == (3, c.seq_length, c.vocab_size)
+    with torch.no_grad():
+        ref = ref_gpt(model.state_dict(), c, ids)
+    torch.testing.assert_close(logits, ref, atol=1e-5, rtol=1e-5)
+    loss = model(ids, labels=ids)
+    torch.testing.assert_close(loss, F.cross_entropy(ref.transpose(1, 2), ids, reduction="none"), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.exercise("model.gpt_forward")
+def test_gpt_is_causal_and_checks_length():
+    c = TransformerConfig(**TINY)
+    model = GPTModel(c).eval()
+    ids = torch.randint(0, c.vocab_size, (1, c.seq_length))
+    changed = ids.clone()
+    changed[0, -1] = (ids[0, -1] + 1) % c.vocab_size
+    torch.testing.assert_close(model(ids)[:, :-1], model(changed)[:, :-1])
+    with pytest.raises(ValueError, match="longer than config.seq_length"):
+        model(torch.zeros(1, c.seq_length + 1, dtype=torch.long))
+
+
+def test_parameter_count_matches_narayanan_eq_2():
+    c = TransformerConfig(**TINY)
+    n = sum(p.numel() for p in GPTModel(c).parameters())
+    formula = calc.num_parameters(c.num_layers, c.hidden_size, c.vocab_size, c.seq_length)
+    assert n == round(formula) + 2 * c.hidden_size  # + the final LayerNorm, which Eq. 2 leaves out
+
+
+# ------------------------------------------------------------------ recomputation
+DROPOUT = dict(TINY, hidden_dropout=0.1, attention_dropout=0.1, attention_backend="unfused", num_layers=4)
+RECOMPUTE = {
+    "selective": dict(recompute_granularity="selective"),
+    "full-uniform-1": dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1),
+    "full-uniform-2": dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=2),
+    "full-block-3": dict(recompute_granularity="full", recompute_method="block", recompute_num_layers=3),
+}
+
+
+def _train_step(config, variant=None):
+    torch.manual_seed(0)
+    model = GPTModel(config).train()
+    ids = torch.randint(0, config.vocab_size, (2, config.seq_length))
+    torch.manual_seed(123)  # same dropout masks in every run
+    with SavedTensorsMeter(exclude=model.parameters()) as meter:
+        loss = model(ids, labels=ids).mean()
+    loss.backward()
+    return loss.detach(), {n: p.grad for n, p in model.named_parameters()}, meter.bytes
+
+
+@pytest.mark.exercise("model.recompute")
+@pytest.mark.parametrize("variant", ["gpt", "llama"])
+def test_recompute_gives_identical_gradients_and_saves_memory(variant):
+    base = {**DROPOUT, **VARIANTS[variant], "hidden_dropout": 0.1, "attention_dropout": 0.1,
+            "attention_backend": "unfused"}
+    loss, grads, saved = _train_step(TransformerConfig(**base))
+    for name, settings in RECOMPUTE.items():
+        r_loss, r_grads, r_saved = _train_step(TransformerConfig(**base, **settings))
+        assert torch.equal(loss, r_loss), name
+        for p in grads:
+            assert torch.equal(grads[p], r_grads[p]), (name, p)
+        assert r_saved < saved, (name, r_saved, saved)
+
+
+@pytest.mark.exercise("model.recompute")
+def test_checkpoint_replays_dropout_and_passes_non_tensors():
+    torch.manual_seed(0)
+    x = torch.randn(6, 5, requires_grad=True)
+    w = torch.randn(5, 5, requires_grad=True)
+
+    def region(t, scale):
+        return F.dropout(t @ w, 0.5, training=True) * scale
+
+    torch.manual_seed(7)
+    expected = region(x, 3.0)
+    expected.sum().backward()
+    gx, gw = x.grad.clone(), w.grad.clone()
+    x.grad = w.grad = None
+    torch.manual_seed(7)
+    out = checkpoint(region, x, 3.0)
+    after_forward = torch.get_rng_state()
+    out.sum().backward()
+    assert torch.equal(out, expected) and torch.equal(x.grad, gx) and torch.equal(w.grad, gw)
+    assert torch.equal(torch.get_rng_state(), after_forward)  # backward leaves the RNG stream alone
+
+
+@pytest.mark.exercise("model.layer_forward")
+def test_saved_bytes_of_one_layer_match_korthikanti_in_bf16():
+    # 16-bit activations, 1-byte dropout masks: the paper's assumptions; MHA, unfused attention.
+    s, b, h, a = 32, 2, 64, 4
+    c = TransformerConfig(num_layers=1, hidden_size=h, num_attention_heads=a, vocab_size=10, seq_length=s,
+                          attention_backend="unfused")
+    for recompute, settings in [("none", {}), ("selective", RECOMPUTE["selective"])]:
+        layer = TransformerLayer(TransformerConfig(**{**c.__dict__, **settings})).to(torch.bfloat16).train()
+        x = torch.randn(s, b, h, dtype=torch.bfloat16, requires_grad=True)
+        with SavedTensorsMeter(exclude=layer.parameters()) as meter:
+            layer(x)
+        formula = calc.activation_memory_per_layer(s, b, h, a, recompute=recompute)
+        # The extras: LayerNorm statistics (mean and rstd per token, bf16 here), the s x s causal
+        # mask, and the dropout masks' second byte: PyTorch's CPU dropout keeps its mask in the
+        # activation dtype (CUDA keeps 1-byte masks, as the paper assumes).
+        ln_stats = 2 * 2 * s * b * 2
+        cpu_masks = 2 * s * b * h + (a * s * s * b if recompute == "none" else 0)
+        extras = ln_stats + (s * s if recompute == "none" else 0) + cpu_masks
+        assert meter.bytes == formula + extras, (recompute, meter.bytes, formula)
+
+
+# ------------------------------------------------------------------ calc's FLOPs, counted by PyTorch
+@pytest.mark.exercise("model.gpt_forward")
+@pytest.mark.exercise("model.recompute")
+@pytest.mark.parametrize("recompute", [False, True])
+def test_flops_per_iteration_equals_pytorch_flop_count(recompute):
+    settings = RECOMPUTE["full-uniform-1"] if recompute else {}
+    c = TransformerConfig(**{**TINY, "attention_backend": "unfused"}, **settings)
+    model = GPTModel(c).train()
+    ids = torch.randint(0, c.vocab_size, (2, c.seq_length))
+    with FlopCounterMode(display=False) as counter:
+        model(ids, labels=ids).mean().backward()
+    expected = calc.flops_per_iteration(2, c.seq_length, c.num_layers, c.hidden_size, c.vocab_size, recompute)
+    assert counter.get_total_flops() == round(expected)

@@ -1,0 +1,253 @@
+"""RankGenerator against Megatron-LM's documented examples and golden lists; groups on 8 real ranks."""
+
+import numpy as np
+import pytest
+import torch
+
+from megalab import launch
+from megalab import parallel_state as ps
+
+ORDERS = ["tp-cp-ep-dp-pp", "tp-cp-pp-ep-dp"]
+
+
+def numpy_groups(sizes: list[int], mask: list[bool]) -> list[list[int]]:
+    """Independent reference: ranks as a Fortran-ordered array (first axis fastest); a group is
+    one column after moving the masked axes to the front."""
+    world = int(np.prod(sizes))
+    grid = np.arange(world).reshape(sizes, order="F")
+    masked = [i for i, m in enumerate(mask) if m]
+    unmasked = [i for i, m in enumerate(mask) if not m]
+    group_size = int(np.prod([sizes[i] for i in masked]))
+    return grid.transpose(masked + unmasked).reshape(group_size, -1, order="F").T.tolist()
+
+
+def golden_from_loops(world, tp, pp, cp, ep):
+    """Group lists built with explicit loops over a pp-last layout, the way Megatron-LM's
+    unit test (test_rank_generator_for_tp_dp_pp) builds its "golden" lists from the old code."""
+    dp = world // (tp * pp * cp)
+    per_stage = world // pp  # ranks in one pipeline stage
+    g = {k: [] for k in ("dp", "dp-cp", "cp", "tp-pp", "tp", "pp", "tp-dp", "tp-dp-cp", "tp-ep", "edp")}
+    for stage in range(pp):
+        start = stage * per_stage
+        g["dp"] += [list(range(start + j, start + per_stage, tp * cp)) for j in range(tp * cp)]
+        g["dp-cp"] += [list(range(start + j, start + per_stage, tp)) for j in range(tp)]
+        for d in range(dp):
+            block = start + d * tp * cp
+            g["cp"] += [list(range(block + k, block + tp * cp, tp)) for k in range(tp)]
+    # model parallel: the i-th member of every dp-cp group
+    g["tp-pp"] = [[grp[i] for grp in g["dp-cp"]] for i in range(dp * cp)]
+    g["tp"] = [list(range(i * tp, (i + 1) * tp)) for i in range(world // tp)]
+    g["pp"] = [list(range(i, world, per_stage)) for i in range(per_stage)]
+    for stage in range(pp):
+        start = stage * per_stage
+        g["tp-dp-cp"].append(list(range(start, start + per_stage)))
+        for c in range(cp):
+            g["tp-dp"].append([start + c * tp + d * tp * cp + t for d in range(dp) for t in range(tp)])
+    # experts: ranks laid out as (pp, edp, ep, tp), tp fastest
+    edp = world // (tp * pp * ep)
+    grid = torch.arange(world).reshape(pp, edp, ep, tp)
+    g["tp-ep"] = grid.reshape(-1, ep * tp).tolist()
+    g["edp"] = grid.permute(0, 2, 3, 1).reshape(-1, edp).tolist()
+    return g
+
+
+# (nodes, gpus per node, tp, pp, cp, ep): the configurations of Megatron-LM's golden-list test.
+GOLDEN_CONFIGS = [
+    (1, 1, 1, 1, 1, 1), (1, 8, 8, 1, 1, 1), (1, 8, 2, 2, 1, 1), (1, 8, 2, 4, 1, 1), (3, 8, 8, 3, 1, 1),
+    (4, 8, 2, 4, 1, 1), (8, 8, 8, 8, 1, 1), (8, 8, 2, 1, 1, 4), (8, 8, 2, 2, 2, 4), (8, 8, 2, 1, 4, 8),
+    (8, 8, 2, 2, 2, 8), (16, 8, 4, 8, 1, 4), (16, 8, 4, 8, 4, 1), (32, 8, 8, 8, 4, 1), (64, 8, 4, 2, 8, 8),
+    (128, 8, 4, 2, 8, 8), (316, 8, 4, 8, 1, 1),
+]
+
+
+@pytest.mark.exercise("parallel_state.get_ranks")
+def test_masked_orthogonal_docstring_example():
+    # Megatron's docstring: sizes [tp, dp, pp] = [2, 3, 4], mask on dp.
+    groups = ps.generate_masked_orthogonal_rank_groups(24, [2, 3, 4], [False, True, False])
+    assert groups[0] == [0, 2, 4] and groups[1] == [1, 3, 5] and groups[7] == [19, 21, 23]
+    assert len(groups) == 8
+    # ... and "order tp-pp-dp, sizes 2-2-2: dp groups [[0, 4], [1, 5], [2, 6], [3, 7]]"
+    assert ps.generate_masked_orthogonal_rank_groups(8, [2, 2, 2], [False, False, True]) == [[0, 4], [1, 5], [2, 6], [3, 7]]
+
+
+@pytest.mark.exercise("parallel_state.get_ranks")
+def test_initialize_model_parallel_docstring_examples():
+    # 16 GPUs, tp=2, pp=4 (initialize_model_parallel's docstring, default order)
+    gen = ps.RankGenerator(tp=2, ep=1, dp=2, pp=4, cp=1)
+    assert gen.get_ranks("dp") == [[0, 2], [1, 3], [4, 6], [5, 7], [8, 10], [9, 11], [12, 14], [13, 15]]
+    assert gen.get_ranks("tp") == [[0, 1], [2, 3], [4, 5], [6, 7], [8, 9], [10, 11], [12, 13], [14, 15]]
+    assert gen.get_ranks("pp") == [[0, 4, 8, 12], [1, 5, 9, 13], [2, 6, 10, 14], [3, 7, 11, 15]]
+    # 8 GPUs, tp=4, cp=2 (context_parallel_size's docstring), either order
+    for order in ORDERS:
+        gen = ps.RankGenerator(tp=4, ep=1, dp=1, pp=1, cp=2, order=order)
+        assert gen.get_ranks("cp") == [[0, 4], [1, 5], [2, 6], [3, 7]]
+        assert gen.get_ranks("tp") == [[0, 1, 2, 3], [4, 5, 6, 7]]
+
+
+@pytest.mark.exercise("parallel_state.get_ranks")
+@pytest.mark.parametrize("nodes, gpus, tp, pp, cp, ep", GOLDEN_CONFIGS)
+def test_golden_rank_lists(nodes, gpus, tp, pp, cp, ep):
+    world = nodes * gpus
+    dp, edp = world // (tp * pp * cp), world // (tp * pp * ep)
+    golden = golden_from_loops(world, tp, pp, cp, ep)
+    dense = ps.RankGenerator(tp=tp, ep=1, dp=dp, pp=pp, cp=cp, order="tp-cp-ep-dp-pp")
+    expert = ps.RankGenerator(tp=tp, ep=ep, dp=edp, pp=pp, cp=1, order="tp-cp-ep-dp-pp")
+    for token in ("dp", "dp-cp", "cp", "tp-pp", "tp", "pp", "tp-dp", "tp-dp-cp"):
+        assert dense.get_ranks(token) == golden[token], token
+    assert expert.get_ranks("tp-ep") == golden["tp-ep"]
+    assert expert.get_ranks("dp") == golden["edp"]
+
+
+SIZES = [dict(tp=2, cp=2, ep=1, dp=2, pp=2), dict(tp=1, cp=3, ep=1, dp=2, pp=2), dict(tp=2, cp=1, ep=4, dp=2, pp=3),
+         dict(tp=4, cp=1, ep=2, dp=1, pp=1), dict(tp=1, cp=1, ep=8, dp=1, pp=2)]
+ORDER_CASES = [(order, sizes) for order in ORDERS + ["tp-pp-dp", "dp-tp-pp-cp", "pp-ep-tp"] for sizes in SIZES
+               if all(size == 1 or name in order for name, size in sizes.items())]
+
+
+@pytest.mark.exercise("parallel_state.get_ranks")
+@pytest.mark.parametrize("order, sizes", ORDER_CASES)
+def test_every_token_matches_numpy_reference(order, sizes):
+    gen = ps.RankGenerator(order=order, **sizes)
+    names = gen.order.split("-")
+    ordered = [sizes[n] for n in names]
+    for k in range(1, 2 ** len(names)):
+        mask = [bool(k >> i & 1) for i in range(len(names))]
+        token = "-".join(n for n, m in zip(names, mask) if m)
+        assert gen.get_ranks(token) == numpy_groups(ordered, mask), token
+        # a token's names can come in any order: "dp-cp" == "cp-dp"
+        assert gen.get_ranks("-".join(reversed(token.split("-")))) == gen.get_ranks(token)
+
+
+@pytest.mark.exercise("parallel_state.get_ranks")
+@pytest.mark.parametrize("tp, pp, ep", [(1, 8, 1), (2, 4, 1), (4, 2, 1), (8, 1, 1), (4, 1, 2), (1, 1, 8), (1, 1, 2), (2, 1, 4)])
+def test_orders_agree_when_megatron_says_they_do(tp, pp, ep):
+    # Megatron's test_different_initialize_order_consistency: for these 8-GPU layouts the
+    # pp-last and ep-dp-last orders give the same groups.
+    a = ps.rank_groups(ps.ParallelSizes(8, tp, pp, expert_model_parallel_size=ep, order="tp-cp-ep-dp-pp"))
+    b = ps.rank_groups(ps.ParallelSizes(8, tp, pp, expert_model_parallel_size=ep, order="tp-cp-pp-ep-dp"))
+    for name in ("tp", "dp", "pp", "cp", "tp-pp", "tp-dp", "tp-ep", "edp"):
+        assert sorted(a[name]) == sorted(b[name]), name
+
+
+@pytest.mark.exercise("parallel_state.get_ranks")
+def test_order_changes_groups():
+    # tp=2, pp=2, dp=2: pp-last puts stages 4 ranks apart, dp-last puts them 2 apart.
+    pp_last = ps.RankGenerator(tp=2, ep=1, dp=2, pp=2, cp=1, order="tp-cp-ep-dp-pp")
+    dp_last = ps.RankGenerator(tp=2, ep=1, dp=2, pp=2, cp=1, order="tp-cp-pp-ep-dp")
+    assert pp_last.get_ranks("pp") == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert dp_last.get_ranks("pp") == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert dp_last.get_ranks("dp") == [[0, 4], [1, 5], [2, 6], [3, 7]]
+
+
+@pytest.mark.exercise("parallel_state.get_ranks")
+def test_rank_offset_and_missing_names():
+    gen = ps.RankGenerator(tp=2, ep=1, dp=2, pp=2, cp=1, order="tp-dp-pp", rank_offset=8)
+    assert gen.order == "tp-dp-pp-ep-cp"
+    assert gen.get_mask(gen.order, "tp-pp") == [True, False, True, False, False]
+    assert gen.get_ranks("tp") == [[8, 9], [10, 11], [12, 13], [14, 15]]
+    assert gen.get_ranks("dp") == [[8, 10], [9, 11], [12, 14], [13, 15]]
+
+
+@pytest.mark.exercise("parallel_state.get_ranks")
+def test_rank_groups_layout():
+    groups = ps.rank_groups(ps.ParallelSizes(8, tensor_model_parallel_size=2, pipeline_model_parallel_size=2))
+    assert groups["embd"] == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert groups["pos_embd"] == [[0], [1], [2], [3]]
+    assert groups["tp-pp"] == [[0, 1, 4, 5], [2, 3, 6, 7]]
+    # every family partitions the world
+    for name, family in groups.items():
+        if name not in ("embd", "pos_embd"):
+            assert sorted(r for g in family for r in g) == list(range(8)), name
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(tensor_model_parallel_size=3), "not divisible by tp\\*pp\\*cp"),
+        (dict(tensor_model_parallel_size=2, pipeline_model_parallel_size=8), "not divisible"),
+        (dict(expert_model_parallel_size=16), "expert data-parallel"),
+        (dict(context_parallel_size=0), "positive integer"),
+        (dict(pipeline_model_parallel_size=2, order="tp-cp-pp-ep-dp",
+              expert_tensor_parallel_size=1, tensor_model_parallel_size=2), "same data-parallel size"),
+    ],
+)
+def test_impossible_layouts_say_why(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        ps.ParallelSizes(8, **kwargs)
+
+
+def test_generator_errors():
+    with pytest.raises(ValueError, match="missing from order"):
+        ps.RankGenerator(tp=2, ep=1, dp=1, pp=1, cp=1, order="dp-pp")
+    with pytest.raises(ValueError, match="either CP"):
+        ps.RankGenerator(tp=1, ep=2, dp=1, pp=1, cp=2)
+    with pytest.raises(ValueError, match="distinct names"):
+        ps.RankGenerator(tp=1, ep=1, dp=1, pp=1, cp=1, order="tp-xx")
+    with pytest.raises(ValueError, match="not in order"):
+        ps.RankGenerator(tp=1, ep=1, dp=1, pp=1, cp=1, order="tp-dp").get_ranks("tq")
+
+
+def test_accessors_need_initialization():
+    with pytest.raises(RuntimeError, match="initialize_model_parallel"):
+        ps.get_tensor_model_parallel_group()
+
+
+# ---------------------------------------------------------------- 8 real ranks, one launch
+LAYOUTS = [
+    dict(tensor_model_parallel_size=2, pipeline_model_parallel_size=2),
+    dict(tensor_model_parallel_size=2, context_parallel_size=2, expert_model_parallel_size=2),
+    dict(pipeline_model_parallel_size=2, context_parallel_size=2, expert_model_parallel_size=4,
+         expert_tensor_parallel_size=1, order="tp-cp-ep-dp-pp"),
+    dict(tensor_model_parallel_size=2, pipeline_model_parallel_size=2, order="tp-cp-pp-ep-dp"),
+]
+
+
+def _groups_worker(layouts):
+    import torch.distributed as dist
+
+    from megalab import dist as mdist
+
+    rank, world = mdist.init()
+    report = []
+    for kwargs in layouts:
+        state = ps.initialize_model_parallel(**kwargs)
+        expected = {name: next(g for g in fam if rank in g) for name, fam in
+                    ps.rank_groups(ps.ParallelSizes(world, **kwargs)).items() if any(rank in g for g in fam)}
+        members = {name: dist.get_process_group_ranks(state.group(name)) for name in expected}
+        value = torch.tensor([float(rank)])
+        dist.all_reduce(value, group=ps.get_tensor_model_parallel_group())
+        ep_value = torch.tensor([float(rank)])
+        dist.all_reduce(ep_value, group=ps.get_expert_model_parallel_group())
+        report.append(dict(
+            members_ok=members == expected and state.global_ranks == expected,
+            tp_sum=value.item(), tp_expected=float(sum(expected["tp"])),
+            ep_sum=ep_value.item(), ep_expected=float(sum(expected["ep"])),
+            tp_rank=ps.get_tensor_model_parallel_rank(), pp_rank=ps.get_pipeline_model_parallel_rank(),
+            first=ps.is_pipeline_first_stage(), last=ps.is_pipeline_last_stage(),
+            dp_size=ps.get_data_parallel_world_size(), dpcp_size=ps.get_data_parallel_world_size(True),
+        ))
+        try:
+            ps.initialize_model_parallel(**kwargs)
+            report[-1]["twice_raises"] = False
+        except RuntimeError:
+            report[-1]["twice_raises"] = True
+        ps.destroy_model_parallel()
+    return report
+
+
+@pytest.mark.exercise("parallel_state.create_groups")
+def test_groups_on_eight_ranks():
+    res = launch.run_function(_groups_worker, 8, LAYOUTS, launch=dict(timeout=180))
+    for rank, report in res.returns.items():
+        for kwargs, r in zip(LAYOUTS, report):
+            assert r["members_ok"], (rank, kwargs)
+            assert r["tp_sum"] == r["tp_expected"] and r["ep_sum"] == r["ep_expected"], (rank, kwargs, r)
+            assert r["twice_raises"]
+    # tp=2, pp=2 (pp last): rank 5 is tp rank 1 of stage 1, the last one
+    r = res.returns[5][0]
+    assert (r["tp_rank"], r["pp_rank"], r["first"], r["last"], r["dp_size"]) == (1, 1, False, True, 2)
+    # tp=2, cp=2, ep=2: dp=2 alone, dp x cp = 4
+    r = res.returns[3][1]
+    assert (r["dp_size"], r["dpcp_size"], r["tp_sum"]) == (2, 4, 5.0)
+    # dp-last order: stages 2 ranks apart
+    assert res.returns[2][3]["pp_rank"] == 1 and res.returns[4][3]["pp_rank"] == 0

@@ -1,0 +1,32 @@
+"""The rank-grid figure and its explorer build for valid layouts and explain invalid ones."""
+
+import matplotlib
+
+matplotlib.use("Agg")
+
+import matplotlib.pyplot as plt  # noqa: E402
+import pytest  # noqa: E402
+
+from megalab import viz  # noqa: E402
+
+
+@pytest.mark.exercise("parallel_state.get_ranks")
+def test_rank_grid_draws_every_rank_once_per_kind():
+    fig = viz.rank_grid(tp=2, pp=2, cp=2, dp=2, ep=2, kinds=("tp", "dp", "pp", "ep"))
+    axes = fig.get_axes()
+    assert len(axes) == 4
+    assert all(len(ax.patches) == 16 for ax in axes)
+    assert axes[0].get_title(loc="left").endswith("8 groups of 2")
+    plt.close(fig)
+
+
+def test_rank_grid_rejects_bad_layout():
+    with pytest.raises(ValueError, match="expert"):
+        viz.rank_grid(tp=2, dp=2, ep=4)
+
+
+@pytest.mark.exercise("parallel_state.get_ranks")
+def test_explorer_builds():
+    widget = viz.rank_grid_explorer()
+    assert [c.description for c in widget.children[:6]] == ["tp", "pp", "cp", "dp", "ep", "order"]
+    plt.close("all")
