@@ -42,7 +42,7 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from megalab.dist import shard_bounds
+from megalab.dist import device, init, shard_bounds
 
 # --------------------------------------------------------------------------- point to point
 
@@ -323,3 +323,21 @@ def time_collective(
             times[i - warmup] = time.perf_counter() - start
     dist.all_reduce(times, op=dist.ReduceOp.MAX, group=group)
     return times.median().item()
+
+
+def measure_all_reduce(
+    numels: Sequence[int], *, repeats: int = 5, group: dist.ProcessGroup | None = None
+) -> dict[str, list[float]]:
+    """Median seconds of dist.all_reduce and of our ring_all_reduce on float32 tensors of each size.
+
+    Call on every rank (it starts torch.distributed if needed, so `launch.run_function` can call
+    it directly). Returns {"nbytes": [...], "dist": [...], "ring": [...]}, one entry per size.
+    """
+    init()
+    results: dict[str, list[float]] = {"nbytes": [], "dist": [], "ring": []}
+    for numel in numels:
+        tensor = torch.zeros(numel, device=device())  # zeros stay zeros, however often we sum them
+        results["nbytes"].append(numel * tensor.element_size())
+        results["dist"].append(time_collective(lambda t: dist.all_reduce(t, group=group), tensor, repeats=repeats, group=group))
+        results["ring"].append(time_collective(lambda t: ring_all_reduce(t, group=group), tensor, repeats=repeats, group=group))
+    return results
