@@ -26,8 +26,8 @@ The second half is the alpha-beta (Hockney) cost model: one message of M bytes t
 alpha + M * beta seconds (alpha: latency, beta: seconds per byte = 1 / link bandwidth), plus
 algbw/busbw as nccl-tests report them, and a fit of alpha and beta to measured times.
 
-Names follow torch.distributed (`all_gather_into_tensor`, `reduce_scatter_tensor`, group ranks
-via `group_dst`/`group_src`) and nccl-tests (`algbw`, `busbw`). In Megatron-LM the same
+Names follow torch.distributed (group ranks via `group_dst`/`group_src`) and nccl-tests (`algbw`,
+`busbw`). In Megatron-LM the same
 collectives are called on process groups in megatron/core/tensor_parallel/mappings.py
 (`_reduce`, `_gather_along_first_dim`, `_reduce_scatter_along_first_dim`) and on gradient
 buckets in megatron/core/distributed/param_and_grad_buffer.py; NCCL runs the rings and trees.
@@ -125,8 +125,9 @@ def broadcast(tensor: torch.Tensor, src: int = 0, group: dist.ProcessGroup | Non
 def all_gather(
     output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup | None = None
 ) -> torch.Tensor:
-    """Gather every rank's shard into `output_tensor` on every rank (like dist.all_gather_into_tensor).
+    """Gather every rank's shard into `output_tensor` on every rank (like dist.all_gather_single).
 
+    (PyTorch < 2.13 and Megatron-LM call it all_gather_into_tensor.)
     output_tensor: [length] (any contiguous shape, taken flat); input_tensor: this rank's shard,
     [stop - start] for (start, stop) = shard_bounds(length, n, rank), so shards may differ by one.
     Ring, n-1 steps: in step s rank r sends chunk (r - s) mod n (its own first, then the one it
@@ -156,8 +157,9 @@ def all_gather(
 def reduce_scatter(
     output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup | None = None
 ) -> torch.Tensor:
-    """Sum `input_tensor` over ranks; keep this rank's shard in `output_tensor` (like dist.reduce_scatter_tensor).
+    """Sum `input_tensor` over ranks; keep this rank's shard in `output_tensor` (like dist.reduce_scatter_single).
 
+    (PyTorch < 2.13 and Megatron-LM call it reduce_scatter_tensor.)
     input_tensor: [length] (any contiguous shape, taken flat), left unchanged; output_tensor:
     [stop - start] for (start, stop) = shard_bounds(length, n, rank). Ring, n-1 steps: in step s
     rank r sends its partial sum of chunk (r - s - 1) mod n and adds the partial sum of chunk
