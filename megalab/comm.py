@@ -18,19 +18,20 @@ The ring: rank r sends to r+1 and receives from r-1 (mod n); every link is busy 
           └─────────── rank 3 ◄──────────┘
 
 A tensor of `length` elements is cut into n contiguous chunks by `megalab.dist.shard_bounds`
-(sizes differ by at most one, so any length works). In step s of the ring, rank r sends chunk
-(r - s - 1) mod n and receives chunk (r - s - 2) mod n. After the n-1 reduce-scatter steps rank r
-holds the full sum of chunk r; n-1 all-gather steps then carry every finished chunk around.
+(sizes differ by at most one, so any length works). In step s of a ring all-reduce, rank r sends
+chunk (r - s - 1) mod n and receives chunk (r - s - 2) mod n. In the first n-1 steps
+(reduce-scatter) it adds what it receives, so that rank r ends up with the full sum of chunk r; in
+the last n-1 steps (all-gather) it copies, and every finished chunk travels once around the ring.
 
 The second half is the alpha-beta (Hockney) cost model: one message of M bytes takes
 alpha + M * beta seconds (alpha: latency, beta: seconds per byte = 1 / link bandwidth), plus
 algbw/busbw as nccl-tests report them, and a fit of alpha and beta to measured times.
 
-Names follow torch.distributed (group ranks via `group_dst`/`group_src`) and nccl-tests (`algbw`,
-`busbw`). In Megatron-LM the same
-collectives are called on process groups in megatron/core/tensor_parallel/mappings.py
-(`_reduce`, `_gather_along_first_dim`, `_reduce_scatter_along_first_dim`) and on gradient
-buckets in megatron/core/distributed/param_and_grad_buffer.py; NCCL runs the rings and trees.
+Names follow torch.distributed (ranks are group ranks, as in `group_dst`/`group_src`) and
+nccl-tests (`algbw`, `busbw`). Megatron-LM calls the library's collectives on its process groups in
+megatron/core/tensor_parallel/mappings.py (`_reduce`, `_gather_along_first_dim`,
+`_reduce_scatter_along_first_dim`) and on gradient buckets in
+megatron/core/distributed/param_and_grad_buffer.py; NCCL runs the rings and trees underneath.
 """
 
 from __future__ import annotations
