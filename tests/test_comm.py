@@ -1,0 +1,234 @@
+"""megalab.comm: collectives from send/recv checked against torch.distributed's own; the cost model
+against hand-computed values.
+
+One launch per world size (2, 3, 4) runs every collective on every length and dtype (and, on 4
+ranks, on the even/odd subgroups); each exercise's test then reads its own part of the report.
+"""
+
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from megalab import comm, launch
+from megalab.dist import shard_bounds
+
+# PyTorch 2.13 renamed all_gather_into_tensor / reduce_scatter_tensor (Megatron's names) to *_single.
+ALL_GATHER_SINGLE = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+REDUCE_SCATTER_SINGLE = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+LENGTHS = (0, 1, 2, 3, 5, 7, 10, 13, 64, 1001)  # below, at, and not divisible by the world size
+DTYPES = (torch.float32, torch.int64)
+
+
+def _data(length: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    if dtype.is_floating_point:
+        return torch.randn(length, generator=g, dtype=dtype)
+    return torch.randint(-1000, 1000, (length,), generator=g, dtype=dtype)
+
+
+def _same(ours: torch.Tensor, ref: torch.Tensor) -> bool:
+    if ours.shape != ref.shape or ours.dtype != ref.dtype:
+        return False
+    if ours.dtype.is_floating_point:  # a ring adds in another order than gloo does
+        return torch.allclose(ours, ref, rtol=1e-5, atol=1e-5)
+    return torch.equal(ours, ref)
+
+
+def _padded_chunks(flat: torch.Tensor, world: int) -> torch.Tensor:
+    """[world * max_chunk]: chunk r of `flat` at r * max_chunk, zero-padded (torch wants equal chunks)."""
+    width = shard_bounds(flat.numel(), world, 0)[1]
+    out = flat.new_zeros(world * width)
+    for r in range(world):
+        start, stop = shard_bounds(flat.numel(), world, r)
+        out[r * width : r * width + stop - start] = flat[start:stop]
+    return out
+
+
+def _check_broadcast(rank, world, group, global_rank):
+    bad = []
+    for length in LENGTHS:
+        for dtype in DTYPES:
+            for src in range(world):
+                data = _data(length, dtype, seed=length) if rank == src else torch.zeros(length, dtype=dtype)
+                ref = data.clone()
+                dist.broadcast(ref, src=global_rank(src), group=group)
+                ours = comm.broadcast(data, src=src, group=group)
+                if not _same(ours, ref):
+                    bad.append(f"length {length} {dtype} src {src}")
+    matrix = torch.arange(12.0).reshape(3, 4) * (rank == 0)  # any contiguous shape
+    if not _same(comm.broadcast(matrix, src=0, group=group), torch.arange(12.0).reshape(3, 4)):
+        bad.append("3x4 matrix")
+    return bad
+
+
+def _check_all_gather(rank, world, group, global_rank):
+    bad = []
+    for length in LENGTHS:
+        for dtype in DTYPES:
+            start, stop = shard_bounds(length, world, rank)
+            shard = _data(stop - start, dtype, seed=1000 * length + rank)
+            width = shard_bounds(length, world, 0)[1]
+            padded = shard.new_zeros(width)
+            padded[: shard.numel()] = shard
+            gathered = shard.new_zeros(world * width)
+            ALL_GATHER_SINGLE(gathered, padded, group=group)
+            ref = torch.cat([gathered[r * width : r * width + b - a] for r, (a, b) in
+                             enumerate(shard_bounds(length, world, r) for r in range(world))])
+            ours = comm.all_gather(torch.full((length,), -7, dtype=dtype), shard, group=group)
+            if not _same(ours, ref):
+                bad.append(f"length {length} {dtype}")
+    try:
+        comm.all_gather(torch.zeros(10), torch.zeros(11), group=group)
+        bad.append("a wrongly sized shard was accepted")
+    except ValueError:
+        pass
+    return bad
+
+
+def _check_reduce_scatter(rank, world, group, global_rank):
+    bad = []
+    for length in LENGTHS:
+        for dtype in DTYPES:
+            data = _data(length, dtype, seed=1000 * length + rank)
+            kept = data.clone()
+            start, stop = shard_bounds(length, world, rank)
+            padded = _padded_chunks(data, world)
+            reduced = data.new_zeros(padded.numel() // world)
+            REDUCE_SCATTER_SINGLE(reduced, padded, group=group)
+            ours = comm.reduce_scatter(data.new_zeros(stop - start), data, group=group)
+            if not _same(ours, reduced[: stop - start]):
+                bad.append(f"length {length} {dtype}")
+            if not torch.equal(data, kept):
+                bad.append(f"length {length} {dtype}: the input was modified")
+    return bad
+
+
+def _check_ring_all_reduce(rank, world, group, global_rank):
+    bad = []
+    for length in LENGTHS:
+        for dtype in DTYPES:
+            data = _data(length, dtype, seed=1000 * length + rank)
+            ref = data.clone()
+            dist.all_reduce(ref, group=group)
+            if not _same(comm.ring_all_reduce(data, group=group), ref):
+                bad.append(f"length {length} {dtype}")
+    matrix = torch.full((3, 5), float(rank + 1))
+    if not _same(comm.ring_all_reduce(matrix, group=group), torch.full((3, 5), float(sum(range(1, world + 1))))):
+        bad.append("3x5 matrix")
+    return bad
+
+
+CHECKS = {
+    "comm.broadcast": _check_broadcast,
+    "comm.all_gather": _check_all_gather,
+    "comm.reduce_scatter": _check_reduce_scatter,
+    "comm.ring_all_reduce": _check_ring_all_reduce,
+}
+
+
+def _collectives_worker() -> dict[str, list[str]]:
+    """On every rank: run each check on the world group (and on 4 ranks, the even/odd groups)."""
+    from megalab import dist as mdist
+
+    rank, world = mdist.init()
+    groups = {"world": None}
+    if world == 4:
+        even, odd = dist.new_group([0, 2]), dist.new_group([1, 3])
+        groups["even/odd"] = even if rank % 2 == 0 else odd
+    report = {}
+    for exercise, check in CHECKS.items():
+        problems = []
+        for name, group in groups.items():
+            def global_rank(r, group=group):
+                return r if group is None else dist.get_global_rank(group, r)
+
+            try:
+                problems += [f"{name} group: {p}" for p in check(dist.get_rank(group), dist.get_world_size(group), group, global_rank)]
+            except Exception as exc:  # e.g. the exercise's NotImplementedError: report it, go on
+                problems.append(f"{type(exc).__name__}: {exc}")
+                break
+        report[exercise] = problems
+    return report
+
+
+@pytest.fixture(scope="module", params=[2, 3, 4], ids=lambda n: f"{n}ranks")
+def collectives_report(request):
+    result = launch.run_function(_collectives_worker, request.param, launch=dict(timeout=180))
+    return result.returns
+
+
+def _assert_ok(report, exercise):
+    problems = {rank: r[exercise] for rank, r in report.items() if r[exercise]}
+    assert not problems, "\n".join(f"rank {rank}: {len(p)} problem(s), first: {p[0]}" for rank, p in problems.items())
+
+
+@pytest.mark.exercise("comm.broadcast")
+def test_broadcast_matches_dist(collectives_report):
+    _assert_ok(collectives_report, "comm.broadcast")
+
+
+@pytest.mark.exercise("comm.all_gather")
+def test_all_gather_matches_dist(collectives_report):
+    _assert_ok(collectives_report, "comm.all_gather")
+
+
+@pytest.mark.exercise("comm.reduce_scatter")
+def test_reduce_scatter_matches_dist(collectives_report):
+    _assert_ok(collectives_report, "comm.reduce_scatter")
+
+
+@pytest.mark.exercise("comm.ring_all_reduce")
+def test_ring_all_reduce_matches_dist(collectives_report):
+    _assert_ok(collectives_report, "comm.ring_all_reduce")
+
+
+# --------------------------------------------------------------------------- cost model
+
+ALPHA, BETA = 1e-5, 1e-9  # 10 µs per message, 1 GB/s
+
+
+@pytest.mark.exercise("comm.all_reduce_time")
+def test_all_reduce_time_formulas():
+    m = 1e6
+    # n = 4: ring 2*3*alpha + 2*3/4*m*beta; naive 2*3*(alpha + m*beta); tree 2*log2(4)*(alpha + m*beta)
+    assert comm.all_reduce_time(4, m, ALPHA, BETA, "ring") == pytest.approx(6e-5 + 1.5e-3)
+    assert comm.all_reduce_time(4, m, ALPHA, BETA, "naive") == pytest.approx(6 * 1.01e-3)
+    assert comm.all_reduce_time(4, m, ALPHA, BETA, "tree") == pytest.approx(4 * 1.01e-3)
+    assert comm.all_reduce_time(5, m, ALPHA, BETA, "tree") == pytest.approx(6 * 1.01e-3)  # ceil(log2 5) = 3
+    assert comm.all_reduce_time(1024, m, ALPHA, BETA, "ring") == pytest.approx(2046e-5 + 2 * 1023 / 1024 * 1e-3)
+    for algorithm in comm.ALL_REDUCE_ALGORITHMS:
+        assert comm.all_reduce_time(1, m, ALPHA, BETA, algorithm) == 0
+    with pytest.raises(ValueError, match="ring"):
+        comm.all_reduce_time(4, m, ALPHA, BETA, "butterfly")
+
+
+@pytest.mark.exercise("comm.busbw")
+def test_busbw_factors():
+    assert comm.algbw(1e9, 0.1) == pytest.approx(1e10)
+    assert comm.busbw(1e9, 0.1, 8, "all_reduce") == pytest.approx(1e10 * 14 / 8)
+    assert comm.busbw(1e9, 0.1, 8, "all_gather") == pytest.approx(1e10 * 7 / 8)
+    assert comm.busbw(1e9, 0.1, 8, "reduce_scatter") == pytest.approx(1e10 * 7 / 8)
+    assert comm.busbw(1e9, 0.1, 8, "broadcast") == pytest.approx(1e10)
+    assert comm.busbw(1e9, 0.1, 2, "all_reduce") == pytest.approx(1e10)  # 2(n-1)/n = 1 on 2 ranks
+    # a ring all-reduce in the model runs at busbw = 1/beta for large messages, whatever n is
+    for n in (2, 8, 64):
+        t = 2 * (n - 1) / n * 1e12 * BETA  # the ring's bandwidth term
+        assert comm.busbw(1e12, t, n) == pytest.approx(1 / BETA)
+    with pytest.raises(ValueError, match="all_reduce"):
+        comm.busbw(1e9, 0.1, 8, "all_to_all")
+
+
+@pytest.mark.exercise("comm.fit_alpha_beta")
+def test_fit_alpha_beta_recovers_parameters():
+    sizes = [2.0**k for k in range(2, 26, 2)]
+    exact = [ALPHA + s * BETA for s in sizes]
+    assert comm.fit_alpha_beta(sizes, exact) == pytest.approx((ALPHA, BETA), rel=1e-9)
+    # a ring all-reduce on 4 ranks: t = 6 alpha + 1.5 beta m; 3% multiplicative noise
+    noise = torch.Generator().manual_seed(0)
+    measured = [(6 * ALPHA + 1.5 * s * BETA) * math.exp(0.03 * torch.randn(1, generator=noise).item()) for s in sizes]
+    alpha, beta = comm.fit_alpha_beta(sizes, measured, latency_steps=6, bytes_factor=1.5)
+    assert alpha == pytest.approx(ALPHA, rel=0.1) and beta == pytest.approx(BETA, rel=0.1)
+    with pytest.raises(ValueError, match="at least two"):
+        comm.fit_alpha_beta([1.0], [1.0])
