@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import json
+import os
 import platform
 import statistics
 from pathlib import Path
 
-RESULTS = Path(__file__).resolve().parent / "results"
+RESULTS = Path(os.environ.get("MEGALAB_BENCH_RESULTS", Path(__file__).resolve().parent / "results"))
 
 
 def median(xs: list[float]) -> float:
@@ -21,7 +22,7 @@ def report(name: str, header: list[str], rows: list[list], extra: dict | None = 
     print("  ".join("-" * w for w in widths))
     for r in rows:
         print("  ".join(_fmt(v).ljust(w) for v, w in zip(r, widths)))
-    RESULTS.mkdir(exist_ok=True)
+    RESULTS.mkdir(parents=True, exist_ok=True)
     path = RESULTS / f"{name}.json"
     payload = {"benchmark": name, "machine": platform.node(), "header": header, "rows": rows, **(extra or {})}
     path.write_text(json.dumps(payload, indent=2))
