@@ -1,7 +1,7 @@
 """`megalab grade`: run the exercises' tests and the chapter's notebooks, report one row per exercise.
 
-Two pytest runs in the workspace (the current repository, reference or student), each with this
-Python and PYTHONPATH=<workspace>, so the workspace's own `megalab` is what gets tested:
+pytest runs in the workspace (the current repository, reference or student) with this Python
+and PYTHONPATH=<workspace>, so the workspace's own `megalab` is what gets tested:
 
     1. the tests marked @pytest.mark.exercise(...) of the selected exercises, with a per-test
        timeout (pytest-timeout), so a deadlocked implementation fails instead of hanging;
@@ -15,8 +15,9 @@ NotImplementedError the student workspace raises). Status per exercise:
     not implemented   a failure is the NotImplementedError of an exercise region
     failed            anything else (wrong answer, crash, timeout)
 
-This module is also the pytest plugin of both runs (`-p megalab.grading`): when MEGALAB_GRADE_OUT
-is set it keeps only the selected exercises' tests and writes every outcome there as JSON.
+Both go in ONE pytest run (tests first, then the notebooks). This module is also that run's
+plugin (`-p megalab.grading`): when MEGALAB_GRADE_OUT is set it keeps only the selected
+exercises' tests (and the notebook cells) and writes every outcome there as JSON.
 """
 
 from __future__ import annotations
@@ -82,45 +83,35 @@ def failure_line(text: str) -> str:
 # --------------------------------------------------------------------------- running pytest
 
 
-def run_pytest(root: Path, args: list[str], ids: list[str] | None = None) -> tuple[dict[str, Outcome], str]:
-    """Run pytest in `root` on `args` with this plugin; returns ({nodeid: Outcome}, pytest's output).
+def run_checks(root: Path, exercises: list[Exercise], notebooks: list[str] = (),
+               timeout: float = DEFAULT_TIMEOUT) -> dict[str, Outcome]:
+    """ONE pytest run in `root`: the tests marked with `exercises`, then `notebooks` under strict nbval.
 
-    With `ids`, only tests marked with one of those exercises run.
+    Returns {nodeid: Outcome}; notebook cells have node ids "<notebook>::Cell N". Outcomes are
+    written as they come, so a crash of pytest itself leaves the rest "not run" (a failure).
     """
-    with tempfile.TemporaryDirectory(prefix="megalab-grade-") as tmp:
-        out = Path(tmp) / "outcomes.json"
-        env = dict(os.environ, **{_OUT: str(out)})
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))
-        env.pop(_IDS, None)
-        if ids is not None:
-            env[_IDS] = ",".join(ids)
-        cmd = [sys.executable, "-m", "pytest", "-p", "megalab.grading", "-p", "no:cacheprovider", "-q",
-               "--no-header", "-rN", "--continue-on-collection-errors", *args]
-        proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True)
-        log = proc.stdout + proc.stderr
-        if not out.exists():
-            raise RuntimeError(f"pytest did not run ({' '.join(cmd[2:])}):\n{log[-3000:]}")
-        data = json.loads(out.read_text())
-    return {nodeid: Outcome(nodeid, **value) for nodeid, value in data.items()}, log
-
-
-def run_exercise_tests(root: Path, exercises: list[Exercise], timeout: float = DEFAULT_TIMEOUT) -> dict[str, Outcome]:
-    """One pytest run for the tests of all `exercises`; {nodeid: Outcome}."""
     files = sorted({node.split("::")[0] for ex in exercises for node in ex.tests})
-    if not files:
+    if not files and not notebooks:
         return {}
     if importlib.util.find_spec("pytest_timeout") is None:
         raise RuntimeError("grading needs pytest-timeout (a hanging test must fail, not hang): pip install -e '.[dev]'")
-    outcomes, _ = run_pytest(root, [f"--timeout={timeout:g}", *files], ids=[ex.id for ex in exercises])
-    return outcomes
-
-
-def run_notebooks(root: Path, notebooks: list[str], timeout: float = DEFAULT_TIMEOUT) -> dict[str, Outcome]:
-    """One strict nbval run over `notebooks`; {nodeid ("<notebook>::Cell N"): Outcome}."""
-    if not notebooks:
-        return {}
-    outcomes, _ = run_pytest(root, ["--nbval", "--nbval-current-env", f"--nbval-cell-timeout={timeout:g}", *notebooks])
-    return outcomes
+    args = [f"--timeout={timeout:g}", *files, *notebooks]
+    if notebooks:
+        args += ["--nbval", "--nbval-current-env", f"--nbval-cell-timeout={timeout:g}"]
+    else:  # no notebooks: skip loading nbval (and the addopts that configure it); saves seconds
+        args += ["-p", "no:nbval", "-o", "addopts="]
+    with tempfile.TemporaryDirectory(prefix="megalab-grade-") as tmp:
+        out = Path(tmp) / "outcomes.json"
+        env = {k: v for k, v in os.environ.items() if k != _IDS}
+        env.update({_OUT: str(out), _IDS: ",".join(ex.id for ex in exercises)})
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))
+        cmd = [sys.executable, "-m", "pytest", "-p", "megalab.grading", "-p", "no:cacheprovider", "-q", "--no-header",
+               "-rN", "--continue-on-collection-errors", *args]
+        proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True)
+        if not out.exists():
+            raise RuntimeError(f"pytest did not run ({' '.join(cmd[2:])}):\n{(proc.stdout + proc.stderr)[-3000:]}")
+        data = json.loads(out.read_text())
+    return {nodeid: Outcome(nodeid, **value) for nodeid, value in data.items()}
 
 
 # --------------------------------------------------------------------------- results -> rows
@@ -150,7 +141,7 @@ def notebook_rows(notebooks: list[str], cells: dict[str, Outcome]) -> list[Row]:
         mine = [o for o in cells.values() if o.nodeid.split("::")[0] == nb]
         failed = [o for o in mine if o.outcome in ("failed", "not run")]
         if not mine:
-            rows.append(Row(nb, "failed", "nbval ran no cell (see `pytest --nbval " + nb + "`)"))
+            rows.append(Row(nb, "passed", "no code cells"))
         elif failed:
             first = failed[0]
             status = "not implemented" if _NOT_IMPLEMENTED.search(first.text) else "failed"
@@ -238,8 +229,9 @@ def grade(root: str | Path = ".", chapter: str | None = None, timeout: float = D
     if notebooks and course.is_dir():
         nb_paths = [p.relative_to(root).as_posix() for p in sorted(course.rglob("*.ipynb"))
                     if ".ipynb_checkpoints" not in p.parts]
-    tests = run_exercise_tests(root, selected, timeout)
-    cells = run_notebooks(root, nb_paths, timeout)
+    outcomes = run_checks(root, selected, nb_paths, timeout)
+    cells = {node: o for node, o in outcomes.items() if node.split("::")[0].endswith(".ipynb")}
+    tests = {node: o for node, o in outcomes.items() if node not in cells}
     rows = [exercise_row(ex, tests, cells) for ex in selected]
     return Report(str(root), folder, time.perf_counter() - start, rows, notebook_rows(nb_paths, cells),
                   registry.problems())
@@ -254,11 +246,11 @@ _recorded: dict[str, dict] = {}
 def pytest_collection_modifyitems(config, items):
     if _OUT not in os.environ:
         return
-    wanted = set(filter(None, os.environ.get(_IDS, "").split(","))) if _IDS in os.environ else None
+    wanted = set(os.environ.get(_IDS, "").split(","))
     keep, drop = [], []
     for item in items:
         marked = list(dict.fromkeys(m.args[0] for m in item.iter_markers("exercise") if m.args))
-        if wanted is None or wanted.intersection(marked):
+        if wanted.intersection(marked) or item.path.suffix == ".ipynb":
             keep.append(item)
             _recorded[item.nodeid] = {"outcome": "not run", "exercises": marked, "text": ""}
         else:
@@ -266,6 +258,7 @@ def pytest_collection_modifyitems(config, items):
     if drop:
         config.hook.pytest_deselected(items=drop)
         items[:] = keep
+    _save()
 
 
 def _record(nodeid: str, report) -> None:
@@ -278,16 +271,19 @@ def _record(nodeid: str, report) -> None:
         entry["outcome"] = "passed"
 
 
+def _save() -> None:
+    tmp = Path(os.environ[_OUT] + ".tmp")
+    tmp.write_text(json.dumps(_recorded))
+    tmp.replace(os.environ[_OUT])
+
+
 def pytest_runtest_logreport(report):
     if _OUT in os.environ:
         _record(report.nodeid, report)
+        _save()
 
 
 def pytest_collectreport(report):
-    if _OUT in os.environ and report.failed:  # a test file that does not import
+    if _OUT in os.environ and report.failed:  # a test file or notebook that cannot be collected
         _record(report.nodeid, report)
-
-
-def pytest_sessionfinish(session):
-    if _OUT in os.environ:
-        Path(os.environ[_OUT]).write_text(json.dumps(_recorded))
+        _save()

@@ -1,0 +1,335 @@
+"""Exercises from one source (megalab/exercises.py, megalab/grading.py, `megalab student|grade`).
+
+The real tree: its registry is consistent; its student workspace differs only in the regions;
+the reference passes every exercise test; the student workspace fails each one with the
+exercise's NotImplementedError; pasting one solution back turns exactly that exercise green.
+Synthetic trees in tmp check the parser's errors and the notebook/test mapping.
+"""
+
+import difflib
+import json
+import re
+import shutil
+import textwrap
+from pathlib import Path
+
+import nbformat
+import pytest
+
+from megalab import cli
+from megalab.exercises import ExerciseError, blank, load, parse_regions, scan_sources, write_student
+from megalab.grading import Outcome, exercise_row, failure_line, notebook_rows, run_checks
+
+REPO = Path(__file__).resolve().parent.parent
+RESTORED = "dist.shard_bounds"  # the exercise pasted back for check (d)
+TEST_TIMEOUT = 120
+
+SOURCE = '''\
+def f(x):
+    """Doubles x."""
+    if x is None:
+        raise ValueError("x")
+    # EXERCISE toy.double: return twice x
+    ### BEGIN SOLUTION
+    y = 2 * x
+    return y
+    ### END SOLUTION
+
+
+class A:
+    def g(self):
+        # EXERCISE toy.g: return "g"
+        ### BEGIN SOLUTION
+        return "g"
+        ### END SOLUTION
+'''
+
+
+# --------------------------------------------------------------------------- parser
+
+
+def test_parse_and_blank_keep_everything_else():
+    found, problems = parse_regions(SOURCE, "megalab/toy.py")
+    assert problems == []
+    assert [(ex.id, ex.task, ex.line, ex.indent, ex.solution) for ex in found] == [
+        ("toy.double", "return twice x", 5, "    ", (5, 8)),
+        ("toy.g", 'return "g"', 14, "        ", (14, 16)),
+    ]
+    found[0].notebook = "course/01_x/01_toy.ipynb"
+    student = blank(SOURCE, found)
+    assert student.splitlines()[:6] == SOURCE.splitlines()[:5] + [
+        '    raise NotImplementedError("exercise toy.double: return twice x — see course/01_x/01_toy.ipynb")'
+    ]
+    assert '        raise NotImplementedError("exercise toy.g: return \\"g\\" — see course/")\n' in student
+    compile(student, "toy.py", "exec")
+    assert len(student.splitlines()) == len(SOURCE.splitlines()) - 5
+    crlf = SOURCE.replace("\n", "\r\n")  # line endings are kept
+    assert blank(crlf, parse_regions(crlf, "x.py")[0]) == blank(SOURCE, parse_regions(SOURCE, "x.py")[0]).replace("\n", "\r\n")
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("    # EXERCISE a.b: t\n    ### BEGIN SOLUTION\n    x = 1\n", "unterminated region"),
+    ("    # EXERCISE a.b: t\n    ### BEGIN SOLUTION\n    x = 1\n    # EXERCISE a.c: u\n    ### END SOLUTION\n",
+     "unterminated region"),
+    ("    ### BEGIN SOLUTION\n    x = 1\n    ### END SOLUTION\n", "needs a `# EXERCISE <id>: <task>` line"),
+    ("    x = 1\n    ### END SOLUTION\n", "without a `### BEGIN SOLUTION`"),
+    ("    # EXERCISE shard_bounds: no dot in the id\n", "malformed exercise line"),
+    ("    # EXERCISE a.b: t\n  ### BEGIN SOLUTION\n    x = 1\n  ### END SOLUTION\n", "indented exactly like"),
+    ("    # EXERCISE a.b: t\n    ### BEGIN SOLUTION\n\n    ### END SOLUTION\n", "is empty"),
+    ("        # EXERCISE a.b: t\n        ### BEGIN SOLUTION\n    x = 1\n        ### END SOLUTION\n", "one block"),
+], ids=["no-end", "end-after-next-region", "begin-alone", "end-alone", "bad-id", "indent", "empty", "dedent"])
+def test_parse_errors_say_where_and_what(text, expected):
+    _, problems = parse_regions(text, "megalab/m.py")
+    assert problems and problems[0].startswith("megalab/m.py:") and expected in problems[0], problems
+
+
+# --------------------------------------------------------------------------- a synthetic tree
+
+
+def _notebook(path: Path, markdown: str, code: str = "", output: str = "", region_cell: str | None = None) -> None:
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_markdown_cell(markdown)]
+    if code:
+        cell = nbformat.v4.new_code_cell(code, execution_count=1)
+        cell.outputs = [nbformat.v4.new_output("stream", name="stdout", text=output)] if output else []
+        nb.cells.append(cell)
+    if region_cell:
+        nb.cells.append(nbformat.v4.new_code_cell(region_cell, execution_count=2))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    nbformat.write(nb, path)
+
+
+def _toy_tree(root: Path) -> Path:
+    """A tiny repository: megalab/toy.py with two exercises, their tests and notebooks."""
+    (root / "megalab").mkdir(parents=True)
+    (root / "megalab" / "__init__.py").write_text("")
+    for module in ("exercises.py", "grading.py"):  # `megalab grade` loads its pytest plugin from the workspace
+        shutil.copy(REPO / "megalab" / module, root / "megalab" / module)
+    (root / "megalab" / "toy.py").write_text(SOURCE)
+    (root / "tests").mkdir()
+    (root / "tests" / "__init__.py").write_text("")
+    (root / "tests" / "test_toy.py").write_text(textwrap.dedent('''\
+        import pytest
+        from megalab.toy import A, f
+
+        @pytest.mark.exercise("toy.double")
+        def test_double():
+            assert f(3) == 6
+
+        @pytest.mark.exercise("toy.g")
+        class TestG:
+            def test_g(self):
+                assert A().g() == "g"
+
+        def test_unmarked():
+            assert False, "graded runs leave unmarked tests out"
+    '''))
+    _notebook(root / "course" / "01_x" / "01_toy.ipynb", "# Toy\n**Exercise `toy.double`**: implement `f`.",
+              "from megalab.toy import f\nprint(f(3))", "6\n")
+    _notebook(root / "course" / "02_y" / "01_more.ipynb", "Recall `toy.double`; now **Exercise `toy.g`**.")
+    _notebook(root / "course" / "01_x" / "00_intro.ipynb", "We will meet `toy.g` later.")
+    return root
+
+
+def test_registry_maps_notebooks_and_tests(tmp_path):
+    registry = load(_toy_tree(tmp_path))
+    assert registry.problems() == []
+    double, g = registry.exercises["toy.double"], registry.exercises["toy.g"]
+    assert double.notebook == "course/01_x/01_toy.ipynb"  # the announcing notebook wins over a mention
+    assert g.notebook == "course/02_y/01_more.ipynb"  # ... even when a mention comes earlier in the course
+    assert double.tests == ["tests/test_toy.py::test_double"] and g.tests == ["tests/test_toy.py::TestG::test_g"]
+    assert [ex.id for ex in registry.select("01_x")] == ["toy.double"]
+
+
+def test_registry_problems(tmp_path):
+    root = _toy_tree(tmp_path)
+    (root / "megalab" / "copy.py").write_text("def h():\n    # EXERCISE toy.g: again\n    ### BEGIN SOLUTION\n"
+                                              "    pass\n    ### END SOLUTION\n    # EXERCISE toy.lonely: x\n")
+    (root / "tests" / "test_more.py").write_text('import pytest\npytestmark = [pytest.mark.exercise("toy.gone")]\n'
+                                                 "def test_x():\n    pass\n")
+    problems = "\n".join(load(root).problems())
+    assert "megalab/toy.py:14: duplicate exercise id toy.g (first at megalab/copy.py:2)" in problems
+    assert 'exercise toy.lonely has no test; mark one in tests/ with @pytest.mark.exercise("toy.lonely")' in problems
+    assert "no notebook under course/ names exercise toy.lonely" in problems
+    assert "tests/test_more.py::test_x: marked exercise 'toy.gone', but no `# EXERCISE toy.gone: ...`" in problems
+    with pytest.raises(ExerciseError, match="duplicate exercise id toy.g"):
+        write_student(root, tmp_path / "ws")
+
+
+def test_student_of_a_tree_with_a_notebook_region(tmp_path, capsys):
+    root = _toy_tree(tmp_path / "ref")
+    region = "def k():\n    # EXERCISE nb.k: return 1\n    ### BEGIN SOLUTION\n    return 1\n    ### END SOLUTION\nprint(k())"
+    nb_path = root / "course" / "01_x" / "02_k.ipynb"
+    _notebook(nb_path, "# K", "print(2)", "2\n", region_cell=region)
+    assert load(root).exercises["nb.k"].notebook == "course/01_x/02_k.ipynb"  # taught where it lives
+    ws = tmp_path / "ws"
+    (ws / "old").mkdir(parents=True)
+    with pytest.raises(ExerciseError, match="not empty"):
+        write_student(root, ws)
+    result = write_student(root, ws, force=True)
+    assert sorted(ex.id for ex in result.blanked) == ["nb.k", "toy.double", "toy.g"]
+    before, after = nbformat.read(nb_path, 4), nbformat.read(ws / "course" / "01_x" / "02_k.ipynb", 4)
+    assert after.cells[2].source == ('def k():\n    # EXERCISE nb.k: return 1\n'
+                                     '    raise NotImplementedError("exercise nb.k: return 1 — see course/01_x/02_k.ipynb")'
+                                     "\nprint(k())")
+    after.cells[2].source = before.cells[2].source
+    assert after == before  # outputs and everything else kept
+    assert (ws / "course" / "01_x" / "01_toy.ipynb").read_bytes() == (root / "course/01_x/01_toy.ipynb").read_bytes()
+    with pytest.raises(ExerciseError, match="no `### BEGIN SOLUTION` block .* already a student workspace"):
+        write_student(ws, tmp_path / "ws2")
+
+
+def test_grade_a_toy_workspace_end_to_end(tmp_path, monkeypatch, capsys):
+    """`megalab grade` in a reference and a student tree: table, exit code, JSON, notebook-cell mapping."""
+    root = _toy_tree(tmp_path / "ref")
+    monkeypatch.chdir(root)
+    assert cli.main(["grade", "01", "--timeout", "60"]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"toy.double +passed +1 test passed", out) and "toy.g" not in out
+    assert re.search(r"course/01_x/01_toy.ipynb +passed +1 cells match", out)
+    assert re.search(r"course/01_x/00_intro.ipynb +passed +no code cells", out)
+
+    assert cli.main(["student", str(tmp_path / "ws")]) == 0
+    assert "2 exercises blanked in 1 files" in capsys.readouterr().out
+    monkeypatch.chdir(tmp_path / "ws")
+    assert cli.main(["grade", "--json", "grade.json", "--timeout", "60"]) == 1
+    out = capsys.readouterr().out
+    report = json.loads(Path("grade.json").read_text())
+    rows = {r["name"]: r for r in report["exercises"] + report["notebooks"]}
+    assert rows["toy.double"]["status"] == rows["toy.g"]["status"] == "not implemented"
+    assert rows["toy.double"]["detail"] == ("NotImplementedError: exercise toy.double: return twice x — "
+                                            "see course/01_x/01_toy.ipynb")
+    nb = rows["course/01_x/01_toy.ipynb"]
+    assert nb["status"] == "not implemented" and nb["detail"].startswith("Cell 0: NotImplementedError: exercise toy.double")
+    assert any(i["nodeid"].endswith("::Cell 0") for i in rows["toy.double"]["items"])  # the cell counts for it
+    assert "unmarked" not in json.dumps(report) and report["ok"] is False
+    assert "2 exercises: 2 not implemented; 3 notebooks" in out
+
+
+def test_failure_lines_and_mapping():
+    assert failure_line("x\n>   assert f(3) == 6\nE   assert 5 == 6\nE    +  where 5 = f(3)\n") == "assert 5 == 6"
+    nbval = ("Notebook cell execution failed\nCell 2: Cell execution caused an exception\n\nInput:\nf()\n\n"
+             "Traceback:\nRankFailedError: rank 1 failed: ValueError: bad\n")
+    assert failure_line(nbval) == "Cell 2: Cell execution caused an exception: RankFailedError: rank 1 failed: ValueError: bad"
+    stub = 'RankFailedError: rank 0 failed: NotImplementedError: exercise a.b: do it — see course/x.ipynb\n'
+    cells = {"nb::Cell 2": Outcome("nb::Cell 2", "failed", [], stub), "nb::Cell 3": Outcome("nb::Cell 3", "failed", [], nbval),
+             "nb::Cell 1": Outcome("nb::Cell 1", "passed")}
+    tests = {"t::a": Outcome("t::a", "passed", ["a.b"]), "t::c": Outcome("t::c", "failed", ["c.d"], "E   assert 1 == 2\n")}
+
+    class Ex:
+        id, tests = "a.b", ["t::a"]
+
+    row = exercise_row(Ex, tests, cells)  # its tests pass, but a notebook cell says it is not implemented
+    assert (row.status, row.detail) == ("not implemented", "NotImplementedError: exercise a.b: do it — see course/x.ipynb")
+    Ex.id, Ex.tests = "c.d", ["t::c"]
+    assert (exercise_row(Ex, tests, {}).status, exercise_row(Ex, tests, {}).detail) == ("failed", "assert 1 == 2")
+    [nb] = notebook_rows(["nb"], cells)
+    assert (nb.status, nb.detail) == ("not implemented", "Cell 2: NotImplementedError: exercise a.b: do it — see "
+                                      "course/x.ipynb (+1 more failing cells)")
+
+
+# --------------------------------------------------------------------------- the real tree
+
+
+def test_registry_of_the_course_is_consistent():
+    """Every exercise has a test and a notebook; every marked test names an exercise that exists."""
+    registry = load(REPO)
+    assert registry.exercises, "no exercise regions found under megalab/"
+    assert registry.problems() == []
+
+
+_is_reference = all(ex.solution for ex in scan_sources(REPO)[0])
+reference_only = pytest.mark.skipif(not _is_reference, reason="a student workspace has no solutions to check")
+
+
+@pytest.fixture(scope="module")
+def student(tmp_path_factory):
+    return write_student(REPO, tmp_path_factory.mktemp("student"))
+
+
+@reference_only
+def test_student_workspace_differs_only_in_the_regions(student):
+    """(a) Every file is byte-identical except each region, which became one raise at its indentation."""
+    registry = load(REPO)
+    assert sorted(ex.id for ex in student.blanked) == sorted(registry.exercises)
+    regions = {}
+    for ex in registry.exercises.values():
+        regions.setdefault(ex.path, []).append(ex)
+    checked = 0
+    for path in sorted(p for p in student.dest.rglob("*") if p.is_file()):
+        rel = path.relative_to(student.dest).as_posix()
+        ours, theirs = (REPO / rel).read_bytes(), path.read_bytes()
+        if rel not in regions:
+            assert ours == theirs, f"{rel} changed in the student workspace"
+            continue
+        assert not rel.endswith(".ipynb"), "notebook regions: add a cell-wise comparison here"
+        ref_lines, stu_lines = ours.decode().splitlines(), theirs.decode().splitlines()
+        changes = [op for op in difflib.SequenceMatcher(None, ref_lines, stu_lines, autojunk=False).get_opcodes()
+                   if op[0] != "equal"]
+        expected = sorted(regions[rel], key=lambda ex: ex.line)
+        assert len(changes) == len(expected), f"{rel}: {len(changes)} changes for {len(expected)} regions"
+        for (tag, i1, i2, j1, j2), ex in zip(changes, expected):
+            begin, end = ex.solution
+            assert (tag, i1, i2, j2 - j1) == ("replace", begin, end + 1, 1), f"{rel}: change {tag} at {i1} is not {ex.id}"
+            assert stu_lines[j1] == f'{ex.indent}raise NotImplementedError("{ex.message()}")'
+            checked += 1
+    assert checked == len(registry.exercises)
+
+
+@pytest.fixture(scope="module")
+def student_outcomes(student):
+    return run_checks(student.dest, student.blanked, timeout=TEST_TIMEOUT)
+
+
+@reference_only
+def test_reference_passes_every_exercise_test():
+    """(b)"""
+    registry = load(REPO)
+    outcomes = run_checks(REPO, list(registry.exercises.values()), timeout=TEST_TIMEOUT)
+    expected = {node for ex in registry.exercises.values() for node in ex.tests}
+    assert {node.split("[")[0] for node in outcomes} == expected
+    failed = {node: o.first_line for node, o in outcomes.items() if o.outcome not in ("passed", "skipped")}
+    assert failed == {}
+
+
+@reference_only
+def test_student_workspace_fails_each_exercise_with_its_message(student, student_outcomes):
+    """(c) Each test fails, naming (one of) the exercise(s) it is marked with: a test that needs the
+    solution of another exercise too must carry that exercise's marker as well."""
+    by_id = {ex.id: ex for ex in student.blanked}
+    assert student_outcomes, "no exercise test ran in the student workspace"
+    for node, o in student_outcomes.items():
+        if o.outcome == "skipped":
+            continue
+        assert o.outcome == "failed", f"{node} passes in the student workspace: does it test its exercise?"
+        assert any(f"NotImplementedError: {by_id[i].message()}" in o.text for i in o.exercises), (
+            f"{node} (marked {o.exercises}) fails with: {o.first_line}")
+
+
+@reference_only
+def test_restoring_one_region_turns_exactly_that_exercise_green(student, student_outcomes, tmp_path):
+    """(d) Paste the reference solution of dist.shard_bounds back into a fresh student workspace.
+
+    Only tests marked with it are rerun: by (c) every other test fails with another exercise's
+    NotImplementedError, raised before the restored code could matter, so those stay red.
+    """
+    ws = write_student(REPO, tmp_path / "ws")
+    ex = next(e for e in ws.blanked if e.id == RESTORED)
+    begin, end = ex.solution
+    solution = (REPO / ex.path).read_text().splitlines(keepends=True)[begin + 1 : end]
+    lines = (ws.dest / ex.path).read_text().splitlines(keepends=True)
+    raise_at = ex.line  # the line right after `# EXERCISE` (0-based index == 1-based line of the comment)
+    assert lines[raise_at].lstrip().startswith(f'raise NotImplementedError("exercise {RESTORED}:')
+    lines[raise_at : raise_at + 1] = solution
+    (ws.dest / ex.path).write_text("".join(lines))
+
+    rerun = [e for e in ws.blanked if e.id == RESTORED]
+    outcomes = run_checks(ws.dest, rerun, timeout=TEST_TIMEOUT)
+    assert outcomes
+    for node, o in outcomes.items():
+        if o.exercises == [RESTORED]:
+            assert o.outcome in ("passed", "skipped"), f"{node}: {o.first_line}"
+        else:  # also needs another exercise
+            assert o.outcome == "failed" and RESTORED not in o.first_line, f"{node}: {o.first_line}"
+    others = [n for n, o in student_outcomes.items() if RESTORED not in o.exercises and o.outcome != "skipped"]
+    assert all(student_outcomes[n].outcome == "failed" for n in others)
