@@ -21,7 +21,6 @@ import json
 import os
 import pickle
 import re
-import shlex
 import shutil
 import signal
 import socket
@@ -29,9 +28,10 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 DEFAULT_TIMEOUT = 300.0
 FAILURE_GRACE = 3.0  # seconds torchrun gets to stop the other ranks after one fails
@@ -122,7 +122,7 @@ def parse_ranks(ranks: str | list[int], world_size: int) -> list[int]:
         try:
             ranks = [int(r) for r in ranks.split(",") if r.strip()]
         except ValueError:
-            raise LaunchError(f"--ranks takes 'all' or rank numbers like '0' or '0,2', not {ranks!r}")
+            raise LaunchError(f"--ranks takes 'all' or rank numbers like '0' or '0,2', not {ranks!r}") from None
     bad = [r for r in ranks if not 0 <= r < world_size]
     if bad or not ranks:
         raise LaunchError(f"--ranks {ranks}: ranks must lie in 0..{world_size - 1}")
@@ -179,8 +179,8 @@ def torchrun_command(
 
 def clean_progress(text: str) -> str:
     """Drop lines that redraw themselves with '\\r' (tqdm bars): live-only, never deterministic."""
-    kept = [line for line in text.splitlines(keepends=True) if "\r" not in line.rstrip("\r\n")]
-    return "".join(kept)
+    lines = text.split("\n")  # not splitlines(): that splits at '\r' too
+    return "\n".join(line for line in lines if "\r" not in line.rstrip("\r"))
 
 
 def format_rank_output(texts: dict[int, str], ranks: list[int]) -> str:
@@ -286,8 +286,13 @@ def _stack_of(text: str, source_lines: list[str]) -> str:
 
 
 def _stuck_line(stack: str) -> str:
-    """Most recent cell frame of a stack (faulthandler lists the most recent call first)."""
-    return next((line.strip() for line in stack.splitlines() if line.strip().startswith("cell line")), "outside the cell")
+    """'cell line N: code' for the most recent cell frame (faulthandler lists it first)."""
+    for line in stack.splitlines():
+        m = re.match(r"\s*cell line (\d+), in [^:]*:\s*(.*)", line)
+        if m:
+            code = re.sub(r"\s+#.*$", "", m.group(2))  # trailing comment
+            return f"cell line {m.group(1)}: {code}"
+    return "a line outside the cell"
 
 
 def _timeout_error(run_dir: Path, source: str, timeout: float, world: int) -> LaunchTimeoutError:
@@ -320,9 +325,7 @@ def _timeout_error(run_dir: Path, source: str, timeout: float, world: int) -> La
 
 
 def _failure_error(run_dir: Path, world: int, torchrun_log: str) -> Exception:
-    errors = []
-    for rank, path in _rank_files(run_dir, "error.json").items():
-        errors.append(json.loads(path.read_text()))
+    errors = [json.loads(path.read_text()) for path in _rank_files(run_dir, "error.json").values()]
     if errors:
         first = min(errors, key=lambda e: e["time"])  # the root cause; later ones are fallout
         others = sorted(e["rank"] for e in errors if e is not first)
@@ -336,15 +339,22 @@ def _failure_error(run_dir: Path, world: int, torchrun_log: str) -> Exception:
     started = _rank_files(run_dir, "pid")
     if not started:
         return LaunchError(f"torchrun could not start the ranks:\n{torchrun_log[-3000:]}")
-    done = _rank_files(run_dir, "done")
-    dead = sorted(r for r in range(world) if r not in done)
-    rank = dead[0] if dead else 0
-    stack = ""
-    if rank in _rank_files(run_dir, "stack"):
-        stack = (run_dir / f"rank{rank}.stack").read_text(errors="replace")
-    err = (run_dir / f"rank{rank}.err").read_text(errors="replace") if (run_dir / f"rank{rank}.err").exists() else ""
-    details = "\n".join(filter(None, [err[-2000:], stack[-2000:], torchrun_log[-2000:]]))
-    return RankFailedError(rank, f"rank {rank} died before finishing (killed by a signal or exited early)", details)
+    # No Python exception: a rank died (signal, os._exit). torchrun's report names the first one.
+    cause = re.search(r"Root Cause.*?rank\s*:\s*(\d+).*?exitcode\s*:\s*(-?\d+)", torchrun_log, re.S)
+    if cause:
+        rank, code = int(cause.group(1)), int(cause.group(2))
+        how = f"killed by {signal.Signals(-code).name}" if code < 0 and -code in signal.valid_signals() else f"exit code {code}"
+    else:
+        done = _rank_files(run_dir, "done")
+        rank = min((r for r in range(world) if r not in done), default=0)
+        how = "killed by a signal or exited early"
+    tails = []
+    for kind in ("err", "stack"):
+        path = run_dir / f"rank{rank}.{kind}"
+        if path.exists() and path.stat().st_size:
+            tails.append(path.read_text(errors="replace")[-2000:])
+    details = "\n".join(tails) or (torchrun_log[-2000:] if not cause else "(the rank printed nothing to stderr)")
+    return RankFailedError(rank, f"rank {rank} died before finishing ({how})", details)
 
 
 # --------------------------------------------------------------------------- run
@@ -374,6 +384,8 @@ def run(
     """
     if nproc_per_node < 1 or nnodes < 1:
         raise LaunchError("need at least one rank per node and one node")
+    if slurm:
+        nnodes = len(slurm_nodes())
     world = nproc_per_node * nnodes
     shown = parse_ranks(ranks, world)
     chosen = resolve_backend(backend, nproc_per_node)
@@ -446,10 +458,10 @@ def run(
 
     def read(rank: int, kind: str) -> str:
         path = run_dir / f"rank{rank}.{kind}"
-        return clean_progress(path.read_text(errors="replace")) if path.exists() else ""
+        return clean_progress(path.read_bytes().decode(errors="replace")) if path.exists() else ""
 
     stdout = {r: read(r, "out") for r in sorted(local_ranks)}
-    stderr = {r: "".join(l for l in read(r, "err").splitlines(True) if not _NATIVE_LOG.match(l)) for r in sorted(local_ranks)}
+    stderr = {r: "".join(ln for ln in read(r, "err").splitlines(True) if not _NATIVE_LOG.match(ln)) for r in sorted(local_ranks)}
     results: dict[str, dict[int, Any]] = {}
     for path in sorted((run_dir / "publish").glob("*.pkl")):
         name, _, rank = path.stem.rpartition(".rank")

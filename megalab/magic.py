@@ -46,7 +46,7 @@ class TorchrunMagics(Magics):
 
         try:
             result = launch.run(
-                cell,
+                "\n" + cell,  # line numbers in tracebacks then match the cell's, magic line included
                 args.nproc_per_node,
                 backend=args.backend,
                 timeout=args.timeout,

@@ -1,0 +1,224 @@
+"""The launcher under real torchrun: output, results, crashes, deadlocks, interrupts, multi-node."""
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from megalab import launch
+from megalab.launch import LaunchError, LaunchTimeoutError, RankFailedError
+
+HELLO = """
+import torch, torch.distributed as dist
+from megalab import dist as mdist
+rank, world = mdist.init()
+t = torch.tensor([rank + 1.0])
+dist.all_reduce(t)
+print(f"hello from rank {rank} of {world}")
+print(f"sum {t.item():.0f}")
+mdist.publish("square", rank * rank)
+"""
+
+
+def _workers_alive() -> list[str]:
+    """Command lines of live megalab ranks (tests must leave none behind)."""
+    out = subprocess.run(["ps", "-eo", "pid,stat,args"], capture_output=True, text=True).stdout
+    return [line for line in out.splitlines() if "megalab.worker" in line and " Z" not in line]
+
+
+def test_hello_output_grouped_in_rank_order_and_results_come_back():
+    res = launch.run(HELLO, 4, timeout=120)
+    expected = "".join(f"[rank {r}] hello from rank {r} of 4\n[rank {r}] sum 10\n" for r in range(4))
+    assert res.text() == expected
+    assert res.results == {"square": {0: 0, 1: 1, 2: 4, 3: 9}}
+    assert res.world_size == 4
+    assert not res.run_dir.exists()  # cleaned up
+    assert not _workers_alive()
+
+
+def test_ranks_filter_and_progress_lines():
+    code = HELLO + "import sys\nfor i in range(3):\n    sys.stderr.write(f'\\rstep {i}/3')\nsys.stderr.write('\\n')\n"
+    res = launch.run(code, 3, ranks="0,2", timeout=120)
+    assert res.text() == "[rank 0] hello from rank 0 of 3\n[rank 0] sum 6\n[rank 2] hello from rank 2 of 3\n[rank 2] sum 6\n"
+    assert res.text("stderr") == ""  # tqdm-style '\r' redraws are live-only
+    single = launch.run(HELLO, 2, ranks="1", timeout=120)
+    assert single.text() == "hello from rank 1 of 2\nsum 3\n"  # one rank shown: no prefix
+
+
+def test_crash_names_rank_and_exception_quickly():
+    code = textwrap.dedent("""
+        import torch.distributed as dist
+        from megalab import dist as mdist
+        rank, world = mdist.init()
+        if rank == 2:
+            raise ValueError("bad shard size")
+        dist.barrier()
+    """)
+    start = time.monotonic()
+    with pytest.raises(RankFailedError) as info:
+        launch.run(code, 4, timeout=120)
+    assert time.monotonic() - start < 10
+    err = info.value
+    assert err.rank == 2
+    assert str(err) == "rank 2 failed: ValueError: bad shard size"
+    assert 'raise ValueError("bad shard size")' in err.details  # the rank's own traceback, with the source line
+    assert "line 6" in err.details
+    assert "ChildFailedError" not in err.details
+    rendered = "\n".join(err._render_traceback_())
+    assert "launch.py" not in rendered  # IPython shows the rank's traceback, not the launcher's frames
+    assert not _workers_alive()
+
+
+def test_rank_killed_by_signal_is_reported():
+    code = "import os, signal\nfrom megalab import dist as mdist\nrank, _ = mdist.init()\nif rank == 1:\n    os.kill(os.getpid(), signal.SIGKILL)\nimport time; time.sleep(30)\n"
+    with pytest.raises(RankFailedError, match="rank 1 died"):
+        launch.run(code, 2, timeout=60)
+    assert not _workers_alive()
+
+
+def test_exit_codes():
+    assert launch.run("import sys\nprint('bye')\nsys.exit(0)\n", 2).text() == "[rank 0] bye\n[rank 1] bye\n"
+    with pytest.raises(RankFailedError, match="SystemExit: 3"):
+        launch.run("import sys\nsys.exit(3)\n", 1)
+
+
+def test_deadlock_timeout_shows_each_ranks_stuck_line():
+    code = textwrap.dedent("""
+        import torch, torch.distributed as dist
+        from megalab import dist as mdist
+        rank, world = mdist.init()
+        x = torch.zeros(1)
+        if rank == 0:
+            dist.recv(x, src=1)  # both ranks wait to receive: a deadlock
+        else:
+            dist.recv(x, src=0)
+    """)
+    start = time.monotonic()
+    with pytest.raises(LaunchTimeoutError) as info:
+        launch.run(code, 2, timeout=20)
+    assert time.monotonic() - start < 40
+    err = info.value
+    assert set(err.stacks) == {0, 1}
+    assert "cell line 7, in <module>:  dist.recv(x, src=1)" in err.stacks[0]
+    assert "cell line 9, in <module>:  dist.recv(x, src=0)" in err.stacks[1]
+    assert "rank 0 stuck at cell line 7: dist.recv(x, src=1);" in str(err)
+    assert not _workers_alive()
+
+
+def test_two_launches_at_once_do_not_collide():
+    results, errors = [], []
+
+    def go():
+        try:
+            results.append(launch.run(HELLO, 2, timeout=120).text())
+        except Exception as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    threads = [threading.Thread(target=go) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    assert results == [results[0]] * 2 and "sum 3" in results[0]
+
+
+def test_interrupt_kills_every_rank(tmp_path):
+    marker = tmp_path / "started"
+    script = textwrap.dedent(f"""
+        from megalab import launch
+        code = "import time, pathlib\\npathlib.Path({str(marker)!r}).touch()\\ntime.sleep(600)\\n"
+        try:
+            launch.run(code, 3, timeout=600)
+        except KeyboardInterrupt:
+            print("interrupted")
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while not marker.exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert marker.exists(), "ranks never started"
+    assert _workers_alive()
+    proc.send_signal(signal.SIGINT)  # what Jupyter's "interrupt kernel" does
+    out, _ = proc.communicate(timeout=30)
+    assert "interrupted" in out
+    assert not _workers_alive()
+
+
+def test_bad_requests_are_clear_errors():
+    with pytest.raises(LaunchError, match="needs 2 CUDA devices.*--backend gloo"):
+        launch.run("pass", 2, backend="nccl")
+    with pytest.raises(LaunchError, match="ranks must lie in 0..1"):
+        launch.run("pass", 2, ranks="0,5")
+    with pytest.raises(LaunchError, match="--rdzv-endpoint"):
+        launch.run("pass", 1, nnodes=2)
+
+
+
+def test_slurm_outside_an_allocation_is_a_clear_error(monkeypatch):
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    with pytest.raises(LaunchError, match="needs a Slurm allocation"):
+        launch.run("pass", 1, slurm=True)
+
+
+def test_two_nodes_on_one_machine_static_rendezvous():
+    endpoint = f"127.0.0.1:{launch.free_port()}"
+    results = {}
+
+    def node(rank):
+        results[rank] = launch.run(HELLO, 2, nnodes=2, node_rank=rank, rdzv_endpoint=endpoint, timeout=120)
+
+    threads = [threading.Thread(target=node, args=(r,)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert results[0].text() == "[rank 0] hello from rank 0 of 4\n[rank 0] sum 10\n[rank 1] hello from rank 1 of 4\n[rank 1] sum 10\n"
+    assert results[1].results == {"square": {2: 4, 3: 9}}
+
+
+def test_slurm_allocation_runs_torchrun_on_every_node(tmp_path, monkeypatch):
+    """A fake srun/scontrol pair: srun starts its command once per node, as Slurm would."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "scontrol").write_text("#!/bin/sh\necho localhost\necho localhost\n")
+    (bin_dir / "srun").write_text(textwrap.dedent("""\
+        #!/usr/bin/env python3
+        import os, subprocess, sys
+        args = sys.argv[1:]
+        nodes = int(next(a.split("=")[1] for a in args if a.startswith("--nodes=")))
+        cmd = [a for a in args if not a.startswith("--") or not any(a.startswith(p) for p in ("--nodes", "--ntasks", "--kill-on-bad-exit"))]
+        procs = [subprocess.Popen(cmd, env={**os.environ, "SLURM_NODEID": str(i)}) for i in range(nodes)]
+        sys.exit(max(p.wait() for p in procs))
+    """))
+    for f in bin_dir.iterdir():
+        f.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv("SLURM_JOB_ID", "4242")
+    monkeypatch.setenv("SLURM_JOB_NODELIST", "node[1-2]")
+    cmd = launch.torchrun_command(Path("cell.py"), 2, slurm=True, rdzv_endpoint="localhost:1234")
+    assert cmd[:2] == ["srun", "--nodes=2"] and "--rdzv-backend=c10d" in cmd and "--rdzv-id=megalab-4242" in cmd
+    res = launch.run(HELLO, 2, slurm=True, rdzv_endpoint=f"localhost:{launch.free_port()}", cwd=tmp_path, timeout=120)
+    assert res.world_size == 4
+    assert res.results == {"square": {0: 0, 1: 1, 2: 4, 3: 9}}
+    assert "[rank 3] sum 10" in res.text()
+
+
+def test_run_function_returns_per_rank():
+    res = launch.run_function(_rank_and_arg, 3, 5, launch=dict(timeout=120))
+    assert res.returns == {0: (0, 3, 5), 1: (1, 3, 5), 2: (2, 3, 5)}
+    with pytest.raises(LaunchError, match="module-level"):
+        launch.run_function(lambda: None, 1)
+
+
+def _rank_and_arg(x):
+    from megalab import dist as mdist
+
+    rank, world = mdist.init()
+    return rank, world, x

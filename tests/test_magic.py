@@ -1,0 +1,34 @@
+"""The %%torchrun cell magic in a real IPython shell."""
+
+import pytest
+from IPython.core.interactiveshell import InteractiveShell
+
+from megalab.launch import RankFailedError
+
+
+@pytest.fixture(scope="module")
+def shell():
+    ip = InteractiveShell.instance()
+    ip.run_line_magic("load_ext", "megalab")
+    yield ip
+    InteractiveShell.clear_instance()
+
+
+def test_cell_output_and_published_values(shell, capsys):
+    cell = (
+        "from megalab import dist as mdist\n"
+        "rank, world = mdist.init()\n"
+        "print(f'rank {rank} of {world}')\n"
+        "mdist.publish('losses', [1.0 / (rank + 1)])\n"
+    )
+    shell.run_cell_magic("torchrun", "-n 2 --timeout 120", cell)
+    out = capsys.readouterr().out
+    assert "[rank 0] rank 0 of 2\n[rank 1] rank 1 of 2\n" in out
+    assert shell.user_ns["losses"] == {0: [1.0], 1: [0.5]}
+
+
+def test_rank_zero_only_and_errors(shell, capsys):
+    shell.run_cell_magic("torchrun", "-n 2 --ranks 0", "import os\nprint('I am', os.environ['RANK'])\n")
+    assert "I am 0\n" in capsys.readouterr().out
+    with pytest.raises(RankFailedError, match="rank 1 failed: ZeroDivisionError"):
+        shell.run_cell_magic("torchrun", "-n 2", "import os\nif os.environ['RANK'] == '1':\n    1 / 0\n")
