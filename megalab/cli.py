@@ -28,7 +28,7 @@ def _exercises(args: argparse.Namespace) -> int:
     problems = registry.problems()
     for problem in problems:
         print(f"problem: {problem}", file=sys.stderr)
-    print(f"{len(registry.exercises)} exercises, {len(problems)} problems")
+    print(f"{len(registry.exercises)} exercise(s), {len(problems)} problem(s)")
     return 1 if problems else 0
 
 
@@ -44,8 +44,8 @@ def _student(args: argparse.Namespace) -> int:
         print(f"  blanked {ex.id:<28} {ex.where:<28} -> see {ex.notebook or '(no notebook yet)'}")
     for warning in ws.warnings:
         print(f"warning: {warning}", file=sys.stderr)
-    print(f"wrote the student workspace {ws.dest}: {ws.files} files copied, {len(ws.blanked)} exercises blanked "
-          f"in {len(ws.changed)} files")
+    print(f"wrote the student workspace {ws.dest}: {ws.files} files copied, {len(ws.blanked)} exercise(s) blanked "
+          f"in {len(ws.changed)} file(s)")
     return 0
 
 

@@ -64,6 +64,10 @@ class Row:
     outcomes: list[Outcome] = field(default_factory=list)
 
 
+def _n(count: int, noun: str) -> str:
+    return f"{count} {noun}{'s' * (count != 1)}"
+
+
 def failure_line(text: str) -> str:
     """The line of a failure report worth showing in the table."""
     m = _NOT_IMPLEMENTED.search(text)
@@ -132,7 +136,7 @@ def exercise_row(ex: Exercise, tests: dict[str, Outcome], cells: dict[str, Outco
     passed = sum(o.outcome == "passed" for o in mine)
     if not passed:
         return Row(ex.id, "skipped", f"{len(mine)} skipped", mine)
-    return Row(ex.id, "passed", f"{passed} test{'s' * (passed != 1)} passed", mine)
+    return Row(ex.id, "passed", f"{_n(passed, 'test')} passed", mine)
 
 
 def notebook_rows(notebooks: list[str], cells: dict[str, Outcome]) -> list[Row]:
@@ -148,10 +152,10 @@ def notebook_rows(notebooks: list[str], cells: dict[str, Outcome]) -> list[Row]:
             cell = first.nodeid.split("::")[-1]
             line = first.first_line
             detail = line if line.startswith(cell) else f"{cell}: {line}"
-            more = f" (+{len(failed) - 1} more failing cells)" if len(failed) > 1 else ""
+            more = f" (+{_n(len(failed) - 1, 'more failing cell')})" if len(failed) > 1 else ""
             rows.append(Row(nb, status, detail + more, mine))
         else:
-            rows.append(Row(nb, "passed", f"{len(mine)} cells match", mine))
+            rows.append(Row(nb, "passed", f"{_n(len(mine), 'cell')} match", mine))
     return rows
 
 
@@ -195,15 +199,15 @@ class Report:
 
         out += [fmt(*r) for r in rows] or ["(no exercises)"]
         if nb_rows:
-            out += ["", f"{'notebook':<{w0}}  {'status':<{w1}}"]
+            out += ["", f"{'notebook':<{w0}}  status"]
             out += [fmt(*r) for r in nb_rows]
 
         def count(rs):
             return ", ".join(f"{sum(r.status == s for r in rs)} {s}" for s in ("passed", "failed", "not implemented")
                              if any(r.status == s for r in rs)) or "none"
 
-        out += ["", f"{len(rows)} exercises: {count(self.exercises)}; {len(nb_rows)} notebooks: {count(self.notebooks)}"
-                f"  ({self.seconds:.1f} s)"]
+        out += ["", f"{_n(len(rows), 'exercise')}: {count(self.exercises)}; {_n(len(nb_rows), 'notebook')}: "
+                f"{count(self.notebooks)}  ({self.seconds:.1f} s)"]
         return "\n".join(out)
 
     def to_json(self) -> dict:

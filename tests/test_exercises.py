@@ -17,7 +17,15 @@ import nbformat
 import pytest
 
 from megalab import cli
-from megalab.exercises import ExerciseError, blank, load, parse_regions, scan_sources, write_student
+from megalab.exercises import (
+    ExerciseError,
+    blank,
+    load,
+    parse_regions,
+    repository_files,
+    scan_sources,
+    write_student,
+)
 from megalab.grading import Outcome, exercise_row, failure_line, notebook_rows, run_checks
 
 REPO = Path(__file__).resolve().parent.parent
@@ -186,11 +194,11 @@ def test_grade_a_toy_workspace_end_to_end(tmp_path, monkeypatch, capsys):
     assert cli.main(["grade", "01", "--timeout", "60"]) == 0
     out = capsys.readouterr().out
     assert re.search(r"toy.double +passed +1 test passed", out) and "toy.g" not in out
-    assert re.search(r"course/01_x/01_toy.ipynb +passed +1 cells match", out)
+    assert re.search(r"course/01_x/01_toy.ipynb +passed +1 cell match", out)
     assert re.search(r"course/01_x/00_intro.ipynb +passed +no code cells", out)
 
     assert cli.main(["student", str(tmp_path / "ws")]) == 0
-    assert "2 exercises blanked in 1 files" in capsys.readouterr().out
+    assert "2 exercise(s) blanked in 1 file(s)" in capsys.readouterr().out
     monkeypatch.chdir(tmp_path / "ws")
     assert cli.main(["grade", "--json", "grade.json", "--timeout", "60"]) == 1
     out = capsys.readouterr().out
@@ -225,7 +233,7 @@ def test_failure_lines_and_mapping():
     assert (exercise_row(Ex, tests, {}).status, exercise_row(Ex, tests, {}).detail) == ("failed", "assert 1 == 2")
     [nb] = notebook_rows(["nb"], cells)
     assert (nb.status, nb.detail) == ("not implemented", "Cell 2: NotImplementedError: exercise a.b: do it — see "
-                                      "course/x.ipynb (+1 more failing cells)")
+                                      "course/x.ipynb (+1 more failing cell)")
 
 
 # --------------------------------------------------------------------------- the real tree
@@ -255,10 +263,11 @@ def test_student_workspace_differs_only_in_the_regions(student):
     regions = {}
     for ex in registry.exercises.values():
         regions.setdefault(ex.path, []).append(ex)
+    files = repository_files(REPO)
+    assert student.files == len(files) and "megalab/dist.py" in files
     checked = 0
-    for path in sorted(p for p in student.dest.rglob("*") if p.is_file()):
-        rel = path.relative_to(student.dest).as_posix()
-        ours, theirs = (REPO / rel).read_bytes(), path.read_bytes()
+    for rel in files:
+        ours, theirs = (REPO / rel).read_bytes(), (student.dest / rel).read_bytes()
         if rel not in regions:
             assert ours == theirs, f"{rel} changed in the student workspace"
             continue
