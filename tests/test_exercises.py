@@ -11,6 +11,7 @@ import json
 import re
 import shutil
 import textwrap
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import nbformat
@@ -285,29 +286,48 @@ def test_student_workspace_differs_only_in_the_regions(student):
     assert checked == len(registry.exercises)
 
 
+def _restore(ws, exercise_id: str) -> None:
+    """Paste the reference solution of one exercise back into the student workspace `ws`."""
+    ex = next(e for e in ws.blanked if e.id == exercise_id)
+    begin, end = ex.solution
+    solution = (REPO / ex.path).read_text().splitlines(keepends=True)[begin + 1 : end]
+    lines = (ws.dest / ex.path).read_text().splitlines(keepends=True)
+    raise_at = ex.line  # right after the `# EXERCISE` line (its 1-based number is the next line's index)
+    assert lines[raise_at].lstrip().startswith(f'raise NotImplementedError("exercise {exercise_id}:')
+    lines[raise_at : raise_at + 1] = solution
+    (ws.dest / ex.path).write_text("".join(lines))
+
+
 @pytest.fixture(scope="module")
-def student_outcomes(student):
-    return run_checks(student.dest, student.blanked, timeout=TEST_TIMEOUT)
+def outcomes(student, tmp_path_factory):
+    """The three pytest runs, side by side (each is one subprocess): the reference's exercise tests,
+    the student workspace's, and the tests of RESTORED in a student workspace where it is pasted back."""
+    restored = write_student(REPO, tmp_path_factory.mktemp("restored"))
+    _restore(restored, RESTORED)
+    runs = {"reference": (REPO, list(load(REPO).exercises.values())),
+            "student": (student.dest, student.blanked),
+            "restored": (restored.dest, [ex for ex in restored.blanked if ex.id == RESTORED])}
+    with ThreadPoolExecutor(len(runs)) as pool:
+        futures = {name: pool.submit(run_checks, root, exs, timeout=TEST_TIMEOUT) for name, (root, exs) in runs.items()}
+        return {name: future.result() for name, future in futures.items()}
 
 
 @reference_only
-def test_reference_passes_every_exercise_test():
+def test_reference_passes_every_exercise_test(outcomes):
     """(b)"""
-    registry = load(REPO)
-    outcomes = run_checks(REPO, list(registry.exercises.values()), timeout=TEST_TIMEOUT)
-    expected = {node for ex in registry.exercises.values() for node in ex.tests}
-    assert {node.split("[")[0] for node in outcomes} == expected
-    failed = {node: o.first_line for node, o in outcomes.items() if o.outcome not in ("passed", "skipped")}
+    expected = {node for ex in load(REPO).exercises.values() for node in ex.tests}
+    assert {node.split("[")[0] for node in outcomes["reference"]} == expected
+    failed = {node: o.first_line for node, o in outcomes["reference"].items() if o.outcome not in ("passed", "skipped")}
     assert failed == {}
 
 
 @reference_only
-def test_student_workspace_fails_each_exercise_with_its_message(student, student_outcomes):
+def test_student_workspace_fails_each_exercise_with_its_message(student, outcomes):
     """(c) Each test fails, naming (one of) the exercise(s) it is marked with: a test that needs the
     solution of another exercise too must carry that exercise's marker as well."""
     by_id = {ex.id: ex for ex in student.blanked}
-    assert student_outcomes, "no exercise test ran in the student workspace"
-    for node, o in student_outcomes.items():
+    assert outcomes["student"], "no exercise test ran in the student workspace"
+    for node, o in outcomes["student"].items():
         if o.outcome == "skipped":
             continue
         assert o.outcome == "failed", f"{node} passes in the student workspace: does it test its exercise?"
@@ -316,29 +336,15 @@ def test_student_workspace_fails_each_exercise_with_its_message(student, student
 
 
 @reference_only
-def test_restoring_one_region_turns_exactly_that_exercise_green(student, student_outcomes, tmp_path):
-    """(d) Paste the reference solution of dist.shard_bounds back into a fresh student workspace.
-
-    Only tests marked with it are rerun: by (c) every other test fails with another exercise's
-    NotImplementedError, raised before the restored code could matter, so those stay red.
-    """
-    ws = write_student(REPO, tmp_path / "ws")
-    ex = next(e for e in ws.blanked if e.id == RESTORED)
-    begin, end = ex.solution
-    solution = (REPO / ex.path).read_text().splitlines(keepends=True)[begin + 1 : end]
-    lines = (ws.dest / ex.path).read_text().splitlines(keepends=True)
-    raise_at = ex.line  # the line right after `# EXERCISE` (0-based index == 1-based line of the comment)
-    assert lines[raise_at].lstrip().startswith(f'raise NotImplementedError("exercise {RESTORED}:')
-    lines[raise_at : raise_at + 1] = solution
-    (ws.dest / ex.path).write_text("".join(lines))
-
-    rerun = [e for e in ws.blanked if e.id == RESTORED]
-    outcomes = run_checks(ws.dest, rerun, timeout=TEST_TIMEOUT)
-    assert outcomes
-    for node, o in outcomes.items():
+def test_restoring_one_region_turns_exactly_that_exercise_green(outcomes):
+    """(d) With the solution of RESTORED pasted back, its tests pass; tests that also need another
+    exercise still fail. Only tests marked with RESTORED are rerun: by (c) every other test fails
+    with its own exercise's NotImplementedError, raised before the restored code could matter."""
+    assert outcomes["restored"]
+    for node, o in outcomes["restored"].items():
         if o.exercises == [RESTORED]:
             assert o.outcome in ("passed", "skipped"), f"{node}: {o.first_line}"
-        else:  # also needs another exercise
+        else:
             assert o.outcome == "failed" and RESTORED not in o.first_line, f"{node}: {o.first_line}"
-    others = [n for n, o in student_outcomes.items() if RESTORED not in o.exercises and o.outcome != "skipped"]
-    assert all(student_outcomes[n].outcome == "failed" for n in others)
+    others = [o for o in outcomes["student"].values() if RESTORED not in o.exercises]
+    assert all(o.outcome in ("failed", "skipped") for o in others)
