@@ -60,6 +60,8 @@ def _grade(args: argparse.Namespace) -> int:
         print(f"megalab grade: {exc}", file=sys.stderr)
         return 2
     print(report.table())
+    for problem in report.problems:
+        print(f"warning: {problem}", file=sys.stderr)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report.to_json(), f, indent=1, ensure_ascii=False)

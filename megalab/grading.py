@@ -36,7 +36,7 @@ from pathlib import Path
 from megalab.exercises import COURSE_DIR, Exercise, Registry, load
 
 _OUT, _IDS = "MEGALAB_GRADE_OUT", "MEGALAB_GRADE_IDS"
-_NOT_IMPLEMENTED = re.compile(r"NotImplementedError: (exercise ([\w.]+): [^\n\"']*)")
+_NOT_IMPLEMENTED = re.compile(r"NotImplementedError: (exercise ([\w.]+): [^\n]*)")
 _MENTION = re.compile(r"exercise ([\w.]+):")
 _ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 DEFAULT_TIMEOUT = 300  # seconds per test and per notebook cell
@@ -62,6 +62,8 @@ class Row:
     status: str  # passed / failed / not implemented / skipped
     detail: str  # first line of the (first) failure, or what passed
     outcomes: list[Outcome] = field(default_factory=list)
+    where: str = ""  # an exercise's file:line and notebook
+    notebook: str | None = None
 
 
 def _n(count: int, noun: str) -> str:
@@ -212,8 +214,11 @@ class Report:
 
     def to_json(self) -> dict:
         def row(r: Row) -> dict:
-            return {"name": r.name, "status": r.status, "detail": r.detail,
-                    "items": [{**asdict(o), "text": o.text[-4000:]} for o in r.outcomes]}
+            out = {"name": r.name, "status": r.status, "detail": r.detail}
+            if r.where:  # an exercise
+                out.update(where=r.where, notebook=r.notebook)
+            out["items"] = [{**asdict(o), "text": o.text[-4000:]} for o in r.outcomes]  # the tail of each report
+            return out
 
         return {"workspace": self.root, "chapter": self.chapter, "seconds": round(self.seconds, 1), "ok": self.ok,
                 "finished": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "problems": self.problems,
@@ -237,6 +242,8 @@ def grade(root: str | Path = ".", chapter: str | None = None, timeout: float = D
     cells = {node: o for node, o in outcomes.items() if node.split("::")[0].endswith(".ipynb")}
     tests = {node: o for node, o in outcomes.items() if node not in cells}
     rows = [exercise_row(ex, tests, cells) for ex in selected]
+    for row, ex in zip(rows, selected):
+        row.where, row.notebook = ex.where, ex.notebook
     return Report(str(root), folder, time.perf_counter() - start, rows, notebook_rows(nb_paths, cells),
                   registry.problems())
 

@@ -208,6 +208,8 @@ def test_grade_a_toy_workspace_end_to_end(tmp_path, monkeypatch, capsys):
     assert rows["toy.double"]["status"] == rows["toy.g"]["status"] == "not implemented"
     assert rows["toy.double"]["detail"] == ("NotImplementedError: exercise toy.double: return twice x — "
                                             "see course/01_x/01_toy.ipynb")
+    assert rows["toy.g"]["detail"] == 'NotImplementedError: exercise toy.g: return "g" — see course/02_y/01_more.ipynb'
+    assert rows["toy.g"]["where"] == "megalab/toy.py:11" and rows["toy.g"]["notebook"] == "course/02_y/01_more.ipynb"
     nb = rows["course/01_x/01_toy.ipynb"]
     assert nb["status"] == "not implemented" and nb["detail"].startswith("Cell 0: NotImplementedError: exercise toy.double")
     assert any(i["nodeid"].endswith("::Cell 0") for i in rows["toy.double"]["items"])  # the cell counts for it
