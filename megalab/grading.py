@@ -12,7 +12,8 @@ notebook cell failure to the exercise its error names (`exercise <id>: ...`, the
 NotImplementedError the student workspace raises). Status per exercise:
 
     passed            every test passed (and no notebook cell failed naming it)
-    not implemented   a failure is the NotImplementedError of an exercise region
+    not implemented   a failure is the NotImplementedError of its region (or of an earlier
+                      exercise its tests also need: "needs <id> first")
     failed            anything else (wrong answer, crash, timeout)
 
 Both go in ONE pytest run (tests first, then the notebooks). This module is also that run's
@@ -72,18 +73,26 @@ def _n(count: int, noun: str) -> str:
 
 def failure_line(text: str) -> str:
     """The line of a failure report worth showing in the table."""
-    m = _NOT_IMPLEMENTED.search(text)
-    if m:
-        return f"NotImplementedError: {m[1].strip()}"
     lines = [line.strip() for line in text.splitlines() if line.strip()]
-    for line in lines:  # pytest's own report: the first "E   " line is the exception
-        if line.startswith("E "):
-            return line[1:].strip()
+    raised = [line[1:].strip() for line in lines if line.startswith("E ")]  # pytest's report: "E   Error: ..."
+    for candidates in (raised, lines):
+        for line in candidates:
+            m = _NOT_IMPLEMENTED.search(line)
+            if m:
+                return f"NotImplementedError: {m[1].strip()}"
+    if raised:
+        return raised[0]
     cell = next((line for line in lines if re.match(r"Cell \d+: ", line)), None)  # nbval's report
     errors = [line for line in lines if re.match(r"^[A-Za-z_][\w.]*(Error|Exception|Interrupt|Exit)\b:?", line)]
     if cell and errors:
         return f"{cell}: {errors[-1]}"
     return cell or (errors[-1] if errors else (lines[-1] if lines else ""))
+
+
+def unimplemented(text: str) -> str | None:
+    """The id of the exercise whose NotImplementedError a failure report shows, if any."""
+    m = _NOT_IMPLEMENTED.match(failure_line(text))
+    return m[2] if m else None
 
 
 # --------------------------------------------------------------------------- running pytest
@@ -132,9 +141,14 @@ def exercise_row(ex: Exercise, tests: dict[str, Outcome], cells: dict[str, Outco
     if not mine:
         return Row(ex.id, "failed", f'no test ran: mark its tests @pytest.mark.exercise("{ex.id}")')
     if failed:
-        stubbed = [o for o in failed if _NOT_IMPLEMENTED.search(o.text)]
-        status = "not implemented" if stubbed else "failed"
-        return Row(ex.id, status, (stubbed or failed)[0].first_line, mine)
+        stubbed = [o for o in failed if unimplemented(o.text)]
+        if not stubbed:
+            return Row(ex.id, "failed", failed[0].first_line, mine)
+        own = [o for o in stubbed if unimplemented(o.text) == ex.id]
+        if own:
+            return Row(ex.id, "not implemented", own[0].first_line, mine)
+        needs = unimplemented(stubbed[0].text)  # its tests also run an earlier exercise's code
+        return Row(ex.id, "not implemented", f"needs {needs} first: {stubbed[0].first_line}", mine)
     passed = sum(o.outcome == "passed" for o in mine)
     if not passed:
         return Row(ex.id, "skipped", f"{len(mine)} skipped", mine)
@@ -150,7 +164,7 @@ def notebook_rows(notebooks: list[str], cells: dict[str, Outcome]) -> list[Row]:
             rows.append(Row(nb, "passed", "no code cells"))
         elif failed:
             first = failed[0]
-            status = "not implemented" if _NOT_IMPLEMENTED.search(first.text) else "failed"
+            status = "not implemented" if unimplemented(first.text) else "failed"
             cell = first.nodeid.split("::")[-1]
             line = first.first_line
             detail = line if line.startswith(cell) else f"{cell}: {line}"

@@ -27,7 +27,7 @@ from megalab.exercises import (
     scan_sources,
     write_student,
 )
-from megalab.grading import Outcome, exercise_row, failure_line, notebook_rows, run_checks
+from megalab.grading import Outcome, exercise_row, failure_line, notebook_rows, run_checks, unimplemented
 
 REPO = Path(__file__).resolve().parent.parent
 RESTORED = "dist.shard_bounds"  # the exercise pasted back for check (d)
@@ -232,6 +232,10 @@ def test_failure_lines_and_mapping():
 
     row = exercise_row(Ex, tests, cells)  # its tests pass, but a notebook cell says it is not implemented
     assert (row.status, row.detail) == ("not implemented", "NotImplementedError: exercise a.b: do it — see course/x.ipynb")
+    tests["t::e"] = Outcome("t::e", "failed", ["e.f"], "report = {'x': 'NotImplementedError: exercise c.d: y'}\n"
+                            "E   RankFailedError: rank 0 failed: NotImplementedError: exercise a.b: do it — see x\n")
+    Ex.id, Ex.tests = "e.f", ["t::e"]
+    assert exercise_row(Ex, tests, {}).detail == "needs a.b first: NotImplementedError: exercise a.b: do it — see x"
     Ex.id, Ex.tests = "c.d", ["t::c"]
     assert (exercise_row(Ex, tests, {}).status, exercise_row(Ex, tests, {}).detail) == ("failed", "assert 1 == 2")
     [nb] = notebook_rows(["nb"], cells)
@@ -302,13 +306,13 @@ def _restore(ws, exercise_id: str) -> None:
 
 @pytest.fixture(scope="module")
 def outcomes(student, tmp_path_factory):
-    """The three pytest runs, side by side (each is one subprocess): the reference's exercise tests,
-    the student workspace's, and the tests of RESTORED in a student workspace where it is pasted back."""
+    """Three pytest runs of every exercise test, side by side (each is one subprocess): in the
+    reference, in the student workspace, and in a student workspace with RESTORED pasted back."""
     restored = write_student(REPO, tmp_path_factory.mktemp("restored"))
     _restore(restored, RESTORED)
     runs = {"reference": (REPO, list(load(REPO).exercises.values())),
             "student": (student.dest, student.blanked),
-            "restored": (restored.dest, [ex for ex in restored.blanked if ex.id == RESTORED])}
+            "restored": (restored.dest, restored.blanked)}
     with ThreadPoolExecutor(len(runs)) as pool:
         futures = {name: pool.submit(run_checks, root, exs, timeout=TEST_TIMEOUT) for name, (root, exs) in runs.items()}
         return {name: future.result() for name, future in futures.items()}
@@ -323,30 +327,35 @@ def test_reference_passes_every_exercise_test(outcomes):
     assert failed == {}
 
 
+def _stub_of(node: str, o, by_id) -> str:
+    """The exercise whose NotImplementedError (exact message) made this test fail."""
+    assert o.outcome == "failed", f"{node} passes in the student workspace: does it test its exercise?"
+    ex_id = unimplemented(o.text)
+    assert ex_id in by_id, f"{node} fails, but not with an exercise's NotImplementedError: {o.first_line}"
+    assert o.first_line == f"NotImplementedError: {by_id[ex_id].message()}"
+    return ex_id
+
+
 @reference_only
 def test_student_workspace_fails_each_exercise_with_its_message(student, outcomes):
-    """(c) Each test fails, naming (one of) the exercise(s) it is marked with: a test that needs the
-    solution of another exercise too must carry that exercise's marker as well."""
+    """(c) Every exercise test fails with the exact NotImplementedError of its exercise, or of an
+    earlier exercise whose code it runs first (comm's collectives split with dist.shard_bounds)."""
     by_id = {ex.id: ex for ex in student.blanked}
     assert outcomes["student"], "no exercise test ran in the student workspace"
-    for node, o in outcomes["student"].items():
-        if o.outcome == "skipped":
-            continue
-        assert o.outcome == "failed", f"{node} passes in the student workspace: does it test its exercise?"
-        assert any(f"NotImplementedError: {by_id[i].message()}" in o.text for i in o.exercises), (
-            f"{node} (marked {o.exercises}) fails with: {o.first_line}")
+    stubs = {node: _stub_of(node, o, by_id) for node, o in outcomes["student"].items() if o.outcome != "skipped"}
+    assert {ex_id for node, ex_id in stubs.items() if ex_id in outcomes["student"][node].exercises}, (
+        "no test fails with its own exercise's message")
 
 
 @reference_only
 def test_restoring_one_region_turns_exactly_that_exercise_green(outcomes):
-    """(d) With the solution of RESTORED pasted back, its tests pass; tests that also need another
-    exercise still fail. Only tests marked with RESTORED are rerun: by (c) every other test fails
-    with its own exercise's NotImplementedError, raised before the restored code could matter."""
-    assert outcomes["restored"]
+    """(d) With the solution of RESTORED pasted back, exactly its tests pass; every other test
+    still fails, with the NotImplementedError of another exercise (a test that waited for
+    RESTORED now reaches its own region, or the next one it depends on)."""
+    by_id = {ex.id: ex for ex in load(REPO).exercises.values()}
+    assert outcomes["restored"].keys() == outcomes["student"].keys()
     for node, o in outcomes["restored"].items():
         if o.exercises == [RESTORED]:
             assert o.outcome in ("passed", "skipped"), f"{node}: {o.first_line}"
-        else:
-            assert o.outcome == "failed" and RESTORED not in o.first_line, f"{node}: {o.first_line}"
-    others = [o for o in outcomes["student"].values() if RESTORED not in o.exercises]
-    assert all(o.outcome in ("failed", "skipped") for o in others)
+        elif o.outcome != "skipped":
+            assert _stub_of(node, o, by_id) != RESTORED, f"{node} still fails on {RESTORED}"
