@@ -23,8 +23,10 @@ def _exercises(args: argparse.Namespace) -> int:
     from megalab.exercises import load
 
     registry = load(".")
-    for ex in registry.select(None):
-        print(f"{ex.id:<28} {ex.where:<28} {ex.notebook or '(no notebook)':<56} {len(ex.tests)} tests")
+    rows = [(ex.id, ex.where, ex.notebook or "(no notebook)", f"{len(ex.tests)} test(s)") for ex in registry.select(None)]
+    widths = [max(len(r[i]) for r in rows) for i in range(3)] if rows else []
+    for row in rows:
+        print("  ".join(f"{cell:<{w}}" for cell, w in zip(row, widths)), row[3])
     problems = registry.problems()
     for problem in problems:
         print(f"problem: {problem}", file=sys.stderr)
