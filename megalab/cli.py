@@ -20,9 +20,13 @@ def _notebooks(args: argparse.Namespace) -> int:
 
 
 def _exercises(args: argparse.Namespace) -> int:
-    from megalab.exercises import load
+    from megalab.exercises import ExerciseError, find_root, load
 
-    registry = load(".")
+    try:
+        registry = load(find_root())
+    except ExerciseError as exc:
+        print(f"megalab exercises: {exc}", file=sys.stderr)
+        return 2
     rows = [(ex.id, ex.where, ex.notebook or "(no notebook)", f"{len(ex.tests)} test(s)") for ex in registry.select(None)]
     widths = [max(len(r[i]) for r in rows) for i in range(3)] if rows else []
     for row in rows:
@@ -35,10 +39,10 @@ def _exercises(args: argparse.Namespace) -> int:
 
 
 def _student(args: argparse.Namespace) -> int:
-    from megalab.exercises import ExerciseError, write_student
+    from megalab.exercises import ExerciseError, find_root, write_student
 
     try:
-        ws = write_student(".", args.dir, force=args.force)
+        ws = write_student(find_root(), args.dir, force=args.force)
     except ExerciseError as exc:
         print(f"megalab student: {exc}", file=sys.stderr)
         return 1
@@ -54,11 +58,12 @@ def _student(args: argparse.Namespace) -> int:
 def _grade(args: argparse.Namespace) -> int:
     import json
 
+    from megalab.exercises import find_root
     from megalab.grading import grade
 
     try:
-        report = grade(".", args.chapter, timeout=args.timeout, notebooks=not args.no_notebooks)
-    except (ValueError, RuntimeError) as exc:
+        report = grade(find_root(), args.chapter, timeout=args.timeout, notebooks=not args.no_notebooks)
+    except (ValueError, RuntimeError) as exc:  # ExerciseError is a ValueError
         print(f"megalab grade: {exc}", file=sys.stderr)
         return 2
     print(report.table())

@@ -254,6 +254,15 @@ class Registry:
         return sorted(chosen, key=lambda ex: (ex.notebook or "~", ex.path, ex.cell or 0, ex.line))
 
 
+def find_root(start: str | Path = ".") -> Path:
+    """The workspace around `start`: the nearest folder (upwards) holding megalab/__init__.py."""
+    start = Path(start).resolve()
+    for folder in (start, *start.parents):
+        if (folder / SOURCE_DIR / "__init__.py").is_file():
+            return folder
+    raise ExerciseError([f"{start} is not inside a megalab workspace (no {SOURCE_DIR}/__init__.py here or above)"])
+
+
 def load(root: str | Path = ".") -> Registry:
     root = Path(root).resolve()
     exercises, errors = scan_sources(root)

@@ -21,6 +21,7 @@ from megalab import cli
 from megalab.exercises import (
     ExerciseError,
     blank,
+    find_root,
     load,
     parse_regions,
     repository_files,
@@ -148,6 +149,7 @@ def test_registry_maps_notebooks_and_tests(tmp_path):
     assert g.notebook == "course/02_y/01_more.ipynb"  # ... even when a mention comes earlier in the course
     assert double.tests == ["tests/test_toy.py::test_double"] and g.tests == ["tests/test_toy.py::TestG::test_g"]
     assert [ex.id for ex in registry.select("01_x")] == ["toy.double"]
+    assert find_root(tmp_path / "course" / "01_x") == tmp_path  # the commands work from any subfolder
 
 
 def test_registry_problems(tmp_path):
