@@ -82,11 +82,13 @@ def failure_line(text: str) -> str:
                 return f"NotImplementedError: {m[1].strip()}"
     if raised:
         return raised[0]
-    cell = next((line for line in lines if re.match(r"Cell \d+: ", line)), None)  # nbval's report
     errors = [line for line in lines if re.match(r"^[A-Za-z_][\w.]*(Error|Exception|Interrupt|Exit)\b:?", line)]
-    if cell and errors:
-        return f"{cell}: {errors[-1]}"
-    return cell or (errors[-1] if errors else (lines[-1] if lines else ""))
+    cell = next((line for line in lines if re.match(r"Cell \d+: ", line)), None)  # nbval's report
+    if cell:  # "Cell 3: Cell outputs differ" then, after "Traceback:", the exception or the mismatch
+        after = lines[lines.index("Traceback:") + 1 :] if "Traceback:" in lines else []
+        why = errors[-1] if errors else (after[0] if after else "")
+        return f"{cell}: {why}" if why else cell
+    return errors[-1] if errors else (lines[-1] if lines else "")
 
 
 def unimplemented(text: str) -> str | None:

@@ -224,6 +224,8 @@ def test_failure_lines_and_mapping():
     nbval = ("Notebook cell execution failed\nCell 2: Cell execution caused an exception\n\nInput:\nf()\n\n"
              "Traceback:\nRankFailedError: rank 1 failed: ValueError: bad\n")
     assert failure_line(nbval) == "Cell 2: Cell execution caused an exception: RankFailedError: rank 1 failed: ValueError: bad"
+    mismatch = "Notebook cell execution failed\nCell 3: Cell outputs differ\n\nInput:\nprint(1)\n\nTraceback:\n mismatch 'stdout'\n"
+    assert failure_line(mismatch) == "Cell 3: Cell outputs differ: mismatch 'stdout'"
     stub = 'RankFailedError: rank 0 failed: NotImplementedError: exercise a.b: do it — see course/x.ipynb\n'
     cells = {"nb::Cell 2": Outcome("nb::Cell 2", "failed", [], stub), "nb::Cell 3": Outcome("nb::Cell 3", "failed", [], nbval),
              "nb::Cell 1": Outcome("nb::Cell 1", "passed")}
