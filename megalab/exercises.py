@@ -93,6 +93,9 @@ def parse_regions(text: str, path: str, cell: int | None = None) -> tuple[list[E
         if m:
             ex = Exercise(m["id"], m["task"], path, i + 1, m["indent"], cell)
             found.append(ex)
+            if cell is None and not ex.indent:
+                problems.append(f"{at(i)}: {ex.id} is at module level; put the region inside a function body "
+                                "(a module-level raise would break `import`)")
             if i + 1 < len(lines) and _BEGIN.match(lines[i + 1]):
                 end = _region_end(lines, i + 2)
                 begin_indent = lines[i + 1][: len(lines[i + 1]) - len(lines[i + 1].lstrip())]
@@ -334,11 +337,9 @@ def write_student(root: str | Path, dest: str | Path, force: bool = False) -> St
     if dest.exists() and any(dest.iterdir()) and not force:
         raise ExerciseError([f"{dest} is not empty; choose an empty folder or pass --force to overwrite its files"])
     registry = load(root)
-    errors = list(registry.errors)
-    for ex in registry.exercises.values():
-        if ex.solution is None:
-            errors.append(f"{ex.where}: exercise {ex.id} has no `### BEGIN SOLUTION` block under its `# EXERCISE` "
-                          "line (is this already a student workspace?)")
+    errors = registry.errors or [  # (a broken region is reported once, above)
+        f"{ex.where}: exercise {ex.id} has no `### BEGIN SOLUTION` block under its `# EXERCISE` line "
+        "(is this already a student workspace?)" for ex in registry.exercises.values() if ex.solution is None]
     if errors:
         raise ExerciseError(errors)
     by_path: dict[str, list[Exercise]] = {}

@@ -87,7 +87,9 @@ def test_parse_and_blank_keep_everything_else():
     ("    # EXERCISE a.b: t\n  ### BEGIN SOLUTION\n    x = 1\n  ### END SOLUTION\n", "indented exactly like"),
     ("    # EXERCISE a.b: t\n    ### BEGIN SOLUTION\n\n    ### END SOLUTION\n", "is empty"),
     ("        # EXERCISE a.b: t\n        ### BEGIN SOLUTION\n    x = 1\n        ### END SOLUTION\n", "one block"),
-], ids=["no-end", "end-after-next-region", "begin-alone", "end-alone", "bad-id", "indent", "empty", "dedent"])
+    ("# EXERCISE a.b: t\n### BEGIN SOLUTION\nx = 1\n### END SOLUTION\n", "module level"),
+], ids=["no-end", "end-after-next-region", "begin-alone", "end-alone", "bad-id", "indent", "empty", "dedent",
+        "module-level"])
 def test_parse_errors_say_where_and_what(text, expected):
     _, problems = parse_regions(text, "megalab/m.py")
     assert problems and problems[0].startswith("megalab/m.py:") and expected in problems[0], problems
