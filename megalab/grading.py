@@ -34,7 +34,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from megalab.exercises import COURSE_DIR, Exercise, Registry, load
+from megalab.exercises import COURSE_DIR, Exercise, load
+from megalab.notebooks import find_notebooks
 
 _OUT, _IDS = "MEGALAB_GRADE_OUT", "MEGALAB_GRADE_IDS"
 _NOT_IMPLEMENTED = re.compile(r"NotImplementedError: (exercise ([\w.]+): [^\n]*)")
@@ -242,18 +243,17 @@ class Report:
 
 
 def grade(root: str | Path = ".", chapter: str | None = None, timeout: float = DEFAULT_TIMEOUT,
-          notebooks: bool = True, registry: Registry | None = None) -> Report:
+          notebooks: bool = True) -> Report:
     """Grade the workspace at `root` (one chapter, or everything)."""
     start = time.perf_counter()
     root = Path(root).resolve()
     folder = chapter_folder(root, chapter)
-    registry = registry or load(root)
+    registry = load(root)
     selected = registry.select(folder)
     course = root / COURSE_DIR / folder if folder else root / COURSE_DIR
     nb_paths = []
     if notebooks and course.is_dir():
-        nb_paths = [p.relative_to(root).as_posix() for p in sorted(course.rglob("*.ipynb"))
-                    if ".ipynb_checkpoints" not in p.parts]
+        nb_paths = [p.relative_to(root).as_posix() for p in find_notebooks([str(course)])]
     outcomes = run_checks(root, selected, nb_paths, timeout)
     cells = {node: o for node, o in outcomes.items() if node.split("::")[0].endswith(".ipynb")}
     tests = {node: o for node, o in outcomes.items() if node not in cells}

@@ -115,7 +115,7 @@ def _toy_tree(root: Path) -> Path:
     """A tiny repository: megalab/toy.py with two exercises, their tests and notebooks."""
     (root / "megalab").mkdir(parents=True)
     (root / "megalab" / "__init__.py").write_text("")
-    for module in ("exercises.py", "grading.py"):  # `megalab grade` loads its pytest plugin from the workspace
+    for module in ("exercises.py", "grading.py", "notebooks.py"):  # `megalab grade` loads its plugin from here
         shutil.copy(REPO / "megalab" / module, root / "megalab" / module)
     (root / "megalab" / "toy.py").write_text(SOURCE)
     (root / "tests").mkdir()
