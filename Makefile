@@ -7,7 +7,7 @@ STAMP := $(VENV)/.megalab-setup
 PORT ?= 8888
 ROOT_FLAG := $(if $(filter 0,$(shell id -u)),--allow-root,)
 
-.PHONY: setup lab test unit nbval notebooks student bench lint clean
+.PHONY: setup lab test unit nbval notebooks student grade bench lint clean
 
 setup: $(STAMP)
 
@@ -37,6 +37,10 @@ notebooks: setup
 
 student: setup
 	$(VENV)/bin/megalab student $(or $(DIR),../megalab-student)
+
+# Per-exercise table for this workspace (reference or student); CHAPTER=01 for one chapter.
+grade: setup
+	$(VENV)/bin/megalab grade $(CHAPTER)
 
 bench: setup
 	$(PY) benchmarks/launcher_overhead.py

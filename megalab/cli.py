@@ -1,4 +1,4 @@
-"""The `megalab` command: `megalab doctor`, `megalab notebooks` (and the exercise tools)."""
+"""The `megalab` command: doctor, notebooks, and the exercise tools (exercises, student, grade)."""
 
 from __future__ import annotations
 
@@ -19,6 +19,63 @@ def _notebooks(args: argparse.Namespace) -> int:
     return execute_all(args.paths, timeout=args.timeout)
 
 
+def _exercises(args: argparse.Namespace) -> int:
+    from megalab.exercises import ExerciseError, find_root, load
+
+    try:
+        registry = load(find_root())
+    except ExerciseError as exc:
+        print(f"megalab exercises: {exc}", file=sys.stderr)
+        return 2
+    rows = [(ex.id, ex.where, ex.notebook or "(no notebook)", f"{len(ex.tests)} test(s)") for ex in registry.select(None)]
+    widths = [max(len(r[i]) for r in rows) for i in range(3)] if rows else []
+    for row in rows:
+        print("  ".join(f"{cell:<{w}}" for cell, w in zip(row, widths)), row[3])
+    problems = registry.problems()
+    for problem in problems:
+        print(f"problem: {problem}", file=sys.stderr)
+    print(f"{len(registry.exercises)} exercise(s), {len(problems)} problem(s)")
+    return 1 if problems else 0
+
+
+def _student(args: argparse.Namespace) -> int:
+    from megalab.exercises import ExerciseError, find_root, write_student
+
+    try:
+        ws = write_student(find_root(), args.dir, force=args.force)
+    except ExerciseError as exc:
+        print(f"megalab student: {exc}", file=sys.stderr)
+        return 1
+    for ex in ws.blanked:
+        print(f"  blanked {ex.id:<28} {ex.where:<28} -> see {ex.notebook or '(no notebook yet)'}")
+    for warning in ws.warnings:
+        print(f"warning: {warning}", file=sys.stderr)
+    print(f"wrote the student workspace {ws.dest}: {ws.files} files copied, {len(ws.blanked)} exercise(s) blanked "
+          f"in {len(ws.changed)} file(s)")
+    return 0
+
+
+def _grade(args: argparse.Namespace) -> int:
+    import json
+
+    from megalab.exercises import find_root
+    from megalab.grading import grade
+
+    try:
+        report = grade(find_root(), args.chapter, timeout=args.timeout, notebooks=not args.no_notebooks)
+    except (ValueError, RuntimeError) as exc:  # ExerciseError is a ValueError
+        print(f"megalab grade: {exc}", file=sys.stderr)
+        return 2
+    print(report.table())
+    for problem in report.problems:
+        print(f"warning: {problem}", file=sys.stderr)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report.to_json(), f, indent=1, ensure_ascii=False)
+        print(f"wrote {args.json}")
+    return 0 if report.ok else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="megalab", description="megalab: build Megatron-LM's ideas yourself")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -30,6 +87,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("paths", nargs="*", default=["course"], help="notebooks or folders (default: course)")
     p.add_argument("--timeout", type=float, default=600, help="seconds per cell")
     p.set_defaults(func=_notebooks)
+
+    p = sub.add_parser("exercises", help="list the exercises (id, where, notebook, tests) and check their markers")
+    p.set_defaults(func=_exercises)
+
+    p = sub.add_parser("student", help="write the student workspace: this repository with every exercise blanked")
+    p.add_argument("dir", help="an empty folder to create the workspace in")
+    p.add_argument("--force", action="store_true", help="write into a non-empty folder (overwrites its files)")
+    p.set_defaults(func=_student)
+
+    p = sub.add_parser("grade", help="run the exercises' tests and notebooks here; table per exercise")
+    p.add_argument("chapter", nargs="?", help="01 or 01_foundations (default: every chapter)")
+    p.add_argument("--json", metavar="FILE", help="also write the results as JSON (for instructors)")
+    p.add_argument("--timeout", type=float, default=300, help="seconds per test and per notebook cell (default 300)")
+    p.add_argument("--no-notebooks", action="store_true", help="run the exercise tests only")
+    p.set_defaults(func=_grade)
     return parser
 
 

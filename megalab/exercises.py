@@ -1,0 +1,378 @@
+"""Exercises from one source: the reference code carries the solutions, the student workspace blanks them.
+
+An exercise region inside a function in megalab/ (or in a notebook's code cell) reads, shown
+here behind a "|" margin:
+
+    |    # EXERCISE dist.shard_bounds: balanced contiguous split (first length % world_size ranks get one more)
+    |    ### BEGIN SOLUTION
+    |    base, extra = divmod(length, world_size)
+    |    ...
+    |    ### END SOLUTION
+
+`megalab student DIR` copies the repository and turns every BEGIN..END block into one line at
+the same indentation; the `# EXERCISE` line stays, so the task is still written there:
+
+    |    # EXERCISE dist.shard_bounds: balanced contiguous split (first length % world_size ranks get one more)
+    |    raise NotImplementedError("exercise dist.shard_bounds: balanced ... — see course/01_foundations/01_....ipynb")
+
+The registry is derived from the source every time, in either workspace:
+    id, task, where        the `# EXERCISE <id>: <task>` line
+    notebook               the notebook under course/ whose markdown names the id in backticks
+                           (**Exercise `dist.shard_bounds`** preferred over a passing mention)
+    tests                  tests/ functions marked @pytest.mark.exercise("<id>") (read with ast)
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import re
+import shutil
+import subprocess
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import nbformat
+
+SOURCE_DIR, COURSE_DIR, TESTS_DIR = "megalab", "course", "tests"
+_EXERCISE = re.compile(r"^(?P<indent>[ \t]*)# EXERCISE (?P<id>[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)+): (?P<task>\S.*?)\s*$")
+_EXERCISE_LIKE = re.compile(r"^[ \t]*#\s*EXERCISE\b")
+_BEGIN = re.compile(r"^[ \t]*### BEGIN SOLUTION\s*$")
+_END = re.compile(r"^[ \t]*### END SOLUTION\s*$")
+_SKIP_DIRS = {".git", ".venv", "venv", "__pycache__", ".pytest_cache", ".ruff_cache", ".ipynb_checkpoints", ".megalab",
+              "node_modules", "build", "dist"}
+
+
+class ExerciseError(ValueError):
+    """The exercise markers in the source are inconsistent; the message lists every problem."""
+
+    def __init__(self, problems: list[str]):
+        super().__init__("\n".join(problems))
+        self.problems = problems
+
+
+@dataclass
+class Exercise:
+    id: str
+    task: str
+    path: str  # relative to the repository root, with "/"
+    line: int  # 1-based line of the `# EXERCISE` comment (within its cell, in a notebook)
+    indent: str
+    cell: int | None = None  # index of the notebook cell that holds the region
+    solution: tuple[int, int] | None = None  # 0-based lines of BEGIN and END; None once blanked
+    notebook: str | None = None
+    tests: list[str] = field(default_factory=list)
+
+    @property
+    def where(self) -> str:
+        return f"{self.path}:{self.line}" if self.cell is None else f"{self.path} cell {self.cell} line {self.line}"
+
+    @property
+    def chapter(self) -> str | None:
+        """The course chapter folder of its notebook, e.g. `01_foundations`."""
+        return Path(self.notebook).parts[1] if self.notebook else None
+
+    def message(self) -> str:
+        return f"exercise {self.id}: {self.task} — see {self.notebook or COURSE_DIR + '/'}"
+
+
+# --------------------------------------------------------------------------- parsing
+
+
+def parse_regions(text: str, path: str, cell: int | None = None) -> tuple[list[Exercise], list[str]]:
+    """The exercises in one source text, and its problems ("path:line: what is wrong")."""
+    lines = text.splitlines()
+    found, problems = [], []
+
+    def at(i: int) -> str:
+        return f"{path}:{i + 1}" if cell is None else f"{path} cell {cell} line {i + 1}"
+
+    i = 0
+    while i < len(lines):
+        line, m = lines[i], _EXERCISE.match(lines[i])
+        if m:
+            ex = Exercise(m["id"], m["task"], path, i + 1, m["indent"], cell)
+            found.append(ex)
+            if cell is None and not ex.indent:
+                problems.append(f"{at(i)}: {ex.id} is at module level; put the region inside a function body "
+                                "(a module-level raise would break `import`)")
+            if i + 1 < len(lines) and _BEGIN.match(lines[i + 1]):
+                end = _region_end(lines, i + 2)
+                begin_indent = lines[i + 1][: len(lines[i + 1]) - len(lines[i + 1].lstrip())]
+                if end is None:
+                    problems.append(f"{at(i + 1)}: unterminated region: `### BEGIN SOLUTION` of {ex.id} has no "
+                                    "`### END SOLUTION` before the next region or the end of the file")
+                    i += 2
+                    continue
+                body = lines[i + 2 : end]
+                if begin_indent != ex.indent or not lines[end].startswith(ex.indent):
+                    problems.append(f"{at(i + 1)}: the BEGIN/END markers of {ex.id} must be indented exactly like "
+                                    "its `# EXERCISE` line")
+                elif not any(b.strip() for b in body):
+                    problems.append(f"{at(i + 1)}: the solution of {ex.id} is empty")
+                elif any(b.strip() and not b.startswith(ex.indent) for b in body):
+                    problems.append(f"{at(i + 1)}: the solution of {ex.id} must be one block of statements at its "
+                                    "markers' indentation (or deeper)")
+                ex.solution = (i + 1, end)
+                i = end + 1
+                continue
+        elif _BEGIN.match(line):
+            problems.append(f"{at(i)}: `### BEGIN SOLUTION` needs a `# EXERCISE <id>: <task>` line right above it")
+        elif _END.match(line):
+            problems.append(f"{at(i)}: `### END SOLUTION` without a `### BEGIN SOLUTION` before it")
+        elif _EXERCISE_LIKE.match(line):
+            problems.append(f"{at(i)}: malformed exercise line; write `# EXERCISE <module>.<name>: <one-line task>`")
+        i += 1
+    return found, problems
+
+
+def _region_end(lines: list[str], start: int) -> int | None:
+    for j in range(start, len(lines)):
+        if _END.match(lines[j]):
+            return j
+        if _BEGIN.match(lines[j]) or _EXERCISE.match(lines[j]):
+            return None
+    return None
+
+
+def _files(root: Path, folder: str, suffix: str) -> list[Path]:
+    base = root / folder
+    if not base.is_dir():
+        return []
+    return sorted(p for p in base.rglob(f"*{suffix}") if not _SKIP_DIRS.intersection(p.relative_to(root).parts))
+
+
+def _code_cells(nb) -> list[tuple[int, str]]:
+    return [(i, c.source) for i, c in enumerate(nb.cells) if c.cell_type == "code"]
+
+
+def scan_sources(root: Path) -> tuple[list[Exercise], list[str]]:
+    """Every exercise in megalab/**/*.py and in course notebooks' code cells, with the problems found."""
+    exercises, problems = [], []
+    for path in _files(root, SOURCE_DIR, ".py"):
+        rel = path.relative_to(root).as_posix()
+        found, bad = parse_regions(path.read_text(encoding="utf-8"), rel)
+        exercises += found
+        problems += bad
+    for path in _files(root, COURSE_DIR, ".ipynb"):
+        rel = path.relative_to(root).as_posix()
+        for i, source in _code_cells(nbformat.read(path, as_version=4)):
+            found, bad = parse_regions(source, rel, cell=i)
+            exercises += found
+            problems += bad
+    seen: dict[str, Exercise] = {}
+    for ex in exercises:
+        if ex.id in seen:
+            problems.append(f"{ex.where}: duplicate exercise id {ex.id} (first at {seen[ex.id].where}); ids must be unique")
+        seen.setdefault(ex.id, ex)
+    return exercises, problems
+
+
+# --------------------------------------------------------------------------- notebooks and tests
+
+
+def notebook_mentions(root: Path) -> dict[str, tuple[set[str], set[str]]]:
+    """notebook path -> (ids named as "Exercise `id`", ids named in backticks anywhere) in its markdown."""
+    mentions = {}
+    for path in _files(root, COURSE_DIR, ".ipynb"):
+        nb = nbformat.read(path, as_version=4)
+        text = "\n".join(c.source for c in nb.cells if c.cell_type == "markdown")
+        strong = set(re.findall(r"Exercise\W{0,4}`([\w.]+)`", text, flags=re.IGNORECASE))
+        mentions[path.relative_to(root).as_posix()] = (strong, set(re.findall(r"`([\w.]+)`", text)))
+    return mentions
+
+
+def find_notebook(exercise_id: str, mentions: dict[str, tuple[set[str], set[str]]]) -> str | None:
+    """The notebook that teaches it: the first (in course order) that announces it as an exercise,
+    else the first that names it in backticks."""
+    for kind in (0, 1):
+        for path in sorted(mentions):
+            if exercise_id in mentions[path][kind]:
+                return path
+    return None
+
+
+def _exercise_marks(decorators: list[ast.expr]) -> list[str]:
+    """Ids from `@pytest.mark.exercise("id")` / `@mark.exercise("id")` decorators (or a pytestmark list)."""
+    ids = []
+    for node in decorators:
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "exercise"
+                and isinstance(node.func.value, (ast.Attribute, ast.Name))
+                and getattr(node.func.value, "attr", getattr(node.func.value, "id", None)) == "mark"
+                and node.args and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str)):
+            ids.append(node.args[0].value)
+    return ids
+
+
+def find_tests(root: Path) -> dict[str, list[str]]:
+    """exercise id -> pytest node ids of the tests marked with it (tests/**/*.py, read with ast)."""
+    tests: dict[str, list[str]] = {}
+    for path in _files(root, TESTS_DIR, ".py"):
+        rel = path.relative_to(root).as_posix()
+        tree = ast.parse(path.read_text(encoding="utf-8"), rel)
+        module_marks = []
+        for node in tree.body:  # pytestmark = pytest.mark.exercise(...) or [ ... ]
+            if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "pytestmark" for t in node.targets):
+                module_marks += _exercise_marks(node.value.elts if isinstance(node.value, ast.List) else [node.value])
+
+        def visit(body, prefix, marks):
+            for node in body:
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name.startswith("test"):
+                    for ex_id in dict.fromkeys(marks + _exercise_marks(node.decorator_list)):
+                        tests.setdefault(ex_id, []).append(f"{prefix}::{node.name}")
+                elif isinstance(node, ast.ClassDef) and node.name.startswith("Test"):
+                    visit(node.body, f"{prefix}::{node.name}", marks + _exercise_marks(node.decorator_list))
+
+        visit(tree.body, rel, module_marks)
+    return tests
+
+
+# --------------------------------------------------------------------------- registry
+
+
+@dataclass
+class Registry:
+    root: Path
+    exercises: dict[str, Exercise]
+    errors: list[str]  # the markers themselves are broken (no student workspace can be written)
+    unknown_tests: dict[str, list[str]]  # ids used by test markers that no `# EXERCISE` line defines
+
+    def problems(self) -> list[str]:
+        """Everything an author must fix: broken markers, exercises without a test or a notebook."""
+        out = list(self.errors)
+        for ex in self.exercises.values():
+            if not ex.tests:
+                out.append(f"{ex.where}: exercise {ex.id} has no test; mark one in tests/ with "
+                           f'@pytest.mark.exercise("{ex.id}")')
+            if not ex.notebook:
+                out.append(f"{ex.where}: no notebook under {COURSE_DIR}/ names exercise {ex.id}; write "
+                           f"**Exercise `{ex.id}`** in the markdown of the notebook that teaches it")
+        for ex_id, nodes in self.unknown_tests.items():
+            out.append(f"{nodes[0]}: marked exercise {ex_id!r}, but no `# EXERCISE {ex_id}: ...` line defines it")
+        return out
+
+    def select(self, chapter: str | None) -> list[Exercise]:
+        """The exercises of one chapter folder (all of them for None), in course order."""
+        chosen = [ex for ex in self.exercises.values() if chapter is None or ex.chapter == chapter]
+        return sorted(chosen, key=lambda ex: (ex.notebook or "~", ex.path, ex.cell or 0, ex.line))
+
+
+def find_root(start: str | Path = ".") -> Path:
+    """The workspace around `start`: the nearest folder (upwards) holding megalab/__init__.py."""
+    start = Path(start).resolve()
+    for folder in (start, *start.parents):
+        if (folder / SOURCE_DIR / "__init__.py").is_file():
+            return folder
+    raise ExerciseError([f"{start} is not inside a megalab workspace (no {SOURCE_DIR}/__init__.py here or above)"])
+
+
+def load(root: str | Path = ".") -> Registry:
+    root = Path(root).resolve()
+    exercises, errors = scan_sources(root)
+    by_id = {}
+    for ex in exercises:
+        by_id.setdefault(ex.id, ex)
+    mentions = notebook_mentions(root)
+    tests = find_tests(root)
+    for ex in by_id.values():
+        ex.notebook = find_notebook(ex.id, mentions) or (ex.path if ex.cell is not None else None)
+        ex.tests = tests.get(ex.id, [])
+    unknown = {ex_id: nodes for ex_id, nodes in tests.items() if ex_id not in by_id}
+    return Registry(root, by_id, errors, unknown)
+
+
+# --------------------------------------------------------------------------- the student workspace
+
+
+def blank(text: str, exercises: list[Exercise]) -> str:
+    """`text` with each exercise's BEGIN..END block replaced by a raise at the region's indentation."""
+    lines = text.splitlines(keepends=True)
+    for ex in sorted(exercises, key=lambda ex: ex.line, reverse=True):
+        begin, end = ex.solution
+        newline = lines[begin][len(lines[begin].rstrip("\r\n")):] or "\n"
+        raise_line = f"{ex.indent}raise NotImplementedError({json.dumps(ex.message(), ensure_ascii=False)})"
+        lines[begin : end + 1] = [raise_line + newline]
+    return "".join(lines)
+
+
+def repository_files(root: Path, exclude: Path | None = None) -> list[str]:
+    """Files of the repository: tracked files in a git checkout, else a walk that skips venvs and caches."""
+    try:
+        top = subprocess.run(["git", "-C", str(root), "rev-parse", "--show-toplevel"], capture_output=True, text=True)
+    except FileNotFoundError:  # no git on this machine
+        top = None
+    if top and top.returncode == 0 and Path(top.stdout.strip()).resolve() == root:
+        listed = subprocess.run(["git", "-C", str(root), "ls-files", "-z"], capture_output=True, check=True).stdout
+        return [f for f in listed.decode().split("\0") if f and (root / f).is_file()]
+    files = []
+    for path in sorted(root.rglob("*")):
+        rel = path.relative_to(root)
+        if (path.is_file() and not _SKIP_DIRS.intersection(rel.parts[:-1]) and path.suffix != ".pyc"
+                and not any(p.endswith(".egg-info") for p in rel.parts)
+                and not (exclude and path.resolve().is_relative_to(exclude))):
+            files.append(rel.as_posix())
+    return files
+
+
+@dataclass
+class StudentWorkspace:
+    dest: Path
+    files: int  # files written
+    changed: list[str]  # files that had exercise regions
+    blanked: list[Exercise]
+    warnings: list[str]
+
+
+def write_student(root: str | Path, dest: str | Path, force: bool = False) -> StudentWorkspace:
+    """Copy the repository at `root` into `dest`, blanking every exercise region.
+
+    Refuses a non-empty `dest` unless `force` (then files are overwritten, others left alone).
+    Broken markers raise ExerciseError; exercises without a test or notebook only warn.
+    """
+    root, dest = Path(root).resolve(), Path(dest).resolve()
+    if dest == root or root.is_relative_to(dest):
+        raise ExerciseError([f"{dest} holds the reference repository itself; choose another folder"])
+    if dest.exists() and not dest.is_dir():
+        raise ExerciseError([f"{dest} is a file, not a folder"])
+    if dest.exists() and any(dest.iterdir()) and not force:
+        raise ExerciseError([f"{dest} is not empty; choose an empty folder or pass --force to overwrite its files"])
+    registry = load(root)
+    errors = registry.errors or [  # (a broken region is reported once, above)
+        f"{ex.where}: exercise {ex.id} has no `### BEGIN SOLUTION` block under its `# EXERCISE` line "
+        "(is this already a student workspace?)" for ex in registry.exercises.values() if ex.solution is None]
+    if errors:
+        raise ExerciseError(errors)
+    by_path: dict[str, list[Exercise]] = {}
+    for ex in registry.exercises.values():
+        by_path.setdefault(ex.path, []).append(ex)
+
+    files = repository_files(root, exclude=dest)
+    for rel in files:
+        src, out = root / rel, dest / rel
+        out.parent.mkdir(parents=True, exist_ok=True)
+        if rel not in by_path:
+            if out.is_symlink() or out.exists():
+                out.unlink()
+            shutil.copy2(src, out, follow_symlinks=False)
+        elif rel.endswith(".ipynb"):
+            nb = nbformat.read(src, as_version=nbformat.NO_CONVERT)
+            for cell_index, cell_exercises in _group(by_path[rel], lambda ex: ex.cell).items():
+                cell = nb.cells[cell_index]
+                cell.source = blank(cell.source, cell_exercises)
+            out.write_text(nbformat.writes(nb), encoding="utf-8")
+            shutil.copymode(src, out)
+        else:
+            out.write_text(blank(src.read_text(encoding="utf-8"), by_path[rel]), encoding="utf-8")
+            shutil.copymode(src, out)
+    blanked = [ex for rel in files for ex in by_path.get(rel, [])]
+    missing = sorted(set(by_path) - set(files))
+    warnings = [f"{p}: has exercises but is not a tracked file, so it was not copied" for p in missing]
+    warnings += [p for p in registry.problems() if p not in registry.errors]
+    return StudentWorkspace(dest, len(files), sorted(set(by_path) & set(files)), blanked, warnings)
+
+
+def _group(items, key) -> dict:
+    groups: dict = {}
+    for item in items:
+        groups.setdefault(key(item), []).append(item)
+    return groups

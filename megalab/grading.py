@@ -1,0 +1,316 @@
+"""`megalab grade`: run the exercises' tests and the chapter's notebooks, report one row per exercise.
+
+pytest runs in the workspace (the current repository, reference or student) with this Python
+and PYTHONPATH=<workspace>, so the workspace's own `megalab` is what gets tested:
+
+    1. the tests marked @pytest.mark.exercise(...) of the selected exercises, with a per-test
+       timeout (pytest-timeout), so a deadlocked implementation fails instead of hanging;
+    2. the chapter's notebooks under strict nbval, with a per-cell timeout.
+
+Each failure is mapped to an exercise: a test belongs to the exercises it is marked with, a
+notebook cell failure to the exercise its error names (`exercise <id>: ...`, the message of the
+NotImplementedError the student workspace raises). Status per exercise:
+
+    passed            every test passed (and no notebook cell failed naming it)
+    not implemented   a failure is the NotImplementedError of its region (or of an earlier
+                      exercise its tests also need: "needs <id> first")
+    failed            anything else (wrong answer, crash, timeout)
+
+Both go in ONE pytest run (tests first, then the notebooks). This module is also that run's
+plugin (`-p megalab.grading`): when MEGALAB_GRADE_OUT is set it keeps only the selected
+exercises' tests (and the notebook cells) and writes every outcome there as JSON.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from megalab.exercises import COURSE_DIR, Exercise, load
+from megalab.notebooks import find_notebooks
+
+_OUT, _IDS = "MEGALAB_GRADE_OUT", "MEGALAB_GRADE_IDS"
+_NOT_IMPLEMENTED = re.compile(r"NotImplementedError: (exercise ([\w.]+): [^\n]*)")
+_MENTION = re.compile(r"exercise ([\w.]+):")
+_ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+DEFAULT_TIMEOUT = 300  # seconds per test and per notebook cell
+
+
+@dataclass
+class Outcome:
+    """One pytest item (a test, or a notebook cell): passed / failed / skipped and why."""
+
+    nodeid: str
+    outcome: str
+    exercises: list[str] = field(default_factory=list)
+    text: str = ""  # the failure report, colour codes removed
+
+    @property
+    def first_line(self) -> str:
+        return "did not run (pytest stopped before it)" if self.outcome == "not run" else failure_line(self.text)
+
+
+@dataclass
+class Row:
+    name: str  # exercise id or notebook path
+    status: str  # passed / failed / not implemented / skipped
+    detail: str  # first line of the (first) failure, or what passed
+    outcomes: list[Outcome] = field(default_factory=list)
+    where: str = ""  # an exercise's file:line and notebook
+    notebook: str | None = None
+
+
+def _n(count: int, noun: str) -> str:
+    return f"{count} {noun}{'s' * (count != 1)}"
+
+
+def failure_line(text: str) -> str:
+    """The line of a failure report worth showing in the table."""
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    raised = [line[1:].strip() for line in lines if line.startswith("E ")]  # pytest's report: "E   Error: ..."
+    for candidates in (raised, lines):
+        for line in candidates:
+            m = _NOT_IMPLEMENTED.search(line)
+            if m:
+                return f"NotImplementedError: {m[1].strip()}"
+    if raised:
+        return raised[0]
+    errors = [line for line in lines if re.match(r"^[A-Za-z_][\w.]*(Error|Exception|Interrupt|Exit)\b:?", line)]
+    cell = next((line for line in lines if re.match(r"Cell \d+: ", line)), None)  # nbval's report
+    if cell:  # "Cell 3: Cell outputs differ" then, after "Traceback:", the exception or the mismatch
+        after = lines[lines.index("Traceback:") + 1 :] if "Traceback:" in lines else []
+        why = errors[-1] if errors else (after[0] if after else "")
+        return f"{cell}: {why}" if why else cell
+    return errors[-1] if errors else (lines[-1] if lines else "")
+
+
+def unimplemented(text: str) -> str | None:
+    """The id of the exercise whose NotImplementedError a failure report shows, if any."""
+    m = _NOT_IMPLEMENTED.match(failure_line(text))
+    return m[2] if m else None
+
+
+# --------------------------------------------------------------------------- running pytest
+
+
+def run_checks(root: Path, exercises: list[Exercise], notebooks: list[str] = (),
+               timeout: float = DEFAULT_TIMEOUT) -> dict[str, Outcome]:
+    """ONE pytest run in `root`: the tests marked with `exercises`, then `notebooks` under strict nbval.
+
+    Returns {nodeid: Outcome}; notebook cells have node ids "<notebook>::Cell N". Outcomes are
+    written as they come, so a crash of pytest itself leaves the rest "not run" (a failure).
+    """
+    files = sorted({node.split("::")[0] for ex in exercises for node in ex.tests})
+    if not files and not notebooks:
+        return {}
+    if importlib.util.find_spec("pytest_timeout") is None:
+        raise RuntimeError("grading needs pytest-timeout (a hanging test must fail, not hang): pip install -e '.[dev]'")
+    args = [f"--timeout={timeout:g}", *files, *notebooks]
+    if notebooks:
+        args += ["--nbval", "--nbval-current-env", f"--nbval-cell-timeout={timeout:g}"]
+    else:  # no notebooks: skip loading nbval (and the addopts that configure it); saves seconds
+        args += ["-p", "no:nbval", "-o", "addopts="]
+    with tempfile.TemporaryDirectory(prefix="megalab-grade-") as tmp:
+        out = Path(tmp) / "outcomes.json"
+        env = {k: v for k, v in os.environ.items() if k != _IDS}
+        env.update({_OUT: str(out), _IDS: ",".join(ex.id for ex in exercises)})
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))
+        cmd = [sys.executable, "-m", "pytest", "-p", "megalab.grading", "-p", "no:cacheprovider", "-q", "--no-header",
+               "-rN", "--continue-on-collection-errors", *args]
+        proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True)
+        if not out.exists():
+            raise RuntimeError(f"pytest did not run ({' '.join(cmd[2:])}):\n{(proc.stdout + proc.stderr)[-3000:]}")
+        data = json.loads(out.read_text())
+    return {nodeid: Outcome(nodeid, **value) for nodeid, value in data.items()}
+
+
+# --------------------------------------------------------------------------- results -> rows
+
+
+def exercise_row(ex: Exercise, tests: dict[str, Outcome], cells: dict[str, Outcome]) -> Row:
+    mine = [o for o in tests.values() if ex.id in o.exercises]
+    mine += [o for o in tests.values() if o.outcome == "failed" and not o.exercises and  # collection errors
+             any(node.split("::")[0] == o.nodeid for node in ex.tests)]
+    mine += [o for o in cells.values() if o.outcome == "failed" and ex.id in _MENTION.findall(o.text)]
+    failed = [o for o in mine if o.outcome in ("failed", "not run")]
+    if not mine:
+        return Row(ex.id, "failed", f'no test ran: mark its tests @pytest.mark.exercise("{ex.id}")')
+    if failed:
+        stubbed = [o for o in failed if unimplemented(o.text)]
+        if not stubbed:
+            return Row(ex.id, "failed", failed[0].first_line, mine)
+        own = [o for o in stubbed if unimplemented(o.text) == ex.id]
+        if own:
+            return Row(ex.id, "not implemented", own[0].first_line, mine)
+        needs = unimplemented(stubbed[0].text)  # its tests also run an earlier exercise's code
+        return Row(ex.id, "not implemented", f"needs {needs} first: {stubbed[0].first_line}", mine)
+    passed = sum(o.outcome == "passed" for o in mine)
+    if not passed:
+        return Row(ex.id, "skipped", f"{len(mine)} skipped", mine)
+    return Row(ex.id, "passed", f"{_n(passed, 'test')} passed", mine)
+
+
+def notebook_rows(notebooks: list[str], cells: dict[str, Outcome]) -> list[Row]:
+    rows = []
+    for nb in notebooks:
+        mine = [o for o in cells.values() if o.nodeid.split("::")[0] == nb]
+        failed = [o for o in mine if o.outcome in ("failed", "not run")]
+        if not mine:
+            rows.append(Row(nb, "passed", "no code cells"))
+        elif failed:
+            first = failed[0]
+            status = "not implemented" if unimplemented(first.text) else "failed"
+            cell = first.nodeid.split("::")[-1]
+            line = first.first_line
+            detail = line if line.startswith(cell) else f"{cell}: {line}"
+            more = f" (+{_n(len(failed) - 1, 'more failing cell')})" if len(failed) > 1 else ""
+            rows.append(Row(nb, status, detail + more, mine))
+        else:
+            rows.append(Row(nb, "passed", f"{_n(len(mine), 'cell')} match", mine))
+    return rows
+
+
+# --------------------------------------------------------------------------- the command
+
+
+def chapter_folder(root: Path, chapter: str | None) -> str | None:
+    """`01` or `01_foundations` -> `01_foundations` (a folder of course/)."""
+    if chapter is None:
+        return None
+    folders = sorted(p.name for p in (root / COURSE_DIR).iterdir() if p.is_dir()) if (root / COURSE_DIR).is_dir() else []
+    for name in folders:
+        if name == chapter or name.split("_")[0] == chapter:
+            return name
+    raise ValueError(f"no chapter {chapter!r} under {COURSE_DIR}/; choose one of: {', '.join(folders) or '(none)'}")
+
+
+@dataclass
+class Report:
+    root: str
+    chapter: str | None
+    seconds: float
+    exercises: list[Row]
+    notebooks: list[Row]
+    problems: list[str]
+
+    @property
+    def ok(self) -> bool:
+        return all(r.status in ("passed", "skipped") for r in self.exercises + self.notebooks)
+
+    def table(self, width: int = 150) -> str:
+        rows = [(r.name, r.status, r.detail) for r in self.exercises]
+        nb_rows = [(r.name, r.status, r.detail) for r in self.notebooks]
+        w0 = max([len("exercise")] + [len(r[0]) for r in rows + nb_rows])
+        w1 = len("not implemented")
+        out = [f"{'exercise':<{w0}}  {'status':<{w1}}  first line of the failure"]
+
+        def fmt(name, status, detail):
+            line = f"{name:<{w0}}  {status:<{w1}}  {detail}"
+            return line if len(line) <= width else line[: width - 1] + "…"
+
+        out += [fmt(*r) for r in rows] or ["(no exercises)"]
+        if nb_rows:
+            out += ["", f"{'notebook':<{w0}}  status"]
+            out += [fmt(*r) for r in nb_rows]
+
+        def count(rs):
+            return ", ".join(f"{sum(r.status == s for r in rs)} {s}" for s in ("passed", "failed", "not implemented")
+                             if any(r.status == s for r in rs)) or "none"
+
+        out += ["", f"{_n(len(rows), 'exercise')}: {count(self.exercises)}; {_n(len(nb_rows), 'notebook')}: "
+                f"{count(self.notebooks)}  ({self.seconds:.1f} s)"]
+        return "\n".join(out)
+
+    def to_json(self) -> dict:
+        def row(r: Row) -> dict:
+            out = {"name": r.name, "status": r.status, "detail": r.detail}
+            if r.where:  # an exercise
+                out.update(where=r.where, notebook=r.notebook)
+            out["items"] = [{**asdict(o), "text": o.text[-4000:]} for o in r.outcomes]  # the tail of each report
+            return out
+
+        return {"workspace": self.root, "chapter": self.chapter, "seconds": round(self.seconds, 1), "ok": self.ok,
+                "finished": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "problems": self.problems,
+                "exercises": [row(r) for r in self.exercises], "notebooks": [row(r) for r in self.notebooks]}
+
+
+def grade(root: str | Path = ".", chapter: str | None = None, timeout: float = DEFAULT_TIMEOUT,
+          notebooks: bool = True) -> Report:
+    """Grade the workspace at `root` (one chapter, or everything)."""
+    start = time.perf_counter()
+    root = Path(root).resolve()
+    folder = chapter_folder(root, chapter)
+    registry = load(root)
+    selected = registry.select(folder)
+    course = root / COURSE_DIR / folder if folder else root / COURSE_DIR
+    nb_paths = []
+    if notebooks and course.is_dir():
+        nb_paths = [p.relative_to(root).as_posix() for p in find_notebooks([str(course)])]
+    outcomes = run_checks(root, selected, nb_paths, timeout)
+    cells = {node: o for node, o in outcomes.items() if node.split("::")[0].endswith(".ipynb")}
+    tests = {node: o for node, o in outcomes.items() if node not in cells}
+    rows = [exercise_row(ex, tests, cells) for ex in selected]
+    for row, ex in zip(rows, selected):
+        row.where, row.notebook = ex.where, ex.notebook
+    return Report(str(root), folder, time.perf_counter() - start, rows, notebook_rows(nb_paths, cells),
+                  registry.problems())
+
+
+# --------------------------------------------------------------------------- the pytest plugin
+
+
+_recorded: dict[str, dict] = {}
+
+
+def pytest_collection_modifyitems(config, items):
+    if _OUT not in os.environ:
+        return
+    wanted = set(os.environ.get(_IDS, "").split(","))
+    keep, drop = [], []
+    for item in items:
+        marked = list(dict.fromkeys(m.args[0] for m in item.iter_markers("exercise") if m.args))
+        if wanted.intersection(marked) or item.path.suffix == ".ipynb":
+            keep.append(item)
+            _recorded[item.nodeid] = {"outcome": "not run", "exercises": marked, "text": ""}
+        else:
+            drop.append(item)
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        items[:] = keep
+    _save()
+
+
+def _record(nodeid: str, report) -> None:
+    entry = _recorded.setdefault(nodeid, {"outcome": "not run", "exercises": [], "text": ""})
+    if report.failed and entry["outcome"] != "failed":
+        entry.update(outcome="failed", text=_ANSI.sub("", report.longreprtext))
+    elif report.skipped and entry["outcome"] != "failed":
+        entry.update(outcome="skipped", text=_ANSI.sub("", report.longreprtext))
+    elif report.passed and report.when == "call" and entry["outcome"] == "not run":
+        entry["outcome"] = "passed"
+
+
+def _save() -> None:
+    tmp = Path(os.environ[_OUT] + ".tmp")
+    tmp.write_text(json.dumps(_recorded))
+    tmp.replace(os.environ[_OUT])
+
+
+def pytest_runtest_logreport(report):
+    if _OUT in os.environ:
+        _record(report.nodeid, report)
+        _save()
+
+
+def pytest_collectreport(report):
+    if _OUT in os.environ and report.failed:  # a test file or notebook that cannot be collected
+        _record(report.nodeid, report)
+        _save()

@@ -1,0 +1,53 @@
+"""megalab.dist: shard_bounds (exercise `dist.shard_bounds`), checked alone and across real ranks."""
+
+import pytest
+import torch
+
+from megalab import launch
+from megalab.dist import shard_bounds
+
+LENGTHS = [0, 1, 2, 3, 7, 10, 16, 31, 100]
+
+
+@pytest.mark.exercise("dist.shard_bounds")
+def test_shard_bounds_balanced_and_exact():
+    for length in LENGTHS:
+        for world in range(1, 9):
+            bounds = [shard_bounds(length, world, rank) for rank in range(world)]
+            assert bounds[0][0] == 0 and bounds[-1][1] == length, (length, world, bounds)
+            assert all(a[1] == b[0] for a, b in zip(bounds, bounds[1:])), f"gaps or overlaps: {bounds}"
+            sizes = [stop - start for start, stop in bounds]
+            assert max(sizes) - min(sizes) <= 1, (length, world, sizes)
+            extra = length % world  # the first length % world ranks carry the extra item
+            assert sizes == [length // world + 1] * extra + [length // world] * (world - extra), (length, world, sizes)
+
+
+@pytest.mark.exercise("dist.shard_bounds")
+def test_shard_bounds_example_and_bad_rank():
+    assert [shard_bounds(10, 4, r) for r in range(4)] == [(0, 3), (3, 6), (6, 8), (8, 10)]
+    for length, world, rank in [(10, 4, 4), (10, 4, -1), (10, 0, 0)]:
+        with pytest.raises(ValueError, match="not in a world"):
+            shard_bounds(length, world, rank)
+
+
+def _sum_of_shards(lengths):
+    """On each rank: sum my shard of arange(length), all_reduce the sums; returns [(total, expected)]."""
+    import torch.distributed as dist
+
+    from megalab import dist as mdist
+
+    rank, world = mdist.init()
+    out = []
+    for length in lengths:
+        start, stop = mdist.shard_bounds(length, world, rank)
+        part = torch.arange(start, stop, dtype=torch.float64).sum()
+        dist.all_reduce(part)
+        out.append((part.item(), float(sum(range(length)))))
+    return out
+
+
+@pytest.mark.exercise("dist.shard_bounds")
+def test_shard_sums_all_reduce_to_full_sum():
+    res = launch.run_function(_sum_of_shards, 3, LENGTHS, launch=dict(timeout=120))
+    for rank, pairs in res.returns.items():
+        assert all(total == expected for total, expected in pairs), (rank, pairs)
