@@ -42,7 +42,8 @@ class TorchrunMagics(Magics):
         status = display({"text/plain": ""}, raw=True, display_id=True)
 
         def on_progress(elapsed: float, last: str) -> None:
-            status.update({"text/plain": f"⏳ {elapsed:4.0f} s · {args.nproc_per_node * args.nnodes} ranks · {last[:120]}"}, raw=True)
+            shown = f" · {last[:120]}" if last else " · starting"
+            status.update({"text/plain": f"running on {args.nproc_per_node * args.nnodes} ranks, {elapsed:.0f} s{shown}"}, raw=True)
 
         try:
             result = launch.run(
