@@ -285,10 +285,13 @@ def column_parallel_linear(input_, weight, bias, sequence_parallel: bool, group)
     return F.linear(copy_to_tensor_model_parallel_region(input_, group), weight, bias)
 
 
-def _split_master(master: torch.Tensor, dim: int, group) -> torch.Tensor:
-    """This rank's contiguous slice of a full (master) weight along `dim`."""
-    size = divide(master.shape[dim], dist.get_world_size(group), f"dimension {dim} of the weight")
-    return master.narrow(dim, dist.get_rank(group) * size, size).detach().clone()
+def _split_master(master: torch.Tensor, dim: int, group, stride: int = 1) -> torch.Tensor:
+    """This rank's slice of a full (master) weight along `dim`: with stride k the dimension is
+    k concatenated parts and the rank takes its slice of each (Megatron's partition stride)."""
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    parts = master.detach().chunk(stride, dim)
+    size = divide(parts[0].shape[dim], world, f"dimension {dim} of the weight (per part)")
+    return torch.cat([part.narrow(dim, rank * size, size) for part in parts], dim).clone()
 
 
 class ColumnParallelLinear(nn.Module):
@@ -304,7 +307,7 @@ class ColumnParallelLinear(nn.Module):
 
     def __init__(self, input_size: int, output_size: int, *, config: TransformerConfig,
                  init_method: Callable[[torch.Tensor], torch.Tensor], bias: bool = True,
-                 gather_output: bool = False, tp_group=None):
+                 gather_output: bool = False, stride: int = 1, tp_group=None):
         super().__init__()
         self.tp_group = _group(tp_group)
         self.input_size, self.output_size = input_size, output_size
@@ -313,8 +316,8 @@ class ColumnParallelLinear(nn.Module):
         if gather_output and self.sequence_parallel:
             raise ValueError("gather_output=True does not combine with sequence_parallel (Megatron neither)")
         master = Linear(input_size, output_size, config=config, init_method=init_method, bias=bias)
-        self.weight = nn.Parameter(_split_master(master.weight, 0, self.tp_group))  # [out/t, in]
-        self.bias = nn.Parameter(_split_master(master.bias, 0, self.tp_group)) if bias else None
+        self.weight = nn.Parameter(_split_master(master.weight, 0, self.tp_group, stride))  # [out/t, in]
+        self.bias = nn.Parameter(_split_master(master.bias, 0, self.tp_group, stride)) if bias else None
 
     def extra_repr(self) -> str:
         return (f"in={self.input_size}, out={self.output_size} (this rank: {self.output_size_per_partition}), "
@@ -341,7 +344,7 @@ class RowParallelLinear(nn.Module):
 
     def __init__(self, input_size: int, output_size: int, *, config: TransformerConfig,
                  init_method: Callable[[torch.Tensor], torch.Tensor], bias: bool = True,
-                 input_is_parallel: bool = True, tp_group=None):
+                 input_is_parallel: bool = True, stride: int = 1, tp_group=None):
         super().__init__()
         self.tp_group = _group(tp_group)
         self.input_size, self.output_size = input_size, output_size
@@ -350,7 +353,7 @@ class RowParallelLinear(nn.Module):
         if self.sequence_parallel and not input_is_parallel:
             raise ValueError("sequence_parallel needs input_is_parallel=True (Megatron's rule)")
         master = Linear(input_size, output_size, config=config, init_method=init_method, bias=bias)
-        self.weight = nn.Parameter(_split_master(master.weight, 1, self.tp_group))  # [out, in/t]
+        self.weight = nn.Parameter(_split_master(master.weight, 1, self.tp_group, stride))  # [out, in/t]
         self.bias = nn.Parameter(master.bias.detach().clone()) if bias else None
         if self.bias is not None:  # under SP each rank sees 1/t of the tokens: all-reduce its grad
             self.bias.sequence_parallel = self.sequence_parallel
