@@ -362,7 +362,7 @@ def test_same_mlp_as_dtensor_colwise_rowwise(runs):
 @pytest.mark.exercise("tp.sp_gather")
 def test_collective_bytes_per_layer_equal_narayanan(runs):
     for t, cases in runs.items():
-        for rank, result in cases["comm"].items():
+        for result in cases["comm"].values():
             assert "error" not in result, result.get("error")
             plain, sp = result["sp=False"], result["sp=True"]
             assert plain["wire"] == plain["formula"], (t, plain)
