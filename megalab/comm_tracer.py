@@ -30,8 +30,10 @@ import torch.distributed as dist
 _RING = {
     "all_reduce": (0, lambda t: 2 * (t - 1) / t),
     "all_gather": (0, lambda t: (t - 1) / t),  # a list of t outputs
-    "all_gather_into_tensor": (0, lambda t: (t - 1) / t),  # the [t n] output
-    "reduce_scatter_tensor": (1, lambda t: (t - 1) / t),  # the [t n] input
+    "all_gather_single": (0, lambda t: (t - 1) / t),  # the [t n] output
+    "reduce_scatter_single": (1, lambda t: (t - 1) / t),  # the [t n] input
+    "all_gather_into_tensor": (0, lambda t: (t - 1) / t),  # older names of the two above
+    "reduce_scatter_tensor": (1, lambda t: (t - 1) / t),
 }
 
 

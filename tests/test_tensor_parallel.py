@@ -372,7 +372,7 @@ def test_collective_bytes_per_layer_equal_narayanan(runs):
             assert plain["counts"] == {"all_reduce": 4}
             # SP: 2 all-gathers + 2 reduce-scatters forward, the same backward: the paper's equal volume;
             # plus 2 all-gathers that re-gather the column-parallel inputs kept sharded for backward
-            assert sp["counts"] == {"all_gather_into_tensor": 6, "reduce_scatter_tensor": 4}
+            assert sp["counts"] == {"all_gather_single": 6, "reduce_scatter_single": 4}
             one_gather = plain["formula"] / 8
             assert sp["wire"] == plain["formula"] + 2 * one_gather, (t, sp)
 
