@@ -16,10 +16,15 @@ all-gather, the same bytes on the wire, and those activations take 1/t of the me
 
     [s/t, b, h] ─ all-gather ─> [s, b, h] ─ column ─ ... ─ row ─ reduce-scatter ─> [s/t, b, h]
 
+The vocabulary is split by rows: VocabParallelEmbedding, and vocab_parallel_cross_entropy on
+logits [b, s, V/t] that are never gathered. TensorParallelGPTModel is chapter 02's GPT built
+from these pieces (tensor_parallel_layer_spec swaps them into its LayerSpec).
+
 Megatron: megatron/core/tensor_parallel/mappings.py (the f/g functions and their names),
 layers.py (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding),
 cross_entropy.py (vocab_parallel_cross_entropy). Every function takes the TP group explicitly
-or uses the current ParallelState's (megalab.parallel_state).
+or uses the current ParallelState's (megalab.parallel_state). Not here: Megatron's overlap of
+communication with the matmuls, and its per-rank RNG tracker for dropout inside split regions.
 """
 
 from __future__ import annotations
