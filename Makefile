@@ -43,9 +43,7 @@ grade: setup
 	$(VENV)/bin/megalab grade $(CHAPTER)
 
 bench: setup
-	$(PY) benchmarks/launcher_overhead.py
-	$(PY) benchmarks/teardown_soak.py
-	$(PY) benchmarks/allreduce.py
+	@for b in benchmarks/[a-z]*.py; do echo "== $$b"; $(PY) $$b || exit 1; done
 
 lint: setup
 	$(VENV)/bin/ruff check megalab tests benchmarks

@@ -72,6 +72,20 @@ def activation_memory_per_layer(seq_length: int, micro_batch_size: int, hidden_s
     return s * b * h * (10 + 24 / t + attention_scores / t)
 
 
+def tensor_parallel_communication_per_layer(seq_length: int, micro_batch_size: int, hidden_size: int,
+                                            tensor_parallel_size: int, bytes_per_element: int = 2) -> float:
+    """Bytes each device sends for one layer's forward + backward of one micro-batch under tensor
+    parallelism: 8 b s h (t-1)/t elements. Narayanan 2021, Section 3.2.
+
+    A layer all-reduces a [s, b, h] tensor twice forward (after attention, after the MLP) and
+    twice backward (the inputs of both blocks); a ring all-reduce sends 2 (t-1)/t of its payload
+    from each device: 4 * 2 (t-1)/t b s h. Sequence parallelism replaces each all-reduce with an
+    all-gather plus a reduce-scatter, (t-1)/t each: the same volume (Korthikanti 2022, Section 4.2.2).
+    """
+    s, b, h, t = seq_length, micro_batch_size, hidden_size, tensor_parallel_size
+    return 8 * b * s * h * (t - 1) / t * bytes_per_element
+
+
 def training_days(num_tokens: float, num_parameters: float, num_gpus: int, flops_per_gpu: float) -> float:
     """End-to-end training time 8 T P / (n X), in days. Narayanan 2021, Eq. 4.
 

@@ -44,6 +44,8 @@ class TransformerConfig:
     add_qkv_bias: bool = False  # only read when add_bias_linear is False (Megatron's rule)
     share_embeddings_and_output_weights: bool = True  # tie the output layer to the word embeddings
     attention_backend: str = "sdpa"  # "unfused" writes the math out; "sdpa" calls F.scaled_dot_product_attention
+    # parallelism (Megatron's ModelParallelConfig)
+    sequence_parallel: bool = False  # split norms/dropout/residual along the sequence across TP ranks
     # regularization and initialization
     hidden_dropout: float = 0.1
     attention_dropout: float = 0.1

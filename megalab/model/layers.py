@@ -8,7 +8,7 @@ Megatron builds every weight matrix of a transformer layer through one of two cl
 
 Here both roles are a plain `Linear`; a `LayerSpec` (spec.py) says which class plays which
 role, so chapter 03 swaps in the parallel classes without touching attention or MLP code.
-Every linear factory takes (input_size, output_size, *, config, init_method, bias).
+Every linear factory takes (input_size, output_size, *, config, init_method, bias, stride).
 """
 
 from __future__ import annotations
@@ -34,10 +34,14 @@ def scaled_init_method_normal(std: float, num_layers: int) -> Callable[[torch.Te
 
 
 class Linear(nn.Linear):
-    """y = x W^T + b on one device, initialized the Megatron way (weights by init_method, bias 0)."""
+    """y = x W^T + b on one device, initialized the Megatron way (weights by init_method, bias 0).
+
+    `stride` says the output is made of that many concatenated parts (2 for a gated linear_fc1:
+    [gate; up]); one device ignores it, ColumnParallelLinear splits each part across ranks.
+    """
 
     def __init__(self, input_size: int, output_size: int, *, config: TransformerConfig,
-                 init_method: Callable[[torch.Tensor], torch.Tensor], bias: bool = True):
+                 init_method: Callable[[torch.Tensor], torch.Tensor], bias: bool = True, stride: int = 1):
         super().__init__(input_size, output_size, bias=bias)
         with torch.no_grad():
             init_method(self.weight)

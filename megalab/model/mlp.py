@@ -33,6 +33,7 @@ class MLP(nn.Module):
         self.linear_fc1 = spec.column_linear(
             config.hidden_size, fc1_size, config=config,
             init_method=init_method_normal(config.init_method_std), bias=config.add_bias_linear,
+            stride=2 if self.gated else 1,  # [gate; up]: under TP each rank takes a slice of both
         )
         self.linear_fc2 = spec.row_linear(
             config.ffn_hidden_size, config.hidden_size, config=config,

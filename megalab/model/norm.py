@@ -51,4 +51,7 @@ class RMSNorm(nn.Module):
 
 def build_norm(config: TransformerConfig, hidden_size: int | None = None) -> nn.Module:
     norm = LayerNorm if config.normalization == "LayerNorm" else RMSNorm
-    return norm(hidden_size or config.hidden_size, config.layernorm_epsilon)
+    norm = norm(hidden_size or config.hidden_size, config.layernorm_epsilon)
+    for p in norm.parameters():  # under sequence parallelism each TP rank sees 1/t of the tokens:
+        p.sequence_parallel = config.sequence_parallel  # its gradient is summed across TP after backward
+    return norm
