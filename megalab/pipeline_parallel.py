@@ -509,3 +509,18 @@ def _retire(pending: list, wait: bool) -> list:
         else:
             still.append((request, output))
     return still
+
+
+def run_fixed_duration_pipeline(num_microbatches: int, kind: str = "1f1b", num_model_chunks: int = 1,
+                                forward_ms: float = 10.0, backward_ms: float = 20.0,
+                                group: dist.ProcessGroup | None = None) -> PipelineResult:
+    """One step of `kind` over FixedDurationStage chunks: each rank's work is forward_ms + backward_ms per
+    micro-batch, split over its `num_model_chunks` chunks, so schedules compare at equal work. Collective
+    over `group` (the pipeline ranks start together after a barrier)."""
+    v = num_model_chunks
+    chunks = [FixedDurationStage(forward_ms / v, backward_ms / v) for _ in range(v)]
+    shape = (4, 8)
+    inputs = [torch.ones(shape) for _ in range(num_microbatches)]
+    dist.barrier(group=group)
+    return forward_backward_pipelining(chunks, inputs, inputs, lambda out, target: (out * target).sum(), shape,
+                                       kind=kind, group=group)
