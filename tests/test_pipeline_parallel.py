@@ -59,6 +59,9 @@ def test_schedules_are_complete_ordered_and_deadlock_free():
         pp.simulate(p, m, v, kind)  # raises on deadlock
 
 
+@pytest.mark.exercise("pp.num_warmup")
+@pytest.mark.exercise("pp.schedule_table")
+@pytest.mark.exercise("pp.one_f_one_b")
 def test_p2p_streams_match_in_order():
     """Between two ranks, activations (and separately gradients) are received in the order they are sent."""
     for p, m, v, kind in CASES:
@@ -232,6 +235,7 @@ def _torch_pipelining_worker(num_microbatches):
     return out
 
 
+@pytest.mark.exercise("pp.stage_split")
 def test_torch_pipelining_gives_the_same_loss():
     res = launch.run_function(_torch_pipelining_worker, 4, 4, launch=dict(timeout=180))
     assert all(all(r.values()) for r in res.returns.values()), res.returns
