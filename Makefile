@@ -41,6 +41,7 @@ student: setup
 bench: setup
 	$(PY) benchmarks/launcher_overhead.py
 	$(PY) benchmarks/teardown_soak.py
+	$(PY) benchmarks/pipeline_bubbles.py
 
 lint: setup
 	$(VENV)/bin/ruff check megalab tests benchmarks

@@ -1,7 +1,7 @@
 """Measured pipeline bubbles vs theory, and our executor's step time vs torch.distributed.pipelining.
 
-Every stage is a FixedDurationStage (forward 25 ms, backward 50 ms per micro-batch and rank, by
-sleeping), so the numbers show the schedule, not the CPU load. For each (schedule, p, m, v) we
+Every stage is a FixedDurationStage (forward --forward-ms, backward twice that, per micro-batch and
+rank, by sleeping), so the numbers show the schedule, not the CPU load. For each (schedule, p, m, v) we
 run one step on 4 ranks (p = 2 runs two pipelines side by side; --full adds p = 8 on 8 ranks) and
 report the bubble measured from the executor's timeline against (p − 1)/(v·m + p − 1), the
 most micro-batch activations each rank held at once (GPipe m, 1F1B p − rank), and the
@@ -20,8 +20,6 @@ from _common import median, report  # noqa: E402
 
 from megalab import launch  # noqa: E402
 from megalab import pipeline_parallel as pp  # noqa: E402
-
-FORWARD_MS, BACKWARD_MS = 25.0, 50.0
 
 WORKER = """
 import time, torch, torch.distributed as dist
@@ -71,8 +69,8 @@ dist.barrier()
 """
 
 
-def measure(configs: list[tuple], world: int, repeats: int) -> dict:
-    code = WORKER.format(configs=configs, repeats=repeats, fwd=FORWARD_MS, bwd=BACKWARD_MS)
+def measure(configs: list[tuple], world: int, repeats: int, forward_ms: float) -> dict:
+    code = WORKER.format(configs=configs, repeats=repeats, fwd=forward_ms, bwd=2 * forward_ms)
     res = launch.run(code, world, timeout=300)
     return res.results["results"][0]
 
@@ -82,10 +80,12 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="a few configurations, one step each (CI smoke)")
     parser.add_argument("--full", action="store_true", help="also p = 8 on 8 ranks")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--forward-ms", type=float, default=40.0,
+                        help="stage forward time (backward: twice); longer hides more of the communication")
     args = parser.parse_args()
     if args.quick:
         runs = {4: [("1f1b", 4, 4, 1), ("interleaved", 4, 4, 2)]}
-        repeats = 1
+        repeats, args.forward_ms = 1, 10.0
     else:
         runs = {4: [("gpipe", 4, 8, 1), ("1f1b", 2, 2, 1), ("1f1b", 2, 4, 1), ("1f1b", 2, 8, 1),
                     ("1f1b", 4, 4, 1), ("1f1b", 4, 8, 1), ("1f1b", 4, 16, 1),
@@ -96,7 +96,7 @@ def main() -> None:
         repeats = args.repeats
     rows = []
     for world, configs in runs.items():
-        for (kind, p, m, v), (bubbles, ours, theirs, peaks) in measure(configs, world, repeats).items():
+        for (kind, p, m, v), (bubbles, ours, theirs, peaks) in measure(configs, world, repeats, args.forward_ms).items():
             theory = pp.bubble_fraction_of_total(p, m, v)
             measured = median(bubbles)
             step_ours = median(ours) * 1e3
@@ -107,7 +107,7 @@ def main() -> None:
                          " ".join(map(str, peaks))])
     report("pipeline_bubbles", ["schedule", "p", "m", "v", "theory (p-1)/(vm+p-1)", "measured", "measured/theory",
                                 "step ms ours", "step ms torch", "ours/torch", "peak in-flight per rank"], rows,
-           extra={"forward_ms": FORWARD_MS, "backward_ms": BACKWARD_MS, "repeats": repeats})
+           extra={"forward_ms": args.forward_ms, "backward_ms": 2 * args.forward_ms, "repeats": repeats})
 
 
 if __name__ == "__main__":

@@ -454,7 +454,7 @@ def forward_backward_pipelining(
     pp_size, pp_rank = dist.get_world_size(group), dist.get_rank(group)
     v, m = len(chunks), len(inputs)
     num_stages = pp_size * v
-    ops = get_schedule(pp_size, pp_rank, m, v, "interleaved" if v > 1 else kind)
+    ops = get_schedule(pp_size, pp_rank, m, v, kind)
     kw = dict(group=group, dtype=dtype)
     is_first = lambda op: virtual_stage(pp_size, pp_rank, op.chunk) == 0
     is_last = lambda op: virtual_stage(pp_size, pp_rank, op.chunk) == num_stages - 1
