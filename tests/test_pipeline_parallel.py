@@ -84,6 +84,29 @@ def test_p2p_streams_match_in_order():
                 assert items == streams[(what, src, dst, "recv")], (p, m, v, kind, what, src, dst)
 
 
+@pytest.mark.exercise("pp.one_f_one_b")
+def test_no_pipelining_is_gradient_accumulation():
+    expected = [Op(k, mb) for mb in range(3) for k in "FB"]
+    assert pp.get_schedule(1, 0, 3, kind="none") == expected == pp.get_schedule(1, 0, 3, kind="1f1b")
+    with pytest.raises(ValueError, match="pp_size == 1"):
+        pp.get_schedule(2, 0, 3, kind="none")
+
+
+def test_deallocated_output_still_backpropagates():
+    torch.manual_seed(0)
+    layer, x, grad = torch.nn.Linear(8, 8), torch.randn(3, 8, requires_grad=True), torch.randn(3, 8)
+    torch.tanh(layer(x)).backward(grad)
+    expected = x.grad.clone()
+    x.grad = None
+    out = torch.tanh(layer(x))
+    pp.deallocate_output_tensor(out)
+    assert out.numel() == 1
+    pp.custom_backward(out, grad)
+    assert torch.allclose(x.grad, expected)
+    with pytest.raises(ValueError, match="view"):
+        pp.deallocate_output_tensor(layer(x)[0])
+
+
 def test_interleaved_needs_a_multiple_of_pp():
     with pytest.raises(ValueError, match="multiple of it"):
         pp.get_schedule(4, 0, 6, 2, "interleaved")
