@@ -1,8 +1,11 @@
-"""Figures and widgets for the course: rank grids (chapter 02).
+"""Figures and widgets for the course: rank grids (chapter 02), pipeline timelines (chapter 03).
 
     rank_grid(tp=2, pp=2, dp=2)      one panel per kind of group; every rank a box, coloured by
                                      the group it belongs to, laid out 8 ranks (one node) per row
     rank_grid_explorer()             the same figure behind sliders for tp/pp/cp/dp/ep and the order
+    pipeline_timeline(records)       a Gantt chart: one row per rank, forward (light) and backward
+                                     (dark) boxes coloured by micro-batch, like Narayanan et al.'s Figs 3-4
+    schedule_explorer()              sliders p, m, v and a schedule -> the simulated timeline and its bubble
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ from __future__ import annotations
 import matplotlib.pyplot as plt
 from matplotlib.patches import Rectangle
 
+from megalab import pipeline_parallel as pp
 from megalab.parallel_state import DEFAULT_ORDER, ParallelSizes, rank_groups
 
 GROUP_TITLES = {
@@ -76,4 +80,69 @@ def rank_grid_explorer():
         show, tp=slider("tp", 8), pp=slider("pp", 4), cp=slider("cp", 4), dp=slider("dp", 8), ep=slider("ep", 8),
         order=widgets.Dropdown(options=["tp-cp-ep-dp-pp", "tp-cp-pp-ep-dp", "tp-pp-dp", "dp-tp-pp-cp"],
                                value=DEFAULT_ORDER, description="order"),
+    )
+
+
+def pipeline_timeline(records, title: str | None = None, ax=None, time_unit: str = "ms"):
+    """Gantt chart of `pipeline_parallel.OpRecord`s (from `simulate` or the executor's timelines).
+
+    Forward boxes are light, backward boxes dark, both in the micro-batch's colour; the label is
+    the micro-batch, with the model chunk after a dot when there are several. White is bubble.
+    Times are shown from the first op's start (x1000 for "ms" when the records are in seconds).
+    """
+    records = list(records)
+    ranks = sorted({r.rank for r in records})
+    t0 = min(r.start for r in records)
+    scale = 1e3 if time_unit == "ms" else 1.0
+    span = (max(r.end for r in records) - t0) * scale
+    if ax is None:
+        _, ax = plt.subplots(figsize=(10, 0.5 * len(ranks) + 1.0))
+    cmap = plt.get_cmap("tab10")
+    chunks = max(r.op.chunk for r in records) + 1
+    for rec in records:
+        row = ranks.index(rec.rank)
+        start, width = (rec.start - t0) * scale, (rec.end - rec.start) * scale
+        colour = cmap(rec.op.microbatch % 10)
+        forward = rec.op.kind == "F"
+        ax.add_patch(Rectangle((start, -row - 0.4), width, 0.8, facecolor=colour, alpha=0.45 if forward else 1.0,
+                               edgecolor="black", linewidth=0.5, hatch="//" if rec.op.chunk % 2 else None))
+        label = str(rec.op.microbatch) + (f".{rec.op.chunk}" if chunks > 1 else "")
+        if width > span / 150:
+            ax.text(start + width / 2, -row, label, ha="center", va="center", fontsize=7,
+                    color="black" if forward else "white")
+    ax.set_yticks([-i for i in range(len(ranks))], [f"rank {r}" for r in ranks])
+    ax.set_xlim(0, span)
+    ax.set_ylim(-len(ranks) + 0.45, 0.55)
+    ax.set_xlabel(f"time ({time_unit})" if time_unit else "time")
+    bubble = pp.measured_bubble(records)
+    ax.set_title(title or f"bubble {bubble:.1%} of the step (light: forward, dark: backward)", fontsize=10,
+                 loc="left")
+    ax.figure.tight_layout()
+    return ax.figure
+
+
+def schedule_explorer():
+    """Sliders p, m, v and a schedule: the simulated timeline (backward = 2 x forward) and its bubble."""
+    import ipywidgets as widgets
+
+    def show(schedule, p, m, v):
+        v = v if schedule == "interleaved" else 1
+        try:
+            records = pp.simulate(p, m, v, schedule, forward_time=1 / v, backward_time=2 / v)
+        except ValueError as exc:
+            print(f"not a valid schedule: {exc}")
+            return
+        measured, theory = pp.measured_bubble(records), pp.bubble_fraction_of_total(p, m, v)
+        peaks = [pp.peak_in_flight(pp.get_schedule(p, r, m, v, schedule)) for r in range(p)]
+        fig = pipeline_timeline(records, time_unit="", title=(
+            f"{schedule}: p={p}, m={m}, v={v}  bubble {measured:.1%} of the step (theory (p-1)/(vm+p-1) = "
+            f"{theory:.1%})  peak in-flight micro-batches per rank {peaks}"))
+        plt.show(fig)
+
+    slider = lambda name, value, top: widgets.IntSlider(value=value, min=1, max=top, description=name,
+                                                        continuous_update=False)
+    return widgets.interactive(
+        show, schedule=widgets.Dropdown(options=["gpipe", "1f1b", "interleaved"], value="1f1b",
+                                        description="schedule"),
+        p=slider("p", 4, 8), m=slider("m", 8, 24), v=slider("v", 2, 4),
     )

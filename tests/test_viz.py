@@ -30,3 +30,23 @@ def test_explorer_builds():
     widget = viz.rank_grid_explorer()
     assert [c.description for c in widget.children[:6]] == ["tp", "pp", "cp", "dp", "ep", "order"]
     plt.close("all")
+
+
+@pytest.mark.exercise("pp.num_warmup")
+@pytest.mark.exercise("pp.one_f_one_b")
+def test_pipeline_timeline_draws_every_op():
+    from megalab import pipeline_parallel as pp
+
+    records = pp.simulate(4, 8, kind="1f1b")
+    fig = viz.pipeline_timeline(records, time_unit="")
+    ax = fig.get_axes()[0]
+    assert len(ax.patches) == 4 * 16
+    assert [t.get_text() for t in ax.get_yticklabels()] == [f"rank {r}" for r in range(4)]
+    assert "27.3%" in ax.get_title(loc="left")  # (p-1)/(m+p-1) = 3/11
+    plt.close(fig)
+
+
+def test_schedule_explorer_builds():
+    widget = viz.schedule_explorer()
+    assert [c.description for c in widget.children[:4]] == ["schedule", "p", "m", "v"]
+    plt.close("all")
