@@ -27,10 +27,21 @@ mdist.publish("square", rank * rank)
 """
 
 
-def _workers_alive() -> list[str]:
-    """Command lines of live megalab ranks (tests must leave none behind)."""
-    out = subprocess.run(["ps", "-eo", "pid,stat,args"], capture_output=True, text=True).stdout
-    return [line for line in out.splitlines() if "megalab.worker" in line and " Z" not in line]
+# Every rank started from this test session inherits this tag, so leftover checks see only ours.
+SESSION_TAG = f"MEGALAB_TEST_SESSION={os.getpid()}-{time.time_ns()}"
+os.environ["MEGALAB_TEST_SESSION"] = SESSION_TAG.partition("=")[2]
+
+
+def _workers_alive() -> list[int]:
+    """PIDs of live megalab ranks started by this test session (tests must leave none behind)."""
+    alive = []
+    for proc in Path("/proc").iterdir():
+        try:
+            if b"megalab.worker" in (proc / "cmdline").read_bytes() and SESSION_TAG.encode() in (proc / "environ").read_bytes():
+                alive.append(int(proc.name))
+        except (OSError, ValueError):
+            continue
+    return alive
 
 
 def test_hello_output_grouped_in_rank_order_and_results_come_back():
@@ -133,6 +144,8 @@ def test_two_launches_at_once_do_not_collide():
 def test_interrupt_kills_every_rank(tmp_path):
     marker = tmp_path / "started"
     script = textwrap.dedent(f"""
+        import signal
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a kernel, even if started with SIGINT ignored
         from megalab import launch
         code = "import time, pathlib\\npathlib.Path({str(marker)!r}).touch()\\ntime.sleep(600)\\n"
         try:
@@ -147,7 +160,10 @@ def test_interrupt_kills_every_rank(tmp_path):
     assert marker.exists(), "ranks never started"
     assert _workers_alive()
     proc.send_signal(signal.SIGINT)  # what Jupyter's "interrupt kernel" does
-    out, _ = proc.communicate(timeout=30)
+    try:
+        out, _ = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
     assert "interrupted" in out
     assert not _workers_alive()
 
