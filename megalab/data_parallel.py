@@ -164,8 +164,7 @@ class DistributedDataParallel(nn.Module):
         if zero_stage == 3:
             for unit, bucket in zip(reversed(units), self.buckets):
                 unit.register_forward_pre_hook(lambda m, args, bucket=bucket: self._gather_params(bucket))
-                unit.register_forward_hook(lambda m, args, out, bucket=bucket: self._free_params(bucket))
-                unit.register_full_backward_pre_hook(lambda m, grad, bucket=bucket: self._gather_params(bucket))
+                unit.register_forward_hook(lambda m, args, out, bucket=bucket: self._after_forward(bucket, out))
 
     def _make_bucket(self, index: int, params: list[nn.Parameter], numel: int) -> Bucket:
         """Move the parameters into one flat, padded buffer (same values, rank 0's) and set up the shards."""
@@ -298,6 +297,13 @@ class DistributedDataParallel(nn.Module):
         ALL_GATHER(data, bucket.param_shard, group=self.group)
         ### END SOLUTION
         bucket.gathered = True
+
+    def _after_forward(self, bucket: Bucket, output) -> None:
+        """Stage 3: free the unit's parameters, and gather them again when backward reaches its output."""
+        self._free_params(bucket)
+        for out in output if isinstance(output, (tuple, list)) else [output]:
+            if isinstance(out, torch.Tensor) and out.requires_grad:
+                out.register_hook(lambda grad, bucket=bucket: self._gather_params(bucket))
 
     def _free_params(self, bucket: Bucket) -> None:
         """Stage 3: release the full parameters; the views (and tensors autograd saved) keep their shape."""
