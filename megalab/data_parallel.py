@@ -27,6 +27,9 @@ padded to a multiple of the data-parallel size n; rank r owns the r-th of its n 
              all-gather before forward and backward,    while it computes)
              free after, reduce-scatter grads
 
+`reduce_scatter` / `all_gather` call NCCL's collectives on GPUs; on gloo (CPU) they use the
+all-reduce and broadcasts that gloo runs faster (same results, see their docstrings).
+
 Megatron-LM: megatron/core/distributed/distributed_data_parallel.py (`DistributedDataParallel`,
 `no_sync`, `finish_grad_sync`, `zero_grad_buffer`), param_and_grad_buffer.py (`_ParamAndGradBuffer`,
 `_ParamAndGradBucketGroup.start_grad_sync` / `finish_grad_sync`), optimizer/distrib_optimizer.py
@@ -45,8 +48,57 @@ import torch.distributed as dist
 from torch import nn
 
 # PyTorch 2.13 renamed all_gather_into_tensor / reduce_scatter_tensor (Megatron's names) to *_single.
-ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+class _Pending:
+    """Async works waited for as one, then a final copy (quacks like the dist.Work that async_op returns)."""
+
+    def __init__(self, works: list, then=None):
+        self.works, self.then = works, then
+
+    def is_completed(self) -> bool:
+        return all(w.is_completed() for w in self.works)
+
+    def wait(self) -> bool:
+        for w in self.works:
+            w.wait()
+        if self.then is not None:
+            self.then()
+            self.then = None
+        return True
+
+
+def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup, async_op: bool = False):
+    """output [numel / n] = this rank's shard of the sum over ranks of input [numel] (may alias input).
+
+    On gloo (CPU) an all-reduce plus a copy of the shard: gloo's own reduce-scatter takes about 1.7x
+    as long as its all-reduce of the same tensor (8.4 M floats, 4 ranks). NCCL runs the real one.
+    """
+    if dist.get_backend(group) != "gloo":
+        return _REDUCE_SCATTER(output, input, group=group, async_op=async_op)
+    shard = input.view(dist.get_world_size(group), -1)[dist.get_rank(group)]
+    copy = None if output.data_ptr() == shard.data_ptr() else (lambda: output.copy_(shard))
+    work = _Pending([dist.all_reduce(input, group=group, async_op=True)], copy)
+    return work if async_op else work.wait()
+
+
+def all_gather(output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup, async_op: bool = False):
+    """output [numel] = every rank's input [numel / n], in rank order (input may alias its own chunk).
+
+    On gloo one broadcast per rank: about half the time of gloo's all-gather here (as
+    ZeroRedundancyOptimizer does). NCCL runs the real one.
+    """
+    if dist.get_backend(group) != "gloo":
+        return _ALL_GATHER(output, input, group=group, async_op=async_op)
+    chunks = output.view(dist.get_world_size(group), -1)
+    own = chunks[dist.get_rank(group)]
+    if own.data_ptr() != input.data_ptr():
+        own.copy_(input)
+    work = _Pending([dist.broadcast(chunk, src=dist.get_global_rank(group, r), group=group, async_op=True)
+                     for r, chunk in enumerate(chunks)])
+    return work if async_op else work.wait()
 
 
 def all_reduce_gradients(module: nn.Module, group: dist.ProcessGroup | None = None) -> None:
@@ -105,7 +157,7 @@ class Bucket:
     grad_data: torch.Tensor | None = None  # [numel] gradients (stage 2/3: only during backward)
     grad_shard: torch.Tensor | None = None  # [numel / n] stage 2/3: the reduced gradient shard
     pending: set = field(default_factory=set)  # parameters whose gradient has not arrived yet
-    handle: dist.Work | None = None  # the in-flight all-reduce / reduce-scatter
+    handle: dist.Work | _Pending | None = None  # the in-flight all-reduce / reduce-scatter
     done_seen: bool = False  # its completion is in the timeline
     gathered: bool = True  # stage 3: whether param_data holds the full parameters now
 
@@ -238,7 +290,7 @@ class DistributedDataParallel(nn.Module):
         # EXERCISE data_parallel.reduce_scatter: stage 1 keeps its shard in the full buffer, stage 2/3 in grad_shard
         ### BEGIN SOLUTION
         output = grad_data[bucket.shard] if self.zero_stage == 1 else bucket.grad_shard
-        bucket.handle = REDUCE_SCATTER(output, grad_data, group=self.group, async_op=True)
+        bucket.handle = reduce_scatter(output, grad_data, self.group, async_op=True)
         ### END SOLUTION
 
     def finish_grad_sync(self) -> None:
@@ -294,7 +346,7 @@ class DistributedDataParallel(nn.Module):
         ### BEGIN SOLUTION
         data = bucket.param_data
         data.untyped_storage().resize_(data.numel() * data.element_size())
-        ALL_GATHER(data, bucket.param_shard, group=self.group)
+        all_gather(data, bucket.param_shard, self.group)
         ### END SOLUTION
         bucket.gathered = True
 
@@ -364,7 +416,7 @@ class DistributedOptimizer:
         ### BEGIN SOLUTION
         self.optimizer.step()
         if self.ddp.zero_stage < 3:
-            handles = [ALL_GATHER(b.param_data, shard, group=self.ddp.group, async_op=True)
+            handles = [all_gather(b.param_data, shard, self.ddp.group, async_op=True)
                        for b, shard in zip(self.ddp.buckets, self.shards)]
             for handle in handles:
                 handle.wait()
