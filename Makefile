@@ -42,6 +42,7 @@ bench: setup
 	$(PY) benchmarks/launcher_overhead.py
 	$(PY) benchmarks/teardown_soak.py
 	$(PY) benchmarks/allreduce.py
+	$(PY) benchmarks/data_parallel.py
 
 lint: setup
 	$(VENV)/bin/ruff check megalab tests benchmarks
