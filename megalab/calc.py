@@ -93,3 +93,31 @@ def training_days(num_tokens: float, num_parameters: float, num_gpus: int, flops
     over the 12 l h^2 parameters (with recomputation), per token.
     """
     return 8 * num_tokens * num_parameters / (num_gpus * flops_per_gpu) / SECONDS_PER_DAY
+
+
+def zero_memory_per_device(num_parameters: float, data_parallel_size: int, stage: int,
+                           optimizer_bytes_per_param: float = 12, param_bytes: float = 2,
+                           grad_bytes: float = 2) -> dict[str, float]:
+    """Bytes per device for model states under ZeRO stage 0-3. Rajbhandari et al. 2020, Section 5.
+
+    Psi parameters, N_d data-parallel ranks, K optimizer bytes per parameter (mixed-precision Adam:
+    fp32 master weights, momentum and variance, K = 12; fp16 params and grads, 2 bytes each):
+
+        stage 0  (2 + 2 + K) Psi               stage 2 (P_os+g)  2 Psi + (2 + K) Psi / N_d
+        stage 1  (P_os)  4 Psi + K Psi / N_d   stage 3 (P_os+g+p)  (2 + 2 + K) Psi / N_d
+
+    Returns {"params", "grads", "optimizer", "total"} in bytes. (Paper, Figure 1: Psi = 7.5e9,
+    N_d = 64 gives 120 GB, 31.4 GB, 16.6 GB, 1.9 GB.)
+    """
+    if stage not in (0, 1, 2, 3):
+        raise ValueError(f"stage must be 0, 1, 2 or 3, got {stage}")
+    if data_parallel_size < 1:
+        raise ValueError(f"data_parallel_size must be >= 1, got {data_parallel_size}")
+    psi, nd = num_parameters, data_parallel_size
+    out = {
+        "params": param_bytes * psi / (nd if stage >= 3 else 1),
+        "grads": grad_bytes * psi / (nd if stage >= 2 else 1),
+        "optimizer": optimizer_bytes_per_param * psi / (nd if stage >= 1 else 1),
+    }
+    out["total"] = sum(out.values())
+    return out

@@ -1,4 +1,5 @@
-"""Figures and widgets for the course: rank grids (chapter 02), pipeline timelines (chapter 03).
+"""Figures and widgets for the course: rank grids (chapter 02); DDP timelines, ZeRO memory and
+pipeline timelines (chapter 03).
 
     rank_grid(tp=2, pp=2, dp=2)      one panel per kind of group; every rank a box, coloured by
                                      the group it belongs to, laid out 8 ranks (one node) per row
@@ -6,6 +7,9 @@
     pipeline_timeline(records)       a Gantt chart: one row per rank, forward (light) and backward
                                      (dark) boxes coloured by micro-batch, like Narayanan et al.'s Figs 3-4
     schedule_explorer()              sliders p, m, v and a schedule -> the simulated timeline and its bubble
+    ddp_timeline(timelines)          per rank: backward, gradient hooks, each bucket's reduction
+    zero_memory_bars(...)            bytes per rank for ZeRO stages 0-3 (params / grads / optimizer)
+    zero_memory_explorer()           the same bars behind sliders: model size, dp size, bytes per value
 """
 
 from __future__ import annotations
@@ -145,4 +149,86 @@ def schedule_explorer():
         show, schedule=widgets.Dropdown(options=["gpipe", "1f1b", "interleaved"], value="1f1b",
                                         description="schedule"),
         p=slider("p", 4, 8), m=slider("m", 8, 24), v=slider("v", 2, 4),
+    )
+
+
+def ddp_timeline(timelines: dict[int, dict], title: str = ""):
+    """One row per rank from DistributedDataParallel.timeline: backward span, hook ticks, bucket reductions.
+
+    timelines: {rank: {"backward": (start, end), "events": [(t, event, bucket), ...]}} in
+    time.perf_counter() seconds; each rank is drawn relative to its own backward start.
+    """
+    fig, ax = plt.subplots(figsize=(8, 0.9 * len(timelines) + 1))
+    cmap = plt.get_cmap("tab10")
+    for row, (_, tl) in enumerate(sorted(timelines.items())):
+        t0, t1 = tl["backward"]
+        y = -row
+        ax.broken_barh([(0, (t1 - t0) * 1e3)], (y + 0.05, 0.3), color="0.8")
+        launched = {}
+        for t, event, bucket in tl["events"]:
+            ms = (t - t0) * 1e3
+            if event == "grad_ready":
+                ax.plot([ms, ms], [y + 0.05, y + 0.35], color="black", lw=0.8)
+            elif event == "launch":
+                launched[bucket] = ms
+            elif event == "done" and bucket in launched:
+                ax.broken_barh([(launched[bucket], max(ms - launched[bucket], 0.01))], (y - 0.4, 0.35),
+                               color=cmap(bucket % 10))
+                ax.text(launched[bucket], y - 0.22, f" b{bucket}", va="center", fontsize=7)
+    ax.set_yticks([-r for r in range(len(timelines))], [f"rank {r}" for r in sorted(timelines)])
+    ax.set_xlabel("ms since this rank's backward started  (grey: backward, ticks: grad hooks, colour: bucket reductions)")
+    ax.set_title(title, fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
+def zero_memory_bars(num_parameters: float, data_parallel_size: int, *, measured: dict[int, dict] | None = None,
+                     optimizer_bytes_per_param: float = 12, param_bytes: float = 2, grad_bytes: float = 2, ax=None):
+    """Stacked bars of bytes per rank for ZeRO stages 0-3 from calc.zero_memory_per_device.
+
+    measured: {stage: {"params", "grads", "optimizer"} bytes} drawn as hatched bars beside the formula.
+    """
+    from megalab.calc import zero_memory_per_device
+
+    if ax is None:
+        _, ax = plt.subplots(figsize=(7, 3.5))
+    parts, colours = ("params", "grads", "optimizer"), ("tab:blue", "tab:orange", "tab:green")
+    unit, unit_name = (1e9, "GB") if num_parameters * param_bytes > 1e9 else (1e3, "KB")
+    width = 0.38 if measured else 0.6
+    for stage in range(4):
+        bars = [("formula", zero_memory_per_device(num_parameters, data_parallel_size, stage,
+                                                   optimizer_bytes_per_param, param_bytes, grad_bytes), "", 0.0)]
+        if measured and stage in measured:
+            bars = [(bars[0][0], bars[0][1], "", -width / 2), ("measured", measured[stage], "//", width / 2)]
+        for _, values, hatch, dx in bars:
+            bottom = 0.0
+            for part, colour in zip(parts, colours):
+                ax.bar(stage + dx, values[part] / unit, width, bottom=bottom, color=colour, hatch=hatch,
+                       edgecolor="white", label=part if stage == 0 and not hatch else None)
+                bottom += values[part] / unit
+    ax.set_xticks(range(4), ["stage 0\n(DDP)", "stage 1\n(P_os)", "stage 2\n(P_os+g)", "stage 3\n(P_os+g+p)"])
+    ax.set_ylabel(f"{unit_name} per rank")
+    what = "formula (plain) vs measured (hatched)" if measured else "formula"
+    ax.set_title(f"{num_parameters:.3g} parameters, dp = {data_parallel_size}: {what}", fontsize=10)
+    ax.legend(fontsize=8)
+    return ax
+
+
+def zero_memory_explorer():
+    """Sliders: parameters (billions), data-parallel size, bytes per value -> zero_memory_bars."""
+    import ipywidgets as widgets
+
+    def show(billions, dp, param_bytes, grad_bytes, optimizer_bytes):
+        zero_memory_bars(billions * 1e9, dp, optimizer_bytes_per_param=optimizer_bytes, param_bytes=param_bytes,
+                         grad_bytes=grad_bytes)
+        plt.show()
+
+    return widgets.interactive(
+        show,
+        billions=widgets.FloatLogSlider(value=7.5, base=10, min=-1, max=3, description="params (B)",
+                                        continuous_update=False),
+        dp=widgets.IntSlider(value=64, min=1, max=1024, description="dp", continuous_update=False),
+        param_bytes=widgets.IntSlider(value=2, min=1, max=4, description="param B"),
+        grad_bytes=widgets.IntSlider(value=2, min=1, max=4, description="grad B"),
+        optimizer_bytes=widgets.IntSlider(value=12, min=0, max=16, description="optim B"),
     )

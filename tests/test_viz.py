@@ -49,3 +49,18 @@ def test_schedule_explorer_builds():
     widget = viz.schedule_explorer()
     assert [c.description for c in widget.children[:4]] == ["schedule", "p", "m", "v"]
     plt.close("all")
+def test_ddp_timeline_draws_backward_and_buckets():
+    events = [(0.001, "grad_ready", 0), (0.002, "launch", 0), (0.004, "done", 0), (0.005, "finish", -1)]
+    fig = viz.ddp_timeline({0: {"backward": (0.0, 0.003), "events": events},
+                            1: {"backward": (0.0, 0.003), "events": events}})
+    ax = fig.get_axes()[0]
+    assert len(ax.collections) == 4  # per rank: the backward bar and one bucket bar
+    plt.close(fig)
+
+
+def test_zero_memory_bars_and_explorer():
+    measured = {s: {"params": 1e3, "grads": 1e3, "optimizer": 1e3} for s in range(4)}
+    ax = viz.zero_memory_bars(1e6, 4, measured=measured)
+    assert len(ax.patches) == 4 * 2 * 3  # stages x (formula, measured) x parts
+    plt.close(ax.figure)
+    assert viz.zero_memory_explorer().children
