@@ -307,20 +307,6 @@ def _assert_close(runs, case, keys=None):
                     assert isinstance(worst, float) and worst < TOL, (t, rank, key, worst)
 
 
-def exercises(*ids):
-    """Mark a test with every exercise it depends on."""
-    def mark(fn):
-        for exercise_id in reversed(ids):
-            fn = pytest.mark.exercise(exercise_id)(fn)
-        return fn
-    return mark
-
-
-F_G = ("tp.copy_to_region", "tp.reduce_from_region")
-SP = ("tp.sp_gather", "tp.sp_reduce_scatter")
-LINEARS = (*F_G, *SP, "tp.column_forward", "tp.row_forward")
-
-
 # ------------------------------------------------------------------ single process
 def test_vocab_size_with_padding():
     assert tp.vocab_size_with_padding(50257, 128, 1) == 50304  # GPT-2's vocabulary, as Megatron pads it
@@ -335,46 +321,73 @@ def test_tp_communication_formula():
 
 
 # ------------------------------------------------------------------ multi-rank
-@exercises(*F_G, "tp.gather_last_dim")
+@pytest.mark.exercise("tp.copy_to_region")
+@pytest.mark.exercise("tp.reduce_from_region")
+@pytest.mark.exercise("tp.gather_last_dim")
 def test_tensor_parallel_mappings(runs):
     _assert_close(runs, "mappings", ("copy_to", "reduce_from", "scatter_to", "gather_from"))
 
 
-@exercises(*SP)
+@pytest.mark.exercise("tp.sp_gather")
+@pytest.mark.exercise("tp.sp_reduce_scatter")
 def test_sequence_parallel_mappings(runs):
     _assert_close(runs, "mappings", ("sp ",))
 
 
-@exercises(*LINEARS, "tp.gather_last_dim")
+@pytest.mark.exercise("tp.copy_to_region")
+@pytest.mark.exercise("tp.reduce_from_region")
+@pytest.mark.exercise("tp.sp_gather")
+@pytest.mark.exercise("tp.sp_reduce_scatter")
+@pytest.mark.exercise("tp.column_forward")
+@pytest.mark.exercise("tp.row_forward")
+@pytest.mark.exercise("tp.gather_last_dim")
 def test_parallel_mlp_equals_single_device(runs):
     _assert_close(runs, "mlp")
     assert set(runs) == {1, 2, 4}
 
 
-@exercises("tp.reduce_from_region", "tp.vocab_embedding")
+@pytest.mark.exercise("tp.reduce_from_region")
+@pytest.mark.exercise("tp.vocab_embedding")
 def test_vocab_parallel_embedding(runs):
     _assert_close(runs, "embedding")
 
 
-@exercises("tp.vocab_cross_entropy", "tp.vocab_cross_entropy_backward")
+@pytest.mark.exercise("tp.vocab_cross_entropy")
+@pytest.mark.exercise("tp.vocab_cross_entropy_backward")
 def test_vocab_parallel_cross_entropy_equals_f_cross_entropy(runs):
     _assert_close(runs, "cross_entropy")
 
 
-@exercises(*LINEARS, "tp.gather_last_dim", "tp.vocab_embedding", "tp.vocab_cross_entropy",
-           "tp.vocab_cross_entropy_backward")
+@pytest.mark.exercise("tp.copy_to_region")
+@pytest.mark.exercise("tp.reduce_from_region")
+@pytest.mark.exercise("tp.sp_gather")
+@pytest.mark.exercise("tp.sp_reduce_scatter")
+@pytest.mark.exercise("tp.column_forward")
+@pytest.mark.exercise("tp.row_forward")
+@pytest.mark.exercise("tp.gather_last_dim")
+@pytest.mark.exercise("tp.vocab_embedding")
+@pytest.mark.exercise("tp.vocab_cross_entropy")
+@pytest.mark.exercise("tp.vocab_cross_entropy_backward")
 def test_tensor_parallel_gpt_equals_single_device(runs):
     _assert_close(runs, "gpt")
     assert len(runs[4]["gpt"][0]) == 2 * len(GPT_VARIANTS)
 
 
-@exercises(*F_G, "tp.column_forward", "tp.row_forward")
+@pytest.mark.exercise("tp.copy_to_region")
+@pytest.mark.exercise("tp.reduce_from_region")
+@pytest.mark.exercise("tp.column_forward")
+@pytest.mark.exercise("tp.row_forward")
 def test_same_mlp_as_dtensor_colwise_rowwise(runs):
     _assert_close(runs, "dtensor")
     assert "dtensor" in runs[2] and "dtensor" in runs[4]
 
 
-@exercises(*LINEARS)
+@pytest.mark.exercise("tp.copy_to_region")
+@pytest.mark.exercise("tp.reduce_from_region")
+@pytest.mark.exercise("tp.sp_gather")
+@pytest.mark.exercise("tp.sp_reduce_scatter")
+@pytest.mark.exercise("tp.column_forward")
+@pytest.mark.exercise("tp.row_forward")
 def test_collective_bytes_per_layer_equal_narayanan(runs):
     for t, cases in runs.items():
         for result in cases["comm"].values():
