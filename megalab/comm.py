@@ -66,6 +66,18 @@ def _chunks(length: int, world: int) -> list[slice]:
     return [slice(*shard_bounds(length, world, r)) for r in range(world)]
 
 
+def _chunks_and_own(full: torch.Tensor, shard: torch.Tensor, shard_name: str, rank: int, world: int):
+    """(chunks of `full`, this rank's chunk of it), checking `shard` has that chunk's size."""
+    chunks = _chunks(full.numel(), world)
+    own = full[chunks[rank]]
+    if shard.numel() != own.numel():
+        raise ValueError(
+            f"rank {rank}'s shard of {full.numel()} elements on {world} ranks has {own.numel()} elements "
+            f"(megalab.dist.shard_bounds), but {shard_name} has {shard.numel()}"
+        )
+    return chunks, own
+
+
 def send_recv(
     send_tensor: torch.Tensor,
     dst: int,
@@ -136,13 +148,7 @@ def all_gather(
     """
     group, rank, world = _group_rank_size(group)
     output = _flat(output_tensor, "output_tensor")
-    chunks = _chunks(output.numel(), world)
-    own = output[chunks[rank]]
-    if input_tensor.numel() != own.numel():
-        raise ValueError(
-            f"rank {rank}'s shard of {output.numel()} elements on {world} ranks has {own.numel()} elements "
-            f"(megalab.dist.shard_bounds), but input_tensor has {input_tensor.numel()}"
-        )
+    chunks, own = _chunks_and_own(output, input_tensor, "input_tensor", rank, world)
     own.copy_(input_tensor.reshape(-1))
     # EXERCISE comm.all_gather: ring all-gather into `output` with send_recv (n-1 steps, chunk (r-s) out, (r-s-1) in)
     ### BEGIN SOLUTION
@@ -169,13 +175,7 @@ def reduce_scatter(
     """
     group, rank, world = _group_rank_size(group)
     partial = _flat(input_tensor, "input_tensor").clone()  # partial sums travel in this copy
-    chunks = _chunks(partial.numel(), world)
-    own = partial[chunks[rank]]
-    if output_tensor.numel() != own.numel():
-        raise ValueError(
-            f"rank {rank}'s shard of {partial.numel()} elements on {world} ranks has {own.numel()} elements "
-            f"(megalab.dist.shard_bounds), but output_tensor has {output_tensor.numel()}"
-        )
+    chunks, own = _chunks_and_own(partial, output_tensor, "output_tensor", rank, world)
     # EXERCISE comm.reduce_scatter: ring reduce-scatter of `partial` with send_recv (n-1 steps, chunk (r-s-1) out, add (r-s-2) in)
     ### BEGIN SOLUTION
     next_rank, prev_rank = (rank + 1) % world, (rank - 1) % world
