@@ -43,6 +43,9 @@ _NATIVE_LOG = re.compile(r"^(\[rank\d+\]:)?\[[IWE]\d{4} ")
 class LaunchError(RuntimeError):
     """The launch itself cannot go ahead (bad arguments, missing GPUs, torchrun failed)."""
 
+    def _render_traceback_(self) -> list[str]:  # the message says what to do; the launcher's frames don't help
+        return [f"LaunchError: {self}"]
+
 
 class _RankError(RuntimeError):
     """Base for errors that IPython shows as our own text instead of the launcher's frames."""
@@ -297,6 +300,14 @@ def _stuck_line(stack: str) -> str:
 
 def _timeout_error(run_dir: Path, source: str, timeout: float, world: int) -> LaunchTimeoutError:
     workers = _alive_workers(run_dir)
+    if not workers and not _rank_files(run_dir, "pid"):  # torchrun never got past the rendezvous
+        log = (run_dir / "torchrun.log").read_text(errors="replace")[-2000:]
+        return LaunchTimeoutError(
+            f"no rank started within {timeout:g} s: torchrun is still waiting at the rendezvous. Are all nodes "
+            "started (--nnodes, --node-rank), and can every node reach --rdzv-endpoint?",
+            log or "(torchrun printed nothing)",
+            {},
+        )
     stacks_files = _rank_files(run_dir, "stack")
     sizes = {r: stacks_files[r].stat().st_size if r in stacks_files else 0 for r in workers}
     for pid in workers.values():

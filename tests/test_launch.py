@@ -271,3 +271,17 @@ def test_progress_callback_sees_the_latest_line():
     launch.run(code, 1, on_progress=lambda elapsed, line: seen.append((elapsed, line)), timeout=60)
     assert seen and all(e >= 0 for e, _ in seen)
     assert any(line.startswith("step ") for _, line in seen)
+
+
+def test_missing_node_times_out_with_a_rendezvous_diagnosis():
+    endpoint = f"127.0.0.1:{launch.free_port()}"
+    with pytest.raises(LaunchTimeoutError, match="no rank started within 8 s.*rendezvous") as info:
+        launch.run(HELLO, 1, nnodes=2, node_rank=0, rdzv_endpoint=endpoint, timeout=8)
+    assert info.value.stacks == {}
+    assert not _workers_alive()
+
+
+def test_launch_errors_render_as_their_message_in_ipython():
+    with pytest.raises(LaunchError) as info:
+        launch.run("pass", 2, ranks="7")
+    assert info.value._render_traceback_() == ["LaunchError: --ranks [7]: ranks must lie in 0..1"]
