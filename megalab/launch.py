@@ -241,20 +241,37 @@ def _alive_workers(run_dir: Path) -> dict[int, int]:
     return {r: p for r, p in _rank_pids(run_dir).items() if _is_our_worker(p, run_dir)}
 
 
+def _run_processes(run_dir: Path) -> list[int]:
+    """Every live process of this run, found by the run dir in its command line.
+
+    Pid files are not enough: a rank still starting up when we stop the run has not written one.
+    """
+    marker = str(run_dir).encode()
+    pids = []
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            try:
+                if marker in Path(entry.path, "cmdline").read_bytes():
+                    pids.append(int(entry.name))
+            except OSError:
+                continue
+    return pids
+
+
 def _kill_all(proc: subprocess.Popen, run_dir: Path) -> None:
-    """SIGKILL torchrun's session and every rank (each rank has a session of its own)."""
-    for pid in _alive_workers(run_dir).values():
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+    """SIGKILL torchrun's session, then every rank (each rank has a session of its own)."""
     try:
         os.killpg(proc.pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
         pass
     proc.wait()
     deadline = time.monotonic() + 5
-    while _alive_workers(run_dir) and time.monotonic() < deadline:
+    while (pids := _run_processes(run_dir)) and time.monotonic() < deadline:
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
         time.sleep(0.02)
 
 

@@ -285,3 +285,29 @@ def test_launch_errors_render_as_their_message_in_ipython():
     with pytest.raises(LaunchError) as info:
         launch.run("pass", 2, ranks="7")
     assert info.value._render_traceback_() == ["LaunchError: --ranks [7]: ranks must lie in 0..1"]
+
+
+def test_interrupt_while_ranks_are_still_starting_leaves_none_behind():
+    """Interrupt as soon as the first rank process exists: the others have not written pid files yet."""
+    script = textwrap.dedent("""
+        import signal
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        from megalab import launch
+        try:
+            launch.run("import time\\ntime.sleep(600)\\n", 4, timeout=600)
+        except KeyboardInterrupt:
+            print("interrupted")
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not _workers_alive() and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert _workers_alive(), "no rank ever started"
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+    assert "interrupted" in out
+    time.sleep(0.5)  # a rank caught between fork and exec shows up by now, if one escaped
+    assert not _workers_alive()
