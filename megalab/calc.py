@@ -121,3 +121,58 @@ def zero_memory_per_device(num_parameters: float, data_parallel_size: int, stage
     }
     out["total"] = sum(out.values())
     return out
+
+
+# ------------------------------------------------------------------ context parallelism
+def context_parallel_attention_memory(seq_length: int, micro_batch_size: int, num_attention_heads: int,
+                                      num_query_groups: int, kv_channels: int, context_parallel_size: int,
+                                      variant: str = "p2p", bytes_per_element: int = 4) -> float:
+    """Bytes one rank's core attention keeps for backward, one layer, under context parallelism.
+
+    s/cp tokens per rank, np heads, ng key/value groups, hn = kv_channels:
+        "p2p" (ring)   q, out  b (s/cp) np hn   +  k, v  b (s/cp) ng hn   +  lse  b np (s/cp) (fp32)
+        "all_gather"   q, out  b (s/cp) np hn   +  k, v  b s ng hn (the gathered sequence)
+                       +  lse  +  the [s/cp, s] boolean causal mask (1 byte each)
+    No s x s scores are kept (as FlashAttention): backward recomputes them block by block.
+    """
+    s, b, np_, ng, hn, cp = (seq_length, micro_batch_size, num_attention_heads, num_query_groups, kv_channels,
+                             context_parallel_size)
+    local = s // cp
+    q_out_lse = 2 * b * local * np_ * hn * bytes_per_element + 4 * b * np_ * local
+    if variant == "p2p":
+        return q_out_lse + 2 * b * local * ng * hn * bytes_per_element
+    if variant == "all_gather":
+        return q_out_lse + 2 * b * s * ng * hn * bytes_per_element + local * s
+    raise ValueError(f'variant must be "p2p" or "all_gather", got {variant!r}')
+
+
+def context_parallel_communication_per_layer(seq_length: int, micro_batch_size: int, num_query_groups: int,
+                                             kv_channels: int, context_parallel_size: int, variant: str = "p2p",
+                                             bytes_per_element: int = 4) -> dict[str, float]:
+    """Bytes each rank sends for one layer's attention, forward and backward, one micro-batch.
+
+    A K/V block is this rank's keys and values, 2 b (s/cp) ng hn elements. Ring ("p2p", TE's
+    AttnFuncWithCPAndKVP2P): forward passes cp-1 blocks; backward passes the K/V again (cp-1) and
+    the dK/dV that travel with them back to their owner (cp hops). All-gather: an all-gather
+    forward and a reduce-scatter of dK/dV backward, (cp-1) blocks each (ring algorithms).
+    Returns {"forward", "backward", "total"}.
+    """
+    cp = context_parallel_size
+    block = 2 * micro_batch_size * (seq_length // cp) * num_query_groups * kv_channels * bytes_per_element
+    if variant == "p2p":
+        forward, backward = (cp - 1) * block, ((cp - 1) + (cp if cp > 1 else 0)) * block
+    elif variant == "all_gather":
+        forward = backward = (cp - 1) * block
+    else:
+        raise ValueError(f'variant must be "p2p" or "all_gather", got {variant!r}')
+    return {"forward": forward, "backward": backward, "total": forward + backward}
+
+
+def context_parallel_activation_memory_per_layer(seq_length: int, micro_batch_size: int, hidden_size: int,
+                                                 num_attention_heads: int, context_parallel_size: int,
+                                                 tensor_parallel_size: int = 1) -> float:
+    """Korthikanti's per-layer activation bytes for the s/cp tokens of one CP rank, with the core
+    attention keeping no s x s scores (ring attention is FlashAttention-style): 1/cp of the
+    selective-recomputation count, s b h (10 + 24/t) / cp."""
+    return activation_memory_per_layer(seq_length / context_parallel_size, micro_batch_size, hidden_size,
+                                       num_attention_heads, tensor_parallel_size, recompute="selective")

@@ -13,6 +13,7 @@ algorithms, n the payload and t the group size:
     all-reduce       2 (t-1)/t n     (a reduce-scatter, then an all-gather)
     all-gather       (t-1)/t n
     reduce-scatter   (t-1)/t n
+    isend            n               (point to point; the matching irecv is not counted)
 
 Narayanan et al. 2021 count tensor-parallel traffic this way ("8 b s h (t-1)/t per layer").
 Megatron has no such tool; NCCL's own counters or a profiler trace play its role there.
@@ -34,6 +35,7 @@ _RING = {
     "reduce_scatter_single": (1, lambda t: (t - 1) / t),  # the [t n] input
     "all_gather_into_tensor": (0, lambda t: (t - 1) / t),  # older names of the two above
     "reduce_scatter_tensor": (1, lambda t: (t - 1) / t),
+    "isend": (0, lambda t: 1),  # point-to-point (ring attention): the tensor sent
 }
 
 
@@ -52,7 +54,7 @@ def _nbytes(arg) -> int:
 
 
 class CollectiveTracer:
-    """Records every all-reduce, all-gather and reduce-scatter issued inside the `with` block."""
+    """Records every all-reduce, all-gather, reduce-scatter and isend issued inside the `with` block."""
 
     def __init__(self):
         self.records: list[Collective] = []

@@ -39,6 +39,7 @@ from torch import nn
 
 from megalab import parallel_state as ps
 from megalab.config import TransformerConfig
+from megalab.model.attention import CoreAttention
 from megalab.model.gpt import GPTModel
 from megalab.model.layers import Linear
 from megalab.model.spec import LayerSpec
@@ -512,12 +513,13 @@ def allreduce_sequence_parallel_grads(model: nn.Module, group=None) -> None:
 
 
 # ------------------------------------------------------------------ a tensor-parallel GPT
-def tensor_parallel_layer_spec(tp_group=None) -> LayerSpec:
+def tensor_parallel_layer_spec(tp_group=None, core_attention: Callable = CoreAttention) -> LayerSpec:
     """Chapter 02's layer with the parallel linears: linear_qkv and linear_fc1 column-parallel
     (each rank gets whole query groups and a slice of ffn), linear_proj and linear_fc2 row-parallel.
     Megatron: get_gpt_layer_local_spec (megatron/core/models/gpt/gpt_layer_specs.py)."""
     return LayerSpec(column_linear=partial(ColumnParallelLinear, tp_group=tp_group),
-                     row_linear=partial(RowParallelLinear, input_is_parallel=True, tp_group=tp_group))
+                     row_linear=partial(RowParallelLinear, input_is_parallel=True, tp_group=tp_group),
+                     core_attention=core_attention)
 
 
 class TensorParallelGPTModel(GPTModel):
@@ -528,12 +530,12 @@ class TensorParallelGPTModel(GPTModel):
     gives the same model. Under SP call allreduce_sequence_parallel_grads(model) after backward.
     """
 
-    def __init__(self, config: TransformerConfig, tp_group=None):
+    def __init__(self, config: TransformerConfig, tp_group=None, core_attention: Callable = CoreAttention):
         group = _group(tp_group)
         t = dist.get_world_size(group)
         divide(config.num_query_groups, t, "num_query_groups")
         divide(config.vocab_size, t, "vocab_size (pad it with vocab_size_with_padding)")
-        super().__init__(config, tensor_parallel_layer_spec(group))
+        super().__init__(config, tensor_parallel_layer_spec(group, core_attention))
         self.tp_group = group
         full = self.embedding.word_embeddings.weight  # drawn exactly as on one device, then split
         self.embedding.word_embeddings = VocabParallelEmbedding(
