@@ -162,7 +162,7 @@ _MASKS = {"full": lambda c: None, "causal": lambda c: torch.ones(c, c, dtype=tor
 @dataclass
 class AttentionWork:
     """What one rank's attention computed: block pairs, as a causal kernel counts them
-    (a diagonal block is half a block), their FLOPs (QK^T and PV, 4 b np c^2 hn per full block)
+    (a diagonal block is half a block), their FLOPs (QK^T and PV, 4 b np sq sk hn per full block)
     and the seconds spent computing them (forward only)."""
 
     blocks: float = 0.0
@@ -170,12 +170,12 @@ class AttentionWork:
     seconds: float = 0.0
     steps: list = field(default_factory=list)  # (ring step, q chunk, kv chunk, mask)
 
-    def add(self, step, q_chunk, kv_chunk, kind, q, seconds):
-        """One computed block pair; q [b, np, c, hn] its queries."""
+    def add(self, step, q_chunk, kv_chunk, kind, q, num_keys, seconds):
+        """One computed block pair: q [b, np, sq, hn] its queries against num_keys keys."""
         share = 0.5 if kind == "causal" else 1.0
-        b, np_, c, hn = q.shape
+        b, np_, sq, hn = q.shape
         self.blocks += share
-        self.flops += share * 4 * b * np_ * c * c * hn
+        self.flops += share * 4 * b * np_ * sq * num_keys * hn
         self.seconds += seconds
         self.steps.append((step, q_chunk, kv_chunk, kind))
 
@@ -229,7 +229,7 @@ class RingAttention(torch.autograd.Function):
                 out[:, :, rows], lse[:, :, rows] = merge_attention(out[:, :, rows], lse[:, :, rows],
                                                                    block_out, block_lse)
                 if work is not None:
-                    work.add(step, qc, kc, kind, q[:, :, rows], time.perf_counter() - start)
+                    work.add(step, qc, kc, kind, q[:, :, rows], c, time.perf_counter() - start)
             if step + 1 < cp:
                 _wait(requests)
                 block = next_block
@@ -245,8 +245,9 @@ class RingAttention(torch.autograd.Function):
         q_chunks, c = rank_chunks(cp, rank, zigzag), q.shape[2] // 2
         dq = torch.zeros_like(q)
         block, dkv = kv, None
-        # EXERCISE cp.backward_ring: K/V go round again; each rank adds its dq, and its share of the visiting
-        # block's dK/dV to the dkv travelling with it; after cp steps every dkv is back with its owner
+        # K/V go round again; each rank adds to its dq, and adds its share of the visiting block's dK/dV to
+        # the dkv travelling with that block; one last hop brings every dkv home to its owner.
+        # EXERCISE cp.backward_ring: the backward ring: K/V and their dK/dV around the CP group, dq accumulated locally
         ### BEGIN SOLUTION
         for step in range(cp):
             owner = (rank - step) % cp
@@ -291,7 +292,7 @@ class AllGatherAttention(torch.autograd.Function):
         start = time.perf_counter()
         out, lse = block_attention(q, k, v, mask)
         if work is not None:
-            work.add(0, -1, -1, "all-gather", q, time.perf_counter() - start)
+            work.add(0, -1, -1, "masked", q, k.shape[2], time.perf_counter() - start)
         ctx.save_for_backward(q, k, v, out, lse, mask)
         ctx.group = group
         return out

@@ -287,15 +287,15 @@ def test_zigzag_balances_counted_work_plain_split_does_not(runs):
 @pytest.mark.exercise("cp.ring_step")
 @pytest.mark.exercise("cp.backward_ring")
 def test_bytes_moved_equal_the_formula(runs):
-    for layout, rank, result in _results(runs, "attention"):
-        for (variant, zigzag), r in result.items():
+    for layout, _, result in _results(runs, "attention"):
+        for (variant, _), r in result.items():
             assert r["bytes_forward"] == r["formula"]["forward"], (layout, variant, r)
             assert r["bytes_backward"] == r["formula"]["backward"], (layout, variant, r)
 
 
 @pytest.mark.exercise("cp.ring_step")
 def test_saved_activation_bytes_equal_the_formula(runs):
-    for layout, rank, result in _results(runs, "attention"):
+    for layout, _, result in _results(runs, "attention"):
         for key, r in result.items():
             assert r["saved"] == r["saved_formula"], (layout, key, r)
     # a whole layer keeps per-token activations only: 1/cp of the sequence's, per rank
