@@ -163,7 +163,8 @@ _MASKS = {"full": lambda c: None, "causal": lambda c: torch.ones(c, c, dtype=tor
 class AttentionWork:
     """What one rank's attention computed: block pairs, as a causal kernel counts them
     (a diagonal block is half a block), their FLOPs (QK^T and PV, 4 b np sq sk hn per full block)
-    and the seconds spent computing them (forward only)."""
+    and the CPU seconds this thread spent computing them (forward only; thread time, so other
+    processes sharing the cores do not count)."""
 
     blocks: float = 0.0
     flops: float = 0.0
@@ -223,13 +224,13 @@ class RingAttention(torch.autograd.Function):
             if step + 1 < cp:
                 next_block, requests = ring_step(block, group)  # in flight while we compute
             for rows, cols, qc, kc, kind in _block_pairs(q_chunks, rank_chunks(cp, owner, zigzag), c):
-                start = time.perf_counter()
+                start = time.thread_time()
                 block_out, block_lse = block_attention(q[:, :, rows], block[0][:, :, cols], block[1][:, :, cols],
                                                        _MASKS[kind](c))
                 out[:, :, rows], lse[:, :, rows] = merge_attention(out[:, :, rows], lse[:, :, rows],
                                                                    block_out, block_lse)
                 if work is not None:
-                    work.add(step, qc, kc, kind, q[:, :, rows], c, time.perf_counter() - start)
+                    work.add(step, qc, kc, kind, q[:, :, rows], c, time.thread_time() - start)
             if step + 1 < cp:
                 _wait(requests)
                 block = next_block
@@ -283,16 +284,16 @@ class AllGatherAttention(torch.autograd.Function):
     def forward(ctx, q, kv, group, zigzag, work):
         cp, rank = dist.get_world_size(group), dist.get_rank(group)
         gathered = torch.empty(cp * kv.shape[0], *kv.shape[1:], dtype=kv.dtype)  # ranks' blocks along dim 0
-        dist.all_gather_into_tensor(gathered, kv.contiguous(), group=group)
+        dist.all_gather_single(gathered, kv.contiguous(), group=group)
         gathered = gathered.unflatten(0, (cp, 2))  # [cp, 2, b, ng, s/cp, hn]
         k, v = gathered.permute(1, 2, 3, 0, 4, 5).flatten(3, 4).unbind(0)  # [b, ng, s, hn], rank-major tokens
         s_local = q.shape[2]
         positions = [cp_rank_positions(s_local * cp, cp, r, zigzag) for r in range(cp)]
         mask = positions[rank][:, None] < torch.cat(positions)[None, :]  # key after query: hidden
-        start = time.perf_counter()
+        start = time.thread_time()
         out, lse = block_attention(q, k, v, mask)
         if work is not None:
-            work.add(0, -1, -1, "masked", q, k.shape[2], time.perf_counter() - start)
+            work.add(0, -1, -1, "masked", q, k.shape[2], time.thread_time() - start)
         ctx.save_for_backward(q, k, v, out, lse, mask)
         ctx.group = group
         return out
@@ -304,7 +305,7 @@ class AllGatherAttention(torch.autograd.Function):
         dq, dk, dv = block_attention_backward(q, k, v, out, lse, dout, mask)
         dkv_all = torch.stack([dk, dv]).unflatten(3, (cp, -1)).permute(3, 0, 1, 2, 4, 5)  # [cp, 2, b, ng, s/cp, hn]
         dkv = torch.empty(dkv_all.shape[1:], dtype=dkv_all.dtype)
-        dist.reduce_scatter_tensor(dkv, dkv_all.flatten(0, 1).contiguous(), group=ctx.group)  # summed, this rank's
+        dist.reduce_scatter_single(dkv, dkv_all.flatten(0, 1).contiguous(), group=ctx.group)  # summed, this rank's
         return dq, dkv, None, None, None
 
 
