@@ -69,6 +69,7 @@ def test_bad_sequence_length_names_the_rule():
         cpm.get_batch_on_this_cp_rank({"tokens": torch.zeros(1, 10, dtype=torch.long)}, 2, 0)
 
 
+@pytest.mark.exercise("cp.zigzag_split")
 def test_get_batch_on_this_cp_rank_slices_every_tensor():
     ids = torch.arange(16).view(2, 8)
     batch = cpm.get_batch_on_this_cp_rank({"tokens": ids, "labels": ids + 100}, 2, 0)
@@ -159,15 +160,18 @@ def _attention(state):
             work = cpm.AttentionWork()
             with CollectiveTracer() as trace, SavedTensorsMeter() as meter:
                 y = cpm.context_parallel_attention(*local, group, zigzag, variant, work)
-            with CollectiveTracer() as trace_bwd:
-                y.backward(dout[:, :, pos])
-            diff = max([_diff(y, ref[:, :, pos])] + [_diff(t.grad, leaf.grad[:, :, pos])
-                                                     for t, leaf in zip(local, leaves)])
-            out[(variant, zigzag)] = dict(
-                diff=diff, blocks=work.blocks, flops=work.flops, seconds=work.seconds,
-                bytes_forward=trace.wire_bytes, bytes_backward=trace_bwd.wire_bytes,
+            r = out[(variant, zigzag)] = dict(
+                forward_diff=_diff(y, ref[:, :, pos]), blocks=work.blocks, flops=work.flops,
+                bytes_forward=trace.wire_bytes,
                 formula=calc.context_parallel_communication_per_layer(s, B, NG, HN, cp, variant),
                 saved=meter.bytes, saved_formula=calc.context_parallel_attention_memory(s, B, NP, NG, HN, cp, variant))
+            try:  # backward separately: the forward's numbers stand without it
+                with CollectiveTracer() as trace_bwd:
+                    y.backward(dout[:, :, pos])
+                r["grad_diff"] = max(_diff(t.grad, leaf.grad[:, :, pos]) for t, leaf in zip(local, leaves))
+                r["bytes_backward"] = trace_bwd.wire_bytes
+            except NotImplementedError:
+                r["backward_error"] = traceback.format_exc(limit=-2)
     return out
 
 
@@ -269,12 +273,16 @@ def test_ring_step_receives_from_the_previous_rank(runs):
 def test_ring_and_all_gather_attention_equal_sdpa_forward_and_backward(runs):
     for layout, rank, result in _results(runs, "attention"):
         for key, r in result.items():
-            assert r["diff"] < TOL, (layout, rank, key, r["diff"])
+            assert "backward_error" not in r, r["backward_error"]
+            assert max(r["forward_diff"], r["grad_diff"]) < TOL, (layout, rank, key, r)
 
 
 @pytest.mark.exercise("cp.zigzag_split")
 @pytest.mark.exercise("cp.causal_block_mask")
+@pytest.mark.exercise("cp.lse_merge")
+@pytest.mark.exercise("cp.ring_step")
 def test_zigzag_balances_counted_work_plain_split_does_not(runs):
+    list(_results(runs, "attention"))  # no rank failed
     for cp in (2, 4):
         by_rank = runs[(cp, 1)]["attention"]
         zigzag = [by_rank[r][("p2p", True)]["flops"] for r in sorted(by_rank)]
@@ -290,6 +298,7 @@ def test_bytes_moved_equal_the_formula(runs):
     for layout, _, result in _results(runs, "attention"):
         for (variant, _), r in result.items():
             assert r["bytes_forward"] == r["formula"]["forward"], (layout, variant, r)
+            assert "backward_error" not in r, r["backward_error"]
             assert r["bytes_backward"] == r["formula"]["backward"], (layout, variant, r)
 
 
