@@ -84,10 +84,10 @@ def get_batch_on_this_cp_rank(batch: dict[str, torch.Tensor], cp_size: int, cp_r
     position_ids are added (the global positions of the kept tokens) if the batch has none."""
     s = next(iter(batch.values())).shape[1]
     positions = cp_rank_positions(s, cp_size, cp_rank, zigzag)
-    out = {name: t[:, positions] for name, t in batch.items()}
+    out = {name: t[:, positions.to(t.device)] for name, t in batch.items()}
     if "position_ids" not in out:
         b = next(iter(batch.values())).shape[0]
-        out["position_ids"] = positions.expand(b, -1)
+        out["position_ids"] = positions.to(next(iter(batch.values())).device).expand(b, -1)
     return out
 
 
@@ -156,7 +156,9 @@ def merge_attention(out, lse, block_out, block_lse):
     ### END SOLUTION
 
 
-_MASKS = {"full": lambda c: None, "causal": lambda c: torch.ones(c, c, dtype=torch.bool).triu(1)}
+def _mask(kind: str, c: int, device) -> torch.Tensor | None:
+    """The [c, c] mask of a block pair: none for "full", the upper triangle for "causal"."""
+    return torch.ones(c, c, dtype=torch.bool, device=device).triu(1) if kind == "causal" else None
 
 
 @dataclass
@@ -217,7 +219,7 @@ class RingAttention(torch.autograd.Function):
         cp, rank = dist.get_world_size(group), dist.get_rank(group)
         q_chunks, c = rank_chunks(cp, rank, zigzag), q.shape[2] // 2
         out = torch.zeros_like(q)
-        lse = torch.full(q.shape[:-1], float("-inf"), dtype=q.dtype)
+        lse = torch.full(q.shape[:-1], float("-inf"), dtype=q.dtype, device=q.device)
         block = kv
         for step in range(cp):
             owner = (rank - step) % cp  # whose K/V this is
@@ -226,7 +228,7 @@ class RingAttention(torch.autograd.Function):
             for rows, cols, qc, kc, kind in _block_pairs(q_chunks, rank_chunks(cp, owner, zigzag), c):
                 start = time.thread_time()
                 block_out, block_lse = block_attention(q[:, :, rows], block[0][:, :, cols], block[1][:, :, cols],
-                                                       _MASKS[kind](c))
+                                                       _mask(kind, c, q.device))
                 out[:, :, rows], lse[:, :, rows] = merge_attention(out[:, :, rows], lse[:, :, rows],
                                                                    block_out, block_lse)
                 if work is not None:
@@ -262,7 +264,7 @@ class RingAttention(torch.autograd.Function):
             for rows, cols, _, _, kind in _block_pairs(q_chunks, rank_chunks(cp, owner, zigzag), c):
                 dq_ij, dk, dv = block_attention_backward(
                     q[:, :, rows], block[0][:, :, cols], block[1][:, :, cols], out[:, :, rows], lse[:, :, rows],
-                    dout[:, :, rows], _MASKS[kind](c))
+                    dout[:, :, rows], _mask(kind, c, q.device))
                 dq[:, :, rows] += dq_ij
                 dkv[0][:, :, cols] += dk
                 dkv[1][:, :, cols] += dv
@@ -283,13 +285,13 @@ class AllGatherAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, kv, group, zigzag, work):
         cp, rank = dist.get_world_size(group), dist.get_rank(group)
-        gathered = torch.empty(cp * kv.shape[0], *kv.shape[1:], dtype=kv.dtype)  # ranks' blocks along dim 0
+        gathered = kv.new_empty(cp * kv.shape[0], *kv.shape[1:])  # the ranks' blocks along dim 0
         dist.all_gather_single(gathered, kv.contiguous(), group=group)
         gathered = gathered.unflatten(0, (cp, 2))  # [cp, 2, b, ng, s/cp, hn]
         k, v = gathered.permute(1, 2, 3, 0, 4, 5).flatten(3, 4).unbind(0)  # [b, ng, s, hn], rank-major tokens
         s_local = q.shape[2]
         positions = [cp_rank_positions(s_local * cp, cp, r, zigzag) for r in range(cp)]
-        mask = positions[rank][:, None] < torch.cat(positions)[None, :]  # key after query: hidden
+        mask = (positions[rank][:, None] < torch.cat(positions)[None, :]).to(q.device)  # key after query: hidden
         start = time.thread_time()
         out, lse = block_attention(q, k, v, mask)
         if work is not None:
@@ -304,7 +306,7 @@ class AllGatherAttention(torch.autograd.Function):
         cp = dist.get_world_size(ctx.group)
         dq, dk, dv = block_attention_backward(q, k, v, out, lse, dout, mask)
         dkv_all = torch.stack([dk, dv]).unflatten(3, (cp, -1)).permute(3, 0, 1, 2, 4, 5)  # [cp, 2, b, ng, s/cp, hn]
-        dkv = torch.empty(dkv_all.shape[1:], dtype=dkv_all.dtype)
+        dkv = dkv_all.new_empty(dkv_all.shape[1:])
         dist.reduce_scatter_single(dkv, dkv_all.flatten(0, 1).contiguous(), group=ctx.group)  # summed, this rank's
         return dq, dkv, None, None, None
 
@@ -361,7 +363,7 @@ class ContextParallelRotaryEmbedding(RotaryEmbedding):
     def forward(self, seq_length: int) -> torch.Tensor:
         cp = dist.get_world_size(self.cp_group)
         positions = cp_rank_positions(seq_length * cp, cp, dist.get_rank(self.cp_group), self.zigzag)
-        return super().forward(seq_length * cp)[positions]  # [s/cp, 1, 1, dim]
+        return super().forward(seq_length * cp)[positions.to(self.inv_freq.device)]  # [s/cp, 1, 1, dim]
 
 
 class ContextParallelGPTModel(TensorParallelGPTModel):
@@ -386,7 +388,7 @@ class ContextParallelGPTModel(TensorParallelGPTModel):
         if position_ids is None:  # this rank's positions in the full sequence
             cp = dist.get_world_size(self.cp_group)
             position_ids = cp_rank_positions(input_ids.shape[1] * cp, cp, dist.get_rank(self.cp_group),
-                                             self.zigzag).expand(input_ids.shape[0], -1)
+                                             self.zigzag).to(input_ids.device).expand(input_ids.shape[0], -1)
         return super().forward(input_ids, position_ids, labels)
 
     def attention_work(self) -> AttentionWork:
