@@ -3,7 +3,9 @@
 One 2-rank gloo launch times, interleaved on the same weights and tokens: a forward + backward
 of ContextParallelGPTModel with the ring ("p2p") and with the all-gather variant (each rank holds
 s/2 tokens), and of the single-process GPTModel on the whole sequence (every rank runs its own
-copy at the same time, so both ranks stay busy as in the CP runs). One thread per rank. We report
+copy at the same time, so both ranks stay busy as in the CP runs). One thread per rank. The
+all-gather variant here computes its dense s/cp x s scores under a mask (no causal block skipping),
+so it also does about twice the ring's attention FLOPs. We report
 medians and the ratios ours / all-gather and ours / single process (below 1: ours is faster).
 On gloo/CPU the ring's overlap of send/recv with compute is limited; on NCCL/GPU it hides the transfers.
 """

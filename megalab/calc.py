@@ -166,13 +166,3 @@ def context_parallel_communication_per_layer(seq_length: int, micro_batch_size: 
     else:
         raise ValueError(f'variant must be "p2p" or "all_gather", got {variant!r}')
     return {"forward": forward, "backward": backward, "total": forward + backward}
-
-
-def context_parallel_activation_memory_per_layer(seq_length: int, micro_batch_size: int, hidden_size: int,
-                                                 num_attention_heads: int, context_parallel_size: int,
-                                                 tensor_parallel_size: int = 1) -> float:
-    """Korthikanti's per-layer activation bytes for the s/cp tokens of one CP rank, with the core
-    attention keeping no s x s scores (ring attention is FlashAttention-style): 1/cp of the
-    selective-recomputation count, s b h (10 + 24/t) / cp."""
-    return activation_memory_per_layer(seq_length / context_parallel_size, micro_batch_size, hidden_size,
-                                       num_attention_heads, tensor_parallel_size, recompute="selective")

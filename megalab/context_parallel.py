@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import partial
 
 import torch
@@ -171,22 +171,20 @@ class AttentionWork:
     blocks: float = 0.0
     flops: float = 0.0
     seconds: float = 0.0
-    steps: list = field(default_factory=list)  # (ring step, q chunk, kv chunk, mask)
 
-    def add(self, step, q_chunk, kv_chunk, kind, q, num_keys, seconds):
+    def add(self, kind: str, q: torch.Tensor, num_keys: int, seconds: float) -> None:
         """One computed block pair: q [b, np, sq, hn] its queries against num_keys keys."""
         share = 0.5 if kind == "causal" else 1.0
         b, np_, sq, hn = q.shape
         self.blocks += share
         self.flops += share * 4 * b * np_ * sq * num_keys * hn
         self.seconds += seconds
-        self.steps.append((step, q_chunk, kv_chunk, kind))
 
 
 def _block_pairs(q_chunks, kv_chunks, c):
-    """(rows, cols, q chunk, kv chunk, kind) of the block pairs a causal mask does not skip;
+    """(rows, cols, kind) of the block pairs a causal mask does not skip;
     rows/cols slice this rank's queries and the K/V block (two chunks of c tokens each)."""
-    return [(slice(i * c, (i + 1) * c), slice(j * c, (j + 1) * c), qc, kc, causal_block_mask(qc, kc))
+    return [(slice(i * c, (i + 1) * c), slice(j * c, (j + 1) * c), causal_block_mask(qc, kc))
             for i, qc in enumerate(q_chunks) for j, kc in enumerate(kv_chunks) if causal_block_mask(qc, kc) != "skip"]
 
 
@@ -225,14 +223,14 @@ class RingAttention(torch.autograd.Function):
             owner = (rank - step) % cp  # whose K/V this is
             if step + 1 < cp:
                 next_block, requests = ring_step(block, group)  # in flight while we compute
-            for rows, cols, qc, kc, kind in _block_pairs(q_chunks, rank_chunks(cp, owner, zigzag), c):
+            for rows, cols, kind in _block_pairs(q_chunks, rank_chunks(cp, owner, zigzag), c):
                 start = time.thread_time()
                 block_out, block_lse = block_attention(q[:, :, rows], block[0][:, :, cols], block[1][:, :, cols],
                                                        _mask(kind, c, q.device))
                 out[:, :, rows], lse[:, :, rows] = merge_attention(out[:, :, rows], lse[:, :, rows],
                                                                    block_out, block_lse)
                 if work is not None:
-                    work.add(step, qc, kc, kind, q[:, :, rows], c, time.thread_time() - start)
+                    work.add(kind, q[:, :, rows], c, time.thread_time() - start)
             if step + 1 < cp:
                 _wait(requests)
                 block = next_block
@@ -261,7 +259,7 @@ class RingAttention(torch.autograd.Function):
                 _wait(dkv_requests)
             if step + 1 < cp:
                 next_block, kv_requests = ring_step(block, group)  # in flight while we compute
-            for rows, cols, _, _, kind in _block_pairs(q_chunks, rank_chunks(cp, owner, zigzag), c):
+            for rows, cols, kind in _block_pairs(q_chunks, rank_chunks(cp, owner, zigzag), c):
                 dq_ij, dk, dv = block_attention_backward(
                     q[:, :, rows], block[0][:, :, cols], block[1][:, :, cols], out[:, :, rows], lse[:, :, rows],
                     dout[:, :, rows], _mask(kind, c, q.device))
@@ -295,7 +293,7 @@ class AllGatherAttention(torch.autograd.Function):
         start = time.thread_time()
         out, lse = block_attention(q, k, v, mask)
         if work is not None:
-            work.add(0, -1, -1, "masked", q, k.shape[2], time.thread_time() - start)
+            work.add("masked", q, k.shape[2], time.thread_time() - start)
         ctx.save_for_backward(q, k, v, out, lse, mask)
         ctx.group = group
         return out
@@ -390,12 +388,6 @@ class ContextParallelGPTModel(TensorParallelGPTModel):
             position_ids = cp_rank_positions(input_ids.shape[1] * cp, cp, dist.get_rank(self.cp_group),
                                              self.zigzag).to(input_ids.device).expand(input_ids.shape[0], -1)
         return super().forward(input_ids, position_ids, labels)
-
-    def attention_work(self) -> AttentionWork:
-        """The work of every layer's attention since the model was built, added up."""
-        works = [layer.self_attention.core_attention.work for layer in self.decoder.layers]
-        return AttentionWork(sum(w.blocks for w in works), sum(w.flops for w in works),
-                             sum(w.seconds for w in works), [s for w in works for s in w.steps])
 
 
 def finalize_context_parallel_grads(model: nn.Module, state: ps.ParallelState | None = None) -> None:

@@ -124,8 +124,10 @@ def test_formulas():
         forward=3 * block, backward=7 * block, total=10 * block)
     assert calc.context_parallel_communication_per_layer(64, 2, 2, 8, 4, "all_gather")["total"] == 6 * block
     assert calc.context_parallel_communication_per_layer(64, 2, 2, 8, 1)["total"] == 0
-    one = calc.context_parallel_activation_memory_per_layer(1024, 1, 512, 8, 1)
-    assert calc.context_parallel_activation_memory_per_layer(1024, 1, 512, 8, 4) == one / 4 == 1024 * 512 * 34 / 4
+    # ring: q, out [b, np, s/cp, hn], k, v [b, ng, s/cp, hn], lse [b, np, s/cp] fp32; all-gather: k, v of all s, mask
+    assert calc.context_parallel_attention_memory(64, 2, 4, 2, 8, 4) == 4 * (2 * 2 * 16 * 4 * 8 + 2 * 2 * 16 * 2 * 8 + 2 * 4 * 16)
+    assert calc.context_parallel_attention_memory(64, 2, 4, 2, 8, 4, "all_gather") == (
+        4 * (2 * 2 * 16 * 4 * 8 + 2 * 2 * 64 * 2 * 8 + 2 * 4 * 16) + 16 * 64)
     with pytest.raises(ValueError, match="variant"):
         calc.context_parallel_attention_memory(8, 1, 2, 2, 4, 2, "ring")
 
