@@ -47,7 +47,8 @@ def flops_per_iteration(batch_size: int, seq_length: int, num_layers: int, hidde
 
 def activation_memory_per_layer(seq_length: int, micro_batch_size: int, hidden_size: int, num_attention_heads: int,
                                 tensor_parallel_size: int = 1, sequence_parallel: bool = False,
-                                recompute: str = "none") -> float:
+                                recompute: str = "none", ffn_hidden_size: int | None = None,
+                                context_parallel_size: int = 1) -> float:
     """Bytes of activations one transformer layer keeps for backward. Korthikanti 2022, Table 2.
 
     16-bit activations, 1-byte dropout masks. Without parallelism a layer keeps
@@ -60,16 +61,22 @@ def activation_memory_per_layer(seq_length: int, micro_batch_size: int, hidden_s
         "selective" False               s b h (10 + 24/t)      (core attention recomputed)
         "selective" True                s b h / t * 34
         "full"      either              2 s b h                (only the layer's input)
+
+    The 24 (split by t) is 8 for attention and 16 = 4 ffn/h for the MLP's two ffn-wide tensors:
+    with `ffn_hidden_size` f it becomes 8 + 4 f/h (Megatron's theoretical_memory_usage writes
+    the SP case as 18 + 4 f/h). Context parallelism gives each rank s/cp tokens: every s b h
+    term shrinks by cp, and the scores of s/cp queries against all s keys by cp too.
     """
-    s, b, h, a, t = seq_length, micro_batch_size, hidden_size, num_attention_heads, tensor_parallel_size
+    s, b, h, a, t = seq_length / context_parallel_size, micro_batch_size, hidden_size, num_attention_heads, tensor_parallel_size
+    split = 8 + 4 * (4 * h if ffn_hidden_size is None else ffn_hidden_size) / h
     if recompute == "full":
         return 2 * s * b * h
     if recompute not in ("none", "selective"):
         raise ValueError(f'recompute must be "none", "selective" or "full", got {recompute!r}')
-    attention_scores = 5 * a * s / h if recompute == "none" else 0.0
+    attention_scores = 5 * a * seq_length / h if recompute == "none" else 0.0  # s/cp queries x s keys
     if sequence_parallel:
-        return s * b * h / t * (34 + attention_scores)
-    return s * b * h * (10 + 24 / t + attention_scores / t)
+        return s * b * h / t * (10 + split + attention_scores)
+    return s * b * h * (10 + split / t + attention_scores / t)
 
 
 def tensor_parallel_communication_per_layer(seq_length: int, micro_batch_size: int, hidden_size: int,

@@ -37,6 +37,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from megalab.tensor_parallel import column_parallel_linear, scatter_to_sequence_parallel_region
+
 SCHEDULES = ("none", "gpipe", "1f1b", "interleaved")
 
 
@@ -248,7 +250,7 @@ class GPTStage(nn.Module):
     def __init__(self, model: nn.Module, start: int, stop: int, pre_process: bool, post_process: bool):
         super().__init__()
         self.model = [model]  # a list, so the whole model is not registered as a submodule
-        self.pre_process, self.post_process = pre_process, post_process
+        self.pre_process, self.post_process, self.start = pre_process, post_process, start
         self.embedding = model.embedding if pre_process else None
         self.layers = model.decoder.layers[start:stop]
         self.final_layernorm = model.decoder.final_layernorm if post_process else None
@@ -257,17 +259,27 @@ class GPTStage(nn.Module):
                                 if post_process and model.output_layer is None else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        model = self.model[0]
+        tp_group = getattr(model, "tp_group", None)  # a TensorParallelGPTModel's stages
+        sp = model.config.sequence_parallel and tp_group is not None
         if self.pre_process:
             x = self.embedding(x)  # [b, s] -> [s, b, h]
-        rotary = self.model[0].rotary_pos_emb
-        rotary_pos_emb = rotary(x.shape[0]) if rotary is not None else None
+            if sp:
+                x = scatter_to_sequence_parallel_region(x, tp_group)  # [s/t, b, h]
+        rotary, s = model.rotary_pos_emb, x.shape[0] * (dist.get_world_size(tp_group) if sp else 1)
+        rotary_pos_emb = rotary(s) if rotary is not None else None
         for layer in self.layers:
             x = layer(x, rotary_pos_emb)
         if not self.post_process:
-            return x  # [s, b, h]
+            return x  # [s, b, h] ([s/t, b, h] with SP)
         x = self.final_layernorm(x)
-        logits = self.output_layer(x) if self.output_layer is not None else F.linear(x, self.word_embeddings.weight)
-        return logits.transpose(0, 1).contiguous()  # [b, s, V]
+        if self.output_layer is not None:
+            logits = self.output_layer(x)
+        elif tp_group is not None:  # tied, vocab-parallel: [s, b, V/t]
+            logits = column_parallel_linear(x, self.word_embeddings.weight, None, sp, tp_group)
+        else:
+            logits = F.linear(x, self.word_embeddings.weight)
+        return logits.transpose(0, 1).contiguous()  # [b, s, V] ([b, s, V/t] under TP)
 
 
 def build_gpt_stages(model: nn.Module, pp_size: int, pp_rank: int, num_model_chunks: int = 1) -> list[GPTStage]:

@@ -10,6 +10,9 @@ pipeline timelines (chapter 03).
     ddp_timeline(timelines)          per rank: backward, gradient hooks, each bucket's reduction
     zero_memory_bars(...)            bytes per rank for ZeRO stages 0-3 (params / grads / optimizer)
     zero_memory_explorer()           the same bars behind sliders: model size, dp size, bytes per value
+    planner_bars(plans)              memory per GPU of planned layouts, stacked, against the GPU's memory
+    parallelism_planner()            model, GPUs, sequence, batch, SP/recompute/distributed optimizer ->
+                                     the best layouts (planner.plan) as a table and as bars
 """
 
 from __future__ import annotations
@@ -231,4 +234,60 @@ def zero_memory_explorer():
         param_bytes=widgets.IntSlider(value=2, min=1, max=4, description="param B"),
         grad_bytes=widgets.IntSlider(value=2, min=1, max=4, description="grad B"),
         optimizer_bytes=widgets.IntSlider(value=12, min=0, max=16, description="optim B"),
+    )
+
+
+def planner_bars(plans, gpu_memory_gb: float, headroom: float = 0.1, ax=None):
+    """Stacked GB per GPU (weights, grads, optimizer, activations) of each plan, best first, with
+    the GPU's memory and the usable part (after headroom) as lines."""
+    if ax is None:
+        _, ax = plt.subplots(figsize=(max(6.0, 0.6 * len(plans) + 2), 3.8))
+    parts = ("params", "grads", "optimizer", "activations")
+    colours = ("tab:blue", "tab:orange", "tab:green", "tab:purple")
+    for i, plan in enumerate(plans):
+        bottom = 0.0
+        for part, colour in zip(parts, colours):
+            value = plan.memory[part] / 1e9
+            ax.bar(i, value, 0.7, bottom=bottom, color=colour, label=part if i == 0 else None,
+                   hatch="" if plan.fits else "//", edgecolor="white")
+            bottom += value
+    ax.axhline(gpu_memory_gb, color="black", linewidth=1, label=f"{gpu_memory_gb:g} GB GPU")
+    ax.axhline(gpu_memory_gb * (1 - headroom), color="black", linewidth=1, linestyle="--", label="usable")
+    ax.set_xticks(range(len(plans)), [str(p.layout) for p in plans], rotation=45, ha="right", fontsize=8)
+    ax.set_ylabel("GB per GPU (first stage)")
+    ax.legend(fontsize=7, ncol=3)
+    return ax
+
+
+def parallelism_planner():
+    """Dropdowns and sliders -> planner.plan: the table of the best layouts and their memory bars."""
+    import ipywidgets as widgets
+
+    from megalab import planner
+
+    def show(model, gpus, seq_length, global_batch, gpu_memory, sequence_parallel, recompute, distributed_optimizer):
+        train = planner.Training(seq_length=seq_length, global_batch_size=global_batch, gpu_memory_gb=gpu_memory,
+                                 sequence_parallel=sequence_parallel, recompute=recompute,
+                                 use_distributed_optimizer=distributed_optimizer)
+        plans = planner.plan(planner.MODELS[model], gpus, train)
+        if not plans:
+            print(f"no valid layout of {gpus} GPUs for {model} with a global batch of {global_batch}")
+            return
+        fitting = sum(p.fits for p in plans)
+        print(f"{model}: {len(plans)} valid layouts on {gpus} GPUs, {fitting} fit in {gpu_memory:g} GB "
+              f"(keeping {train.memory_headroom:.0%} free)\n")
+        print(planner.table(plans, 10))
+        planner_bars(plans[:12], gpu_memory, train.memory_headroom)
+        plt.show()
+
+    return widgets.interactive(
+        show,
+        model=widgets.Dropdown(options=list(planner.MODELS), value="LLaMA-3 70B", description="model"),
+        gpus=widgets.Dropdown(options=[8, 16, 32, 64, 128, 256, 512, 1024, 2048], value=64, description="GPUs"),
+        seq_length=widgets.Dropdown(options=[2048, 4096, 8192, 16384, 32768, 131072], value=8192, description="seq"),
+        global_batch=widgets.Dropdown(options=[64, 128, 256, 512, 1024, 2048], value=512, description="batch"),
+        gpu_memory=widgets.Dropdown(options=[40.0, 80.0, 94.0, 141.0, 192.0], value=80.0, description="GPU GB"),
+        sequence_parallel=widgets.Checkbox(value=True, description="sequence parallel"),
+        recompute=widgets.Dropdown(options=["selective", "none", "full"], value="selective", description="recompute"),
+        distributed_optimizer=widgets.Checkbox(value=True, description="distributed optimizer"),
     )

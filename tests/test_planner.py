@@ -1,0 +1,208 @@
+"""The parallelism planner against published model sizes, Megatron's theoretical_memory_usage.py
+(its arithmetic transcribed below from the file, independently of megalab.planner), and the
+Ultra-Scale Playbook's memory table."""
+
+import math
+from types import SimpleNamespace
+
+import pytest
+
+from megalab import planner as P
+from megalab import viz
+
+
+@pytest.mark.parametrize("model, total, active", [
+    (P.LLAMA3_8B, 8.0, 8.0), (P.LLAMA3_70B, 70.6, 70.6),
+    (P.MIXTRAL_8X7B, 46.7, 12.9),  # Mistral's announcement: 46.7B total, 12.9B per token
+    (P.DEEPSEEK_V3, 671, 37),  # DeepSeek-V3 report: 671B total, 37B activated (without the MTP module)
+])
+def test_published_parameter_counts(model, total, active):
+    digits = 1 if total < 100 else 0
+    assert round(model.num_parameters() / 1e9, digits) == total
+    if model is P.DEEPSEEK_V3:  # 37.6B here: both embeddings and the router count as active (within 2%)
+        assert model.num_active_parameters() / 1e9 == pytest.approx(active, rel=0.02)
+    else:
+        assert round(model.num_active_parameters() / 1e9, digits) == active
+
+
+# ------------------------------------------------------------------ Megatron's formulas, transcribed
+def megatron_weight_and_optimizer_memory(a) -> float:
+    query_projection_size = a.kv_channels * a.num_attention_heads
+    ratio = query_projection_size / a.hidden_size
+    num_experts = 1 if a.num_experts is None else a.num_experts
+    gated = 3 / 2 if a.swiglu else 1
+    num_moe_layers = 0 if a.num_experts is None else a.num_layers
+    num_dense_layers = a.num_layers - num_moe_layers
+    moe_ffn = a.moe_ffn_hidden_size if a.num_experts is not None else 0
+    norm_size = 1 if a.normalization == "RMSNorm" else 2
+    self_attn = 2 * a.hidden_size * a.hidden_size * ((1 + a.num_query_groups / a.num_attention_heads) * ratio)
+    dense_layer = 2 * a.hidden_size * (a.ffn_hidden_size * gated + norm_size) + self_attn
+    moe_layer = 2 * a.hidden_size * (moe_ffn * num_experts * gated + norm_size) + self_attn
+    embedding = a.hidden_size * a.padded_vocab_size
+    block = dense_layer * num_dense_layers + moe_layer * num_moe_layers + norm_size * a.hidden_size
+    most_loaded = (block / a.pipeline_model_parallel_size + embedding) / a.tensor_model_parallel_size
+    if a.untie_embeddings_and_output_weights and a.pipeline_model_parallel_size == 1:
+        most_loaded += embedding / a.tensor_model_parallel_size
+    per_param = 18 if not a.use_distributed_optimizer else 6 + 12 / a.data_parallel_size
+    return most_loaded * per_param
+
+
+def megatron_activation_memory(a, num_microbatches) -> float:
+    """compute_activation_memory (SP + selective recompute) or compute_activation_memory_without_sp,
+    the latter without its final 1.05 "overhead factor"."""
+    s, b, h, t, p, v = (a.seq_length, a.micro_batch_size, a.hidden_size, a.tensor_model_parallel_size,
+                        a.pipeline_model_parallel_size, a.virtual_pipeline_model_parallel_size)
+    with_sp = a.sequence_parallel
+    per_layer = s * b * h * (18 + 4 * a.ffn_hidden_size / h) if with_sp else s * b * h * (10 + 24 / t)
+    mem = per_layer * a.num_layers + 8 * s * b * p + s * b * h * p
+    if v is not None:
+        mem *= 1 + (p - 1) / (p * v)
+    if v is None and p > 1:
+        mem *= min(1, num_microbatches / p)
+    if p == 1:
+        mem += s * b * h * 4 * (1 + a.padded_vocab_size / h) if with_sp else (s * b * a.padded_vocab_size / t + s * b * h) * 2
+    return mem / t if with_sp else mem
+
+
+def megatron_args(model: P.ModelSpec, layout: P.Layout, train: P.Training):
+    return SimpleNamespace(
+        num_layers=model.num_layers, hidden_size=model.hidden_size, num_attention_heads=model.num_attention_heads,
+        num_query_groups=model.groups, kv_channels=model.head_dim, ffn_hidden_size=model.ffn_hidden_size,
+        swiglu=model.swiglu, normalization=model.normalization, num_experts=model.num_experts,
+        moe_ffn_hidden_size=model.moe_ffn_hidden_size, padded_vocab_size=model.vocab_size,
+        untie_embeddings_and_output_weights=model.untie_embeddings_and_output_weights,
+        tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp,
+        virtual_pipeline_model_parallel_size=layout.vpp if layout.vpp > 1 else None,
+        data_parallel_size=layout.dp, use_distributed_optimizer=train.use_distributed_optimizer,
+        seq_length=train.seq_length, micro_batch_size=train.micro_batch_size, sequence_parallel=train.sequence_parallel,
+    )
+
+
+GPT3_175B = P.ModelSpec("GPT-3 175B", 96, 12288, 96, 4 * 12288, 51200, swiglu=False, normalization="LayerNorm",
+                        untie_embeddings_and_output_weights=False)
+CASES = [
+    (GPT3_175B, P.Layout(tp=8, pp=8, dp=16), P.Training(seq_length=2048, global_batch_size=1536)),
+    (GPT3_175B, P.Layout(tp=8, pp=12, dp=8, vpp=2), P.Training(seq_length=2048, global_batch_size=1536)),
+    (GPT3_175B, P.Layout(tp=4, pp=1, dp=64), P.Training(seq_length=2048, global_batch_size=256, micro_batch_size=2,
+                                                       use_distributed_optimizer=False)),
+    (GPT3_175B, P.Layout(tp=8, pp=16, dp=2), P.Training(seq_length=2048, global_batch_size=16, sequence_parallel=False)),
+    (P.LLAMA3_70B, P.Layout(tp=8, pp=2, dp=4), P.Training()),
+    (P.LLAMA3_70B, P.Layout(tp=4, pp=4, dp=4), P.Training(seq_length=4096, global_batch_size=8)),  # m=2 < pp
+    (P.LLAMA3_8B, P.Layout(tp=2, pp=1, dp=4), P.Training(use_distributed_optimizer=False)),
+    (P.MIXTRAL_8X7B, P.Layout(tp=2, pp=4, dp=8, etp=2), P.Training(seq_length=4096)),  # experts split by tp, ep=1
+]
+
+
+@pytest.mark.exercise("planner.weight_memory")
+@pytest.mark.parametrize("model, layout, train", CASES, ids=lambda x: str(x) if isinstance(x, P.Layout) else None)
+def test_weight_memory_equals_megatron(model, layout, train):
+    ours = sum(P.weight_memory(model, layout, train).values())
+    megatron = megatron_weight_and_optimizer_memory(megatron_args(model, layout, train))
+    # Megatron divides the (replicated) norm weights by tp and leaves out the MoE router (E x h per layer)
+    assert ours == pytest.approx(megatron, rel=1e-4)
+
+
+@pytest.mark.exercise("planner.activation_memory")
+@pytest.mark.parametrize("model, layout, train", [c for c in CASES if c[0].num_experts is None],
+                         ids=lambda x: str(x) if isinstance(x, P.Layout) else None)
+def test_activation_memory_equals_megatron(model, layout, train):
+    if not train.sequence_parallel and model.ffn_hidden_size != 4 * model.hidden_size:
+        pytest.skip("Megatron's without-SP formula assumes ffn = 4h")
+    m = P.check_layout(model, layout, train)
+    ours = P.activation_memory(model, layout, train, m)
+    assert ours == pytest.approx(megatron_activation_memory(megatron_args(model, layout, train), m), rel=1e-12)
+
+
+@pytest.mark.exercise("planner.activation_memory")
+def test_activation_memory_follows_cp_and_recompute():
+    model, train = P.LLAMA3_8B, P.Training(seq_length=8192, sequence_parallel=True)
+    base = P.activation_memory(model, P.Layout(tp=2, dp=4), train, 64)
+    with_cp = P.activation_memory(model, P.Layout(tp=2, cp=2, dp=2), train, 128)
+    assert with_cp == pytest.approx(base / 2)  # every rank holds half the tokens
+    none = P.activation_memory(model, P.Layout(tp=2, dp=4), P.Training(recompute="none"), 64)
+    s, a, L, t = 8192, 32, 32, 2  # the stored attention scores: 5 a s^2 b / t per layer
+    assert none - base == pytest.approx(L * 5 * a * s * s / t)
+
+
+@pytest.mark.exercise("planner.weight_memory")
+def test_playbook_bytes_per_parameter():
+    """Ultra-Scale Playbook, "Memory usage in transformers": 16 GB per billion parameters with bf16
+    grads (2 + 2 + 4 + 8), 20 GB with an fp32 grad-accumulation copy; 1B/7B/70B/405B rows."""
+    model, one = P.LLAMA3_8B, P.Layout()
+    n = model.num_parameters()
+    for grad_bytes, per_param in ((2, 16), (2 + 4, 20)):
+        train = P.Training(use_distributed_optimizer=False, grad_bytes=grad_bytes)
+        assert sum(P.weight_memory(model, one, train).values()) / n == pytest.approx(per_param, rel=1e-9)
+    table = {1: (16, 20), 7: (112, 140), 70: (1120, 1400), 405: (6480, 8100)}
+    for billions, (without, with_fp32) in table.items():
+        assert (round(billions * 16), round(billions * 20)) == (without, with_fp32)
+
+
+def test_distributed_optimizer_shards_experts_over_expert_data_parallel():
+    model, train = P.MIXTRAL_8X7B, P.Training(seq_length=4096)
+    layout = P.Layout(tp=2, pp=1, dp=32, ep=8)
+    per_layer, L = model.layer_params(), model.num_layers
+    mem = P.weight_memory(model, layout, train)
+    dense = L * per_layer["dense"] / 2 + 2 * model.embedding_params() / 2
+    expert = L * per_layer["expert"] / 8
+    edp = 2 * 32 // 8
+    assert mem["optimizer"] == pytest.approx(12 * (dense / 32 + expert / edp))
+    assert mem["params"] == pytest.approx(2 * (dense + expert))
+
+
+@pytest.mark.parametrize("layout, train, words", [
+    (P.Layout(tp=16, dp=4), P.Training(), "spans nodes"),
+    (P.Layout(tp=3, dp=1), P.Training(), "heads"),
+    (P.Layout(pp=3, dp=1), P.Training(), "layers"),
+    (P.Layout(cp=4, dp=1), P.Training(seq_length=4100), "2·cp=8"),
+    (P.Layout(dp=8, ep=2), P.Training(), "MoE"),
+    (P.Layout(dp=3), P.Training(global_batch_size=8), "global batch 8"),
+])
+def test_invalid_layouts_say_why(layout, train, words):
+    with pytest.raises(ValueError, match=words):
+        P.check_layout(P.LLAMA3_70B, layout, train)
+    with pytest.raises(ValueError, match="ep=3 must divide the 8 experts"):
+        P.check_layout(P.MIXTRAL_8X7B, P.Layout(dp=3, ep=3), P.Training(global_batch_size=3))
+
+
+def test_plan_enumerates_valid_layouts_best_first():
+    train = P.Training()
+    plans = P.plan(P.LLAMA3_70B, 64, train)
+    assert {p.layout.world_size for p in plans} == {64}
+    assert len({str(p.layout) for p in plans}) == len(plans)
+    assert all(p.layout.tp <= 8 and 64 % p.layout.tp == 0 for p in plans)
+    usable = 80e9 * 0.9
+    assert all(p.fits == (p.memory["total"] <= usable) for p in plans)
+    fitting = [p for p in plans if p.fits]
+    assert fitting and plans[: len(fitting)] == fitting  # fitting layouts first, then by step time
+    assert [p.step_time for p in fitting] == sorted(p.step_time for p in fitting)
+    assert not any(p.fits for p in plans if str(p.layout) == "dp64")  # 70B x 18 B does not fit one GPU
+    total = {str(p.layout): p for p in plans}
+    assert math.isclose(total["tp8·pp2·dp4"].bubble, 1 / 128)
+    with pytest.raises(ValueError, match="positive"):
+        P.plan(P.LLAMA3_70B, 0)
+
+
+def test_which_groups_cross_nodes_follows_megatrons_order():
+    spans = P.crosses_nodes(P.Layout(tp=8, pp=2, dp=4), P.Training())
+    assert spans == {"tp": False, "cp": False, "dp": True, "pp": True, "ep": False}
+    spans = P.crosses_nodes(P.Layout(tp=2, cp=4, pp=8), P.Training())
+    assert spans["cp"] is False and spans["pp"] is True
+
+
+@pytest.mark.exercise("planner.llama3_70b_layout")
+def test_llama3_70b_layout_is_a_good_choice():
+    layout, train = P.llama3_70b_on_64_gpus()
+    chosen = P.evaluate(P.LLAMA3_70B, layout, train)  # raises if the layout is not valid
+    best = P.plan(P.LLAMA3_70B, 64, train)[0]
+    assert layout.world_size == 64
+    assert chosen.fits, f"{layout} needs {chosen.memory['total'] / 1e9:.1f} GB"
+    assert chosen.bubble < 0.05
+    assert chosen.step_time <= 1.2 * best.step_time, f"{layout} is much slower than {best.layout}"
+
+
+def test_planner_widget_and_bars():
+    plans = P.plan(P.MIXTRAL_8X7B, 64)[:5]
+    ax = viz.planner_bars(plans, 80.0)
+    assert len(ax.patches) == 4 * len(plans)
+    assert viz.parallelism_planner().children
