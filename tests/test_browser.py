@@ -91,7 +91,7 @@ def lab(tmp_path_factory):
                 break
             except OSError:
                 if server.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError("JupyterLab did not start:\n" + (root / "jupyterlab.log").read_text()[-3000:])
+                    raise RuntimeError("JupyterLab did not start:\n" + (root / "jupyterlab.log").read_text()[-3000:]) from None
                 time.sleep(0.5)
         yield url, token, root
     finally:
