@@ -1,9 +1,10 @@
-"""The `megalab` command: doctor, notebooks, and the exercise tools (exercises, student, grade)."""
+"""The `megalab` command: doctor, notebooks, and the exercise tools (exercises, student, grade, report)."""
 
 from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 
 def _doctor(args: argparse.Namespace) -> int:
@@ -70,10 +71,29 @@ def _grade(args: argparse.Namespace) -> int:
     for problem in report.problems:
         print(f"warning: {problem}", file=sys.stderr)
     if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)  # e.g. grades/$USER.json for a class
         with open(args.json, "w") as f:
             json.dump(report.to_json(), f, indent=1, ensure_ascii=False)
         print(f"wrote {args.json}")
     return 0 if report.ok else 1
+
+
+def _report(args: argparse.Namespace) -> int:
+    import csv
+
+    from megalab.grading import class_report
+
+    try:
+        table, rows = class_report(args.files)
+    except ValueError as exc:
+        print(f"megalab report: {exc}", file=sys.stderr)
+        return 2
+    print(table)
+    if args.csv:
+        with open(args.csv, "w", newline="") as f:
+            csv.writer(f).writerows(rows)
+        print(f"wrote {args.csv}")
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -102,6 +122,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=300, help="seconds per test and per notebook cell (default 300)")
     p.add_argument("--no-notebooks", action="store_true", help="run the exercise tests only")
     p.set_defaults(func=_grade)
+
+    p = sub.add_parser("report", help="merge a class's `grade --json` files: one row per student (file name)")
+    p.add_argument("files", nargs="+", help="the students' JSON files, e.g. grades/*.json")
+    p.add_argument("--csv", metavar="FILE", help="also write the table as CSV")
+    p.set_defaults(func=_report)
     return parser
 
 

@@ -270,6 +270,39 @@ def grade(root: str | Path = ".", chapter: str | None = None, timeout: float = D
 _recorded: dict[str, dict] = {}
 
 
+STATUS_MARK = {"passed": "ok", "failed": "FAIL", "not implemented": "-", "missing": "n/a"}
+
+
+def class_report(paths: list[str | Path]) -> tuple[str, list[list[str]]]:
+    """Merge a class's `megalab grade --json` files (one per student, named after the student)
+    into a table: one row per student, one column per exercise, and each student's totals.
+
+    Returns (text table, CSV rows). A file that is not a grade report raises ValueError naming it.
+    """
+    students = {}
+    for path in map(Path, paths):
+        try:
+            data = json.loads(path.read_text())
+            students[path.stem] = {row["name"]: row["status"] for row in data["exercises"]}
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise ValueError(f"{path}: not a `megalab grade --json` report ({exc.__class__.__name__}: {exc})") from None
+    if not students:
+        raise ValueError("no grade reports given: pass the JSON files written by `megalab grade --json FILE`")
+    exercises = sorted({name for statuses in students.values() for name in statuses})
+    header = ["student", *exercises, "passed", "of"]
+    rows = [[name, *(statuses.get(ex, "missing") for ex in exercises),
+             str(sum(s == "passed" for s in statuses.values())), str(len(exercises))]
+            for name, statuses in sorted(students.items())]
+    width = max(len(r[0]) for r in [header, *rows])
+    lines = [f"{'student':<{width}}  passed  " + " ".join(f"{i + 1:>4}" for i in range(len(exercises)))]
+    for r in rows:
+        marks = " ".join(f"{STATUS_MARK.get(s, '?'):>4}" for s in r[1:-2])
+        lines.append(f"{r[0]:<{width}}  {r[-2]:>3}/{r[-1]:<3} {marks}")
+    lines += ["", "columns: " + ", ".join(f"{i + 1} {ex}" for i, ex in enumerate(exercises)),
+              "ok = passed, FAIL = failed, - = not implemented, n/a = not in that report (another chapter)"]
+    return "\n".join(lines), [header, *rows]
+
+
 def pytest_collection_modifyitems(config, items):
     if _OUT not in os.environ:
         return

@@ -6,6 +6,7 @@ exercise's NotImplementedError; pasting one solution back turns exactly that exe
 Synthetic trees in tmp check the parser's errors and the notebook/test mapping.
 """
 
+import csv
 import difflib
 import json
 import re
@@ -196,7 +197,7 @@ def test_grade_a_toy_workspace_end_to_end(tmp_path, monkeypatch, capsys):
     """`megalab grade` in a reference and a student tree: table, exit code, JSON, notebook-cell mapping."""
     root = _toy_tree(tmp_path / "ref")
     monkeypatch.chdir(root)
-    assert cli.main(["grade", "01", "--timeout", "60"]) == 0
+    assert cli.main(["grade", "01", "--timeout", "60", "--json", str(tmp_path / "grades" / "ada.json")]) == 0
     out = capsys.readouterr().out
     assert re.search(r"toy.double +passed +1 test passed", out) and "toy.g" not in out
     assert re.search(r"course/01_x/01_toy.ipynb +passed +1 cell match", out)
@@ -219,6 +220,20 @@ def test_grade_a_toy_workspace_end_to_end(tmp_path, monkeypatch, capsys):
     assert any(i["nodeid"].endswith("::Cell 0") for i in rows["toy.double"]["items"])  # the cell counts for it
     assert "unmarked" not in json.dumps(report) and report["ok"] is False
     assert "2 exercises: 2 not implemented; 3 notebooks" in out
+
+    # an instructor merges the class's reports (one file per student): `megalab report`
+    Path("grade.json").rename(tmp_path / "grades" / "bob.json")
+    reports = sorted(str(p) for p in (tmp_path / "grades").glob("*.json"))
+    assert cli.main(["report", *reports, "--csv", str(tmp_path / "class.csv")]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"ada +1/2 +ok +n/a\n", out) and re.search(r"bob +0/2 +- +-\n", out)
+    assert "columns: 1 toy.double, 2 toy.g" in out
+    rows = list(csv.reader(open(tmp_path / "class.csv")))
+    assert rows == [["student", "toy.double", "toy.g", "passed", "of"], ["ada", "passed", "missing", "1", "2"],
+                    ["bob", "not implemented", "not implemented", "0", "2"]]
+    (tmp_path / "grades" / "junk.json").write_text("{}")
+    assert cli.main(["report", str(tmp_path / "grades" / "junk.json")]) == 2
+    assert "junk.json: not a `megalab grade --json` report" in capsys.readouterr().err
 
 
 def test_failure_lines_and_mapping():
