@@ -138,8 +138,10 @@ def test_bf16_accumulates_micro_batches_in_fp32_main_grad():
         for e, g in zip(expected, torch.autograd.grad(loss, list(model.parameters()), retain_graph=True)):
             e += g.float()
         loss.backward()
-    for p, e in zip(model.parameters(), expected):
+    ours.step()
+    for p, main, e in zip(model.parameters(), ours.fp32_from_float16_groups[0], expected):
         assert p.grad is None and p.main_grad.dtype == torch.float32
+        assert main.grad is p.main_grad  # the main params step on the fp32 buffer itself
         torch.testing.assert_close(p.main_grad, e)
 
 
