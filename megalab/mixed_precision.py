@@ -26,6 +26,7 @@ megatron/core/optimizer/optimizer.py (MixedPrecisionOptimizer, Float16OptimizerW
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 HALF_DTYPES = (torch.float16, torch.bfloat16)
@@ -143,11 +144,15 @@ class Float16OptimizerWithFloat16Params:
     --accumulate-allreduce-grads-in-fp32, always on for bf16) each backward adds the grad into
     an fp32 `param.main_grad` buffer (the job of Megatron's DDP) and the main params use it as
     their grad without a copy.
+    found_inf_group: the ranks that hold different parts of the model (Megatron: the
+    model-parallel group); an overflow on any of them skips the step on all of them.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, grad_scaler: MegatronGradScaler | None = None,
-                 accumulate_grads_in_fp32: bool = False, clip_grad: float = 0.0):
+                 accumulate_grads_in_fp32: bool = False, clip_grad: float = 0.0,
+                 found_inf_group: dist.ProcessGroup | None = None):
         self.optimizer, self.grad_scaler, self.clip_grad = optimizer, grad_scaler, clip_grad
+        self.found_inf_group = found_inf_group
         self.float16_groups, self.fp32_from_float16_groups = [], []
         for group in optimizer.param_groups:
             model_params = list(group["params"])
@@ -196,6 +201,10 @@ class Float16OptimizerWithFloat16Params:
         main_grads = [main.grad for _, main in self._pairs() if main.grad is not None]
         if self.grad_scaler is not None:
             found_inf = unscale_and_check_for_nan(main_grads, self.grad_scaler.inv_scale)
+            if self.found_inf_group is not None:
+                flag = torch.tensor([float(found_inf)])
+                dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.found_inf_group)
+                found_inf = bool(flag.item())
             self.grad_scaler.update(found_inf)
             if found_inf:
                 return False, None

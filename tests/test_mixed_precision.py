@@ -4,7 +4,7 @@ fp32 training and the bytes-per-parameter table."""
 import pytest
 import torch
 
-from megalab import calc
+from megalab import calc, launch
 from megalab import mixed_precision as mp
 from megalab.toy import mlp, regression_data
 
@@ -177,3 +177,28 @@ def test_bad_input_says_what_to_do():
         mp.DynamicGradScaler(hysteresis=0)
     with pytest.raises(ValueError, match="precision"):
         calc.mixed_precision_bytes_per_parameter("fp8")
+
+
+def _overflow_on_one_rank():
+    """Rank 1's grad overflows; returns, per case, (step taken, new scale) on this rank."""
+    import torch.distributed as dist
+
+    from megalab import dist as mdist
+
+    rank, _ = mdist.init()
+    out = {}
+    for case, group in (("alone", None), ("group", dist.group.WORLD)):
+        param = torch.nn.Parameter(torch.ones(4, dtype=torch.float16))
+        opt = mp.Float16OptimizerWithFloat16Params(torch.optim.SGD([param], lr=0.1),
+                                                   mp.DynamicGradScaler(16.0, hysteresis=1), found_inf_group=group)
+        param.grad = torch.tensor([INF if rank == 1 else 1.0, 1.0, 1.0, 1.0], dtype=torch.float16)
+        ok, _ = opt.step()
+        out[case] = (ok, opt.get_loss_scale().item())
+    dist.barrier()
+    return out
+
+
+def test_an_overflow_on_one_rank_skips_the_step_on_every_rank_of_the_group():
+    returns = launch.run_function(_overflow_on_one_rank, 2, launch=dict(timeout=120)).returns
+    assert [returns[r]["alone"] for r in (0, 1)] == [(True, 16.0), (False, 8.0)]  # the ranks would diverge
+    assert [returns[r]["group"] for r in (0, 1)] == [(False, 8.0), (False, 8.0)]
