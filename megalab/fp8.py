@@ -33,6 +33,8 @@ Megatron-LM: megatron/core/fp8_utils.py and megatron/core/extensions/transformer
 from __future__ import annotations
 
 import math
+import statistics
+import time
 from dataclasses import dataclass
 
 import torch
@@ -277,3 +279,26 @@ def convert_to_fp8(module: nn.Module, recipe: DelayedScaling | CurrentScaling | 
         else:
             convert_to_fp8(child, recipe)
     return module
+
+
+def gemm_seconds(m: int, k: int, n: int, device: torch.device | str = "cpu", repeats: int = 5) -> dict:
+    """Median seconds of one [m, k] x [k, n] GEMM in FP8 (scaled_mm, E4M3, bf16 out) and in BF16,
+    and which FP8 path ran ("tensor cores" or "emulated")."""
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(m, k, generator=g).to(device), torch.randn(n, k, generator=g).to(device)
+    a8, b8, one = a.to(FP8_DTYPES["E4M3"]), b.to(FP8_DTYPES["E4M3"]), torch.ones((), device=device)
+    a16, b16 = a.bfloat16(), b.bfloat16()
+    gemms = {"fp8": lambda: scaled_mm(a8, b8.t(), one, one, out_dtype=torch.bfloat16), "bf16": lambda: a16 @ b16.t()}
+    sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
+    out = {"path": fp8_path(device)}
+    for name, gemm in gemms.items():
+        gemm()  # warm-up
+        times = []
+        for _ in range(repeats):
+            sync()
+            start = time.perf_counter()
+            gemm()
+            sync()
+            times.append(time.perf_counter() - start)
+        out[name] = statistics.median(times)
+    return out
