@@ -195,7 +195,8 @@ def scaled_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: 
 
 
 def _pad_rows(t: torch.Tensor) -> torch.Tensor:
-    """Zero rows up to a multiple of 16 (zero rows add nothing to any product)."""
+    """Zero rows up to a multiple of 16 (zero rows add nothing to any product): the token count
+    is a GEMM dimension too (M forward, K of the wgrad)."""
     return nn.functional.pad(t, (0, 0, 0, -t.shape[0] % MATMUL_ALIGNMENT))
 
 
@@ -209,7 +210,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, meta_input, meta_weight, meta_grad):
         tokens = x.shape[:-1].numel()
-        x_fp8, x_scale_inv = meta_input.quantize(_pad_rows(x.reshape(tokens, -1)))  # [M', K]
+        x_fp8, x_scale_inv = meta_input.quantize(_pad_rows(x.reshape(tokens, -1).contiguous()))  # [M', K]
         w_fp8, w_scale_inv = meta_weight.quantize(weight)                             # [N, K]
         y = scaled_mm(x_fp8, w_fp8.t(), x_scale_inv, w_scale_inv, out_dtype=x.dtype)[:tokens]  # [M, N]
         if bias is not None:
@@ -221,7 +222,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_output):
         x_fp8, x_scale_inv, w_fp8, w_scale_inv = ctx.saved_tensors
-        g = grad_output.reshape(-1, grad_output.shape[-1])                            # [M, N]
+        g = grad_output.reshape(-1, grad_output.shape[-1]).contiguous()               # [M, N]
         g_fp8, g_scale_inv = ctx.meta_grad.quantize(_pad_rows(g))                     # [M', N] E5M2
         tokens = g.shape[0]
         # dgrad [M, K] = g [M, N] @ W [N, K];  wgrad [N, K] = g^T [N, M] @ x [M, K]
