@@ -25,6 +25,8 @@ megatron/core/optimizer/optimizer.py (MixedPrecisionOptimizer, Float16OptimizerW
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -32,7 +34,7 @@ from torch import nn
 HALF_DTYPES = (torch.float16, torch.bfloat16)
 
 
-class MegatronGradScaler:
+class MegatronGradScaler(ABC):
     """The loss scale and its inverse; `update(found_inf)` after every step (Megatron's base class)."""
 
     def __init__(self, initial_scale: float):
@@ -48,8 +50,8 @@ class MegatronGradScaler:
     def inv_scale(self) -> torch.Tensor:
         return self._scale.double().reciprocal().float()
 
-    def update(self, found_inf: bool) -> None:
-        raise NotImplementedError
+    @abstractmethod
+    def update(self, found_inf: bool) -> None: ...
 
     def state_dict(self) -> dict:
         return {"scale": self._scale}
