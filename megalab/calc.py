@@ -173,3 +173,24 @@ def context_parallel_communication_per_layer(seq_length: int, micro_batch_size: 
     else:
         raise ValueError(f'variant must be "p2p" or "all_gather", got {variant!r}')
     return {"forward": forward, "backward": backward, "total": forward + backward}
+
+
+# ---------------------------------------------------------------- mixed precision (chapter 06)
+def mixed_precision_bytes_per_parameter(precision: str) -> dict[str, int]:
+    """Bytes per parameter of model states with Adam, Megatron's table (docs/source/api-guide/
+    dist_optimizer.md; ZeRO's 16 Psi for mixed precision counts fp16 grads without the fp32 copy):
+
+        "fp16": fp16 params 2 + fp16 grads 2 + fp32 main params 4 + fp32 main grads 4 + Adam 8 = 20
+        "bf16": bf16 params 2 + fp32 grads 4 (main_grad, shared by the main params) + 4 + 8  = 18
+        "fp32": params 4 + grads 4 + Adam 8                                                  = 16
+    """
+    table = {
+        "fp16": dict(params=2, grads=2, main_params=4, main_grads=4, optimizer_state=8),
+        "bf16": dict(params=2, grads=4, main_params=4, main_grads=0, optimizer_state=8),
+        "fp32": dict(params=4, grads=4, main_params=0, main_grads=0, optimizer_state=8),
+    }
+    if precision not in table:
+        raise ValueError(f'precision must be "fp16", "bf16" or "fp32", got {precision!r}')
+    out = dict(table[precision])
+    out["total"] = sum(out.values())
+    return out

@@ -20,6 +20,8 @@ def facts() -> dict:
     import torch
     import torch.distributed as dist
 
+    from megalab.fp8 import fp8_path
+
     gpus = []
     if torch.cuda.is_available():
         for i in range(torch.cuda.device_count()):
@@ -34,7 +36,7 @@ def facts() -> dict:
         "gpus": gpus,
         "nccl": nccl,
         "gloo": dist.is_available() and dist.is_gloo_available(),
-        "fp8_tensor_cores": any(g["capability"] >= (8, 9) for g in gpus),
+        "fp8_tensor_cores": any(fp8_path(f"cuda:{i}") == "tensor cores" for i in range(len(gpus))),
         "flash_attn": _version("flash-attn") if importlib.util.find_spec("flash_attn") else None,
         "triton": _version("triton"),
         "triton_interpret": os.environ.get("TRITON_INTERPRET") == "1" or not gpus,
@@ -51,7 +53,8 @@ def _course_parts(f: dict) -> list[tuple[str, str]]:
     return [
         ("%%torchrun, multi-rank runs", f"NCCL on up to {n} GPUs per node" if n else "gloo on CPU (full course)"),
         ("collectives, DP, TP, PP, CP, EP", "NCCL" if n else "gloo on CPU (full)"),
-        ("FP8 matmul (torch._scaled_mm)", "FP8 tensor cores" if f["fp8_tensor_cores"] else f"{cpu}: emulated, numerics only"),
+        ("FP8 matmul (torch._scaled_mm)", "megalab.fp8 path: tensor cores" if f["fp8_tensor_cores"]
+         else "megalab.fp8 path: emulated (real fp8 rounding, not fp8 speed)"),
         ("FlashAttention in Triton", "compiled for the GPU" if n and f["triton"] != "not installed" else f"{cpu}: TRITON_INTERPRET=1, small sizes"),
         ("flash-attn library", f"flash-attn {f['flash_attn']}" if f["flash_attn"] else f"{cpu}: PyTorch SDPA"),
     ]

@@ -289,7 +289,7 @@ def communication(model: ModelSpec, layout: Layout, train: Training, num_microba
 
         dp  gradient reduction (all-reduce, or reduce-scatter + param all-gather): 2 (d-1)/d x bytes
         tp  8 b s h (t-1)/t per layer and micro-batch (calc; the same with SP)
-        cp  K and V of (cp - 1) neighbours forward; K, V and their grads backward: 3 (cp-1) KV blocks
+        cp  ring attention: cp-1 K/V blocks forward, cp-1 K/V blocks and cp dK/dV blocks backward (calc)
         ep  dispatch + combine all-to-all, forward and backward: 4 (ep-1)/ep x routed tokens x h
         pp  one activation forward and one gradient backward per micro-batch
     """
@@ -302,7 +302,8 @@ def communication(model: ModelSpec, layout: Layout, train: Training, num_microba
         "dp": BF16 * layers * (ring(dense_dp) * per_layer["dense"] / t
                                + ring(expert_dp) * per_layer["expert"] / (layout.ep * layout.etp)),
         "tp": calc.tensor_parallel_communication_per_layer(s, b, h, t) * layers * m,
-        "cp": 3 * (layout.cp - 1) * 2 * s * b * model.groups * model.head_dim / t * BF16 * layers * m,
+        "cp": calc.context_parallel_communication_per_layer(
+            train.seq_length, b, model.groups / t, model.head_dim, layout.cp, bytes_per_element=BF16)["total"] * layers * m,
         "ep": 0.0,
         "pp": 2 * s * b * h * BF16 / (t if train.sequence_parallel else 1) * m if layout.pp > 1 else 0.0,
     }

@@ -1,0 +1,194 @@
+"""FP8 formats, Transformer Engine's scaling recipes and the FP8 Linear against torch's own fp8
+casts, the recipe's documented formula, fp32 matmuls and bf16 training."""
+
+import pytest
+import torch
+
+from megalab import fp8
+from megalab.toy import mlp, regression_data
+
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+
+
+def _rel(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def test_format_table_from_bits_matches_every_fp8_bit_pattern():
+    rows = {r["format"]: r for r in fp8.format_table()}
+    assert all(r["matches_torch_finfo"] for r in rows.values())
+    assert (rows["E4M3"]["max"], rows["E5M2"]["max"]) == (448.0, 57344.0)  # Micikevicius et al. 2022, Table 1
+    for name, dtype in (("E4M3", E4M3), ("E5M2", E5M2)):
+        values = torch.arange(256, dtype=torch.uint8).view(dtype).float()  # all 256 codes, decoded by torch
+        finite = values[torch.isfinite(values)]
+        assert finite.max().item() == rows[name]["max"]
+        assert finite[finite > 0].min().item() == rows[name]["smallest_subnormal"]
+        ones = finite[finite >= 1]
+        assert ones[ones > 1].min().item() - 1 == rows[name]["eps"]
+
+
+@pytest.mark.exercise("fp8.compute_scale")
+def test_compute_scale_follows_transformer_engine_formula():
+    old = torch.tensor([3.0, 3.0, 3.0, 3.0, 3.0])
+    amax = torch.tensor([2.0, 448.0, 0.0, float("inf"), float("nan")])
+    new = fp8.compute_scale(amax, old, 448.0, margin=1)
+    assert new.tolist() == [112.0, 0.5, 3.0, 3.0, 3.0]
+
+
+@pytest.mark.exercise("fp8.quantize")
+def test_quantize_scales_saturates_and_casts_like_torch():
+    x = torch.tensor([0.01, -0.3, 1.7, 100.0, -1000.0], dtype=torch.bfloat16)
+    for dtype in (E4M3, E5M2):
+        q = fp8.quantize(x, torch.tensor(4.0), dtype)
+        assert q.dtype == dtype
+        fmax = torch.finfo(dtype).max
+        expected = (x.float() * 4).clamp(-fmax, fmax).to(dtype)
+        assert torch.equal(q.float(), expected.float())
+    assert fp8.quantize(x, torch.tensor(4.0), E4M3).float()[-2:].tolist() == [384.0, -448.0]  # 400 rounds to 384; saturated, not NaN
+
+
+@pytest.mark.exercise("fp8.compute_scale")
+@pytest.mark.exercise("fp8.quantize")
+@pytest.mark.parametrize("algo", ["max", "most_recent"])
+def test_delayed_scaling_uses_the_amax_history_of_earlier_steps(algo):
+    amaxes = [2.0, 8.0, 0.5, 0.25, 4.0, 0.0, 1.0]
+    recipe = fp8.DelayedScaling(margin=1, amax_history_len=3, amax_compute_algo=algo)
+    meta = fp8.ScalingMeta(recipe, "E4M3")
+    scale = 1.0  # TE starts from scale 1
+    for step, amax in enumerate(amaxes):
+        x = torch.tensor([amax, -amax / 3])
+        _, scale_inv = meta.quantize(x)
+        assert scale_inv.item() == pytest.approx(1 / scale)
+        window = amaxes[max(0, step + 1 - 3): step + 1]  # this step's amax joins for the next step
+        reduced = max(window) if algo == "max" else window[-1]
+        scale = 448.0 / reduced / 2 if reduced > 0 else scale
+    assert meta.amax_history.tolist() == amaxes[:-4:-1]  # newest first
+
+
+@pytest.mark.exercise("fp8.compute_scale")
+def test_current_scaling_maps_the_tensors_own_amax_to_fp8_max():
+    x = torch.randn(64, generator=torch.Generator().manual_seed(0)) * 37
+    for fmt, dtype in (("E4M3", E4M3), ("E5M2", E5M2)):
+        q, scale_inv = fp8.ScalingMeta(fp8.CurrentScaling(), fmt).quantize(x)
+        assert q.float().abs().max().item() == torch.finfo(dtype).max
+        assert _rel(q.float() * scale_inv, x) < torch.finfo(dtype).eps / 2  # rounding only, no clipping
+
+
+def test_cpu_scaled_mm_is_the_dequantized_matmul():
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(32, 64, generator=g).to(E4M3)
+    b = torch.randn(48, 64, generator=g).to(E5M2)
+    sa, sb = torch.tensor(0.25), torch.tensor(3.0)
+    out = fp8.scaled_mm(a, b.t(), sa, sb, out_dtype=torch.float32)
+    torch.testing.assert_close(out, (a.float() * sa) @ (b.float() * sb).t())
+
+
+def _reference_fp8_linear(x, w, b, g):
+    """y = x W^T + b and its grads with current scaling, written from torch casts alone."""
+    def q(t, dtype):
+        s = torch.finfo(dtype).max / t.abs().max()
+        return t.float().mul(s).to(dtype).float() / s
+    xq, wq, gq = q(x, E4M3), q(w, E4M3), q(g, E5M2)
+    return xq @ wq.t() + b, gq @ wq, gq.t() @ xq
+
+
+@pytest.mark.exercise("fp8.compute_scale")
+@pytest.mark.exercise("fp8.quantize")
+def test_fp8_linear_matches_reference_and_its_error_is_measured():
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(64, 48)
+    layer = fp8.Fp8Linear.from_linear(linear, fp8.CurrentScaling())
+    x = torch.randn(3, 5, 64, requires_grad=True)  # 15 tokens: padded to 16 inside
+    g = torch.randn(3, 5, 48)
+    y = layer(x)
+    grad_x, grad_w = torch.autograd.grad(y, (x, layer.weight), g)
+    ref_y, ref_gx, ref_gw = _reference_fp8_linear(x.detach().reshape(15, 64), linear.weight.detach(),
+                                                   linear.bias.detach(), g.reshape(15, 48))
+    torch.testing.assert_close(y.reshape(15, 48), ref_y, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(grad_x.reshape(15, 64), ref_gx, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(grad_w, ref_gw, rtol=1e-5, atol=1e-5)
+    # error vs fp32: E4M3 (3 mantissa bits) is ~16x coarser than bf16 (7 bits)
+    exact = linear(x)
+    bf16 = torch.nn.functional.linear(x.bfloat16(), linear.weight.bfloat16(), linear.bias.bfloat16())
+    assert _rel(bf16, exact) < _rel(y, exact) < 0.08
+
+
+def test_hybrid_recipe_casts_the_output_grad_to_e5m2():
+    layer = fp8.Fp8Linear(16, 16)
+    assert [m.dtype for m in layer.fp8_meta.values()] == [E4M3, E4M3, E5M2]
+    assert fp8.Fp8Linear(16, 16, recipe=fp8.DelayedScaling(fp8_format="E4M3")).fp8_meta["grad_output"].dtype == E4M3
+
+
+def test_fp8_training_tracks_bf16():
+    x, y = regression_data(samples=128, dtype=torch.float32).tensors
+    losses = {}
+    for name in ("bf16", "fp8"):
+        model = mlp(hidden=32, dtype=torch.float32)
+        if name == "fp8":
+            fp8.convert_to_fp8(model, fp8.DelayedScaling(amax_history_len=16))
+        opt = torch.optim.Adam(model.parameters(), lr=3e-2)
+        losses[name] = []
+        for _ in range(20):
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=name == "bf16"):
+                loss = (model(x).float() - y).square().mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses[name].append(loss.item())
+    assert losses["fp8"][-1] < 0.2 * losses["fp8"][0]  # it learns
+    fp8_end, bf16_end = (sum(losses[k][-5:]) / 5 for k in ("fp8", "bf16"))
+    assert abs(fp8_end - bf16_end) < 0.3 * bf16_end  # the same curve, within FP8's rounding
+
+
+def test_path_is_chosen_from_the_device(monkeypatch):
+    assert fp8.fp8_path("cpu") == "emulated"
+    for capability, path in (((9, 0), "tensor cores"), ((8, 9), "tensor cores"), ((8, 0), "emulated")):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None, c=capability: c)
+        assert fp8.fp8_path("cuda") == path
+
+
+def test_bad_input_says_what_to_do():
+    with pytest.raises(ValueError, match="HYBRID"):
+        fp8.DelayedScaling(fp8_format="E5M2")
+    with pytest.raises(ValueError, match="most_recent"):
+        fp8.DelayedScaling(amax_compute_algo="mean")
+    with pytest.raises(ValueError, match=r"\[\.\.\., 16\]"):
+        fp8.Fp8Linear(16, 16)(torch.randn(4, 8))
+
+
+@pytest.mark.gpu
+def test_tensor_core_path_matches_the_emulated_path():
+    if fp8.fp8_path("cuda") != "tensor cores":
+        pytest.skip("needs an FP8 GPU (compute capability >= 8.9)")
+    torch.manual_seed(0)
+    cpu = fp8.Fp8Linear(64, 48, recipe=fp8.CurrentScaling())
+    gpu = fp8.Fp8Linear.from_linear(cpu, fp8.CurrentScaling()).cuda()
+    x = torch.randn(40, 64)
+    g = torch.randn(40, 48)
+    results = []
+    for layer, device in ((cpu, "cpu"), (gpu, "cuda")):
+        xd = x.to(device).requires_grad_()
+        y = layer(xd)
+        results.append([t.cpu() for t in (y, *torch.autograd.grad(y, (xd, layer.weight), g.to(device)))])
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.gpu
+def test_tensor_core_fp8_linear_in_bf16_tracks_bf16():
+    if fp8.fp8_path("cuda") != "tensor cores":
+        pytest.skip("needs an FP8 GPU (compute capability >= 8.9)")
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(256, 512, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(128, 256, device="cuda", dtype=torch.bfloat16)
+    y = fp8.Fp8Linear.from_linear(linear)(x)
+    assert y.dtype == torch.bfloat16
+    exact = torch.nn.functional.linear(x.float(), linear.weight.float(), linear.bias.float())
+    assert _rel(y, exact) < 0.08
+
+
+def test_doctor_names_the_fp8_path():
+    from megalab import doctor
+
+    fast = torch.cuda.is_available() and fp8.fp8_path("cuda") == "tensor cores"
+    assert f"megalab.fp8 path: {'tensor cores' if fast else 'emulated'}" in doctor.report()

@@ -1,0 +1,204 @@
+"""Loss scaling and fp32 main params against torch.amp.GradScaler, Megatron's documented rules,
+fp32 training and the bytes-per-parameter table."""
+
+import pytest
+import torch
+
+from megalab import calc, launch
+from megalab import mixed_precision as mp
+from megalab.toy import mlp, regression_data
+
+INF, NAN = float("inf"), float("nan")
+
+
+def _grad_sequence(steps=14, n=6):
+    """Grads exactly representable in fp16 (k/16), a few with an inf or a NaN."""
+    g = torch.Generator().manual_seed(0)
+    grads = [torch.randint(-8, 9, (n,), generator=g).float() / 16 for _ in range(steps)]
+    for step, bad in ((2, INF), (3, NAN), (4, -INF), (9, INF)):
+        grads[step][step % n] = bad
+    return grads
+
+
+@pytest.mark.exercise("mixed_precision.dynamic_update")
+@pytest.mark.exercise("mixed_precision.unscale")
+def test_dynamic_scaler_matches_torch_grad_scaler():
+    # Megatron's hysteresis has no torch equivalent: hysteresis=1 backs off on every overflow, as torch does.
+    kw = dict(growth_factor=2.0, backoff_factor=0.5, growth_interval=3)
+    torch_param = torch.nn.Parameter(torch.ones(6))
+    torch_opt = torch.optim.SGD([torch_param], lr=0.5)
+    torch_scaler = torch.amp.GradScaler("cpu", init_scale=2.0**4, **kw)
+    torch_scaler.scale(torch.ones(()))  # creates its scale tensor
+    model_param = torch.nn.Parameter(torch.ones(6, dtype=torch.float16))
+    ours = mp.Float16OptimizerWithFloat16Params(
+        torch.optim.SGD([model_param], lr=0.5), mp.DynamicGradScaler(2.0**4, min_scale=2.0**-24, hysteresis=1, **kw))
+    skipped = []
+    for grad in _grad_sequence():
+        torch_param.grad = grad * torch_scaler.get_scale()  # the grad of the scaled loss
+        torch_scaler.step(torch_opt)
+        torch_scaler.update()
+        model_param.grad = (grad * ours.get_loss_scale()).half()
+        ok, _ = ours.step()
+        skipped.append(not ok)
+        assert ours.get_loss_scale().item() == torch_scaler.get_scale()
+        assert torch.equal(ours.fp32_from_float16_groups[0][0], torch_param.detach())
+        assert torch.equal(model_param.detach(), torch_param.detach().half())
+    assert skipped == [False, False, True, True, True, False, False, False, False, True, False, False, False, False]
+
+
+@pytest.mark.exercise("mixed_precision.dynamic_update")
+def test_hysteresis_follows_megatron_rule():
+    # Megatron's rule by hand: an overflow restarts growth and uses up one unit of hysteresis; with
+    # none left the scale halves (again on every overflow until the next growth); growth_interval
+    # clean steps double it and refill the hysteresis.
+    scaler = mp.DynamicGradScaler(1024.0, min_scale=1.0, growth_interval=3, hysteresis=2)
+    found_inf = [True, False, True, True, False, False, False, True, True, False, False, True]
+    expected = [1024, 1024, 512, 256, 256, 256, 512, 512, 256, 256, 256, 128]
+    scales = []
+    for f in found_inf:
+        scaler.update(f)
+        scales.append(scaler.scale.item())
+    assert scales == expected
+
+
+@pytest.mark.exercise("mixed_precision.dynamic_update")
+def test_scale_never_below_min_scale_and_state_dict_round_trip():
+    scaler = mp.DynamicGradScaler(8.0, min_scale=2.0, growth_interval=2, hysteresis=1)
+    for _ in range(5):
+        scaler.update(True)
+    assert scaler.scale.item() == 2.0
+    scaler.update(False)
+    copy = mp.DynamicGradScaler(8.0, min_scale=2.0, growth_interval=2, hysteresis=1)
+    copy.load_state_dict(scaler.state_dict())
+    for s in (scaler, copy):
+        s.update(False)
+    assert scaler.scale.item() == copy.scale.item() == 4.0
+
+
+@pytest.mark.exercise("mixed_precision.unscale")
+def test_unscale_matches_torch_fused_kernel():
+    grads = [torch.randn(5, generator=torch.Generator().manual_seed(i)) * 1024 for i in range(3)]
+    inv_scale = torch.tensor(1 / 1024)
+    for bad in (None, INF, NAN):
+        ours, theirs = [g.clone() for g in grads], [g.clone() for g in grads]
+        if bad is not None:
+            ours[1][2] = theirs[1][2] = bad
+        found = torch.zeros(1)
+        torch._amp_foreach_non_finite_check_and_unscale_(theirs, found, inv_scale)
+        assert mp.unscale_and_check_for_nan(ours, inv_scale) == bool(found.item())
+        for a, b in zip(ours, theirs):
+            torch.testing.assert_close(a, b, equal_nan=True, rtol=0, atol=0)
+
+
+@pytest.mark.exercise("mixed_precision.unscale")
+def test_loss_scaling_rescues_fp16_gradients_from_underflow():
+    data = regression_data(samples=32, dtype=torch.float32)
+    x, y = data.tensors
+
+    def grads(scale):
+        model = mlp(dtype=torch.float32).half()
+        opt = mp.Float16OptimizerWithFloat16Params(torch.optim.SGD(model.parameters(), lr=0.0),
+                                                   mp.ConstantGradScaler(scale))
+        loss = 1e-6 * (model(x.half()).float() - y).square().mean()  # a tiny loss: tiny grads
+        opt.scale_loss(loss).backward()
+        assert opt.step()[0]
+        return torch.cat([p.grad.flatten() for p in opt.fp32_from_float16_groups[0]])
+
+    reference = mlp(dtype=torch.float32)
+    (1e-6 * (reference(x) - y).square().mean()).backward()
+    expected = torch.cat([p.grad.flatten() for p in reference.parameters()])
+    unscaled, scaled = grads(1.0), grads(2.0**16)
+    assert (unscaled == 0).float().mean() > 0.5  # most fp16 grads underflowed to zero
+    assert (scaled - expected).norm() / expected.norm() < 0.02
+
+
+def test_fp32_main_params_keep_updates_bf16_would_round_away():
+    pure = torch.nn.Parameter(torch.ones(4, dtype=torch.bfloat16))
+    pure_opt = torch.optim.SGD([pure], lr=1.0)
+    model_param = torch.nn.Parameter(torch.ones(4, dtype=torch.bfloat16))
+    ours = mp.Float16OptimizerWithFloat16Params(torch.optim.SGD([model_param], lr=1.0), accumulate_grads_in_fp32=True)
+    for _ in range(10):
+        pure.grad = torch.full((4,), 1e-3, dtype=torch.bfloat16)
+        pure_opt.step()
+        ours.zero_grad()
+        (model_param.float() * 1e-3).sum().backward()
+        ours.step()
+    assert torch.equal(pure.detach(), torch.ones(4, dtype=torch.bfloat16))  # 1 - 1e-3 rounds back to 1
+    torch.testing.assert_close(ours.fp32_from_float16_groups[0][0], torch.full((4,), 0.99))
+    assert torch.equal(model_param.detach(), torch.full((4,), 0.99).bfloat16())
+
+
+def test_bf16_accumulates_micro_batches_in_fp32_main_grad():
+    model = mlp(dtype=torch.float32).bfloat16()
+    ours = mp.Float16OptimizerWithFloat16Params(torch.optim.SGD(model.parameters(), lr=0.0), accumulate_grads_in_fp32=True)
+    x, y = regression_data(samples=16, dtype=torch.float32).tensors
+    expected = [torch.zeros(p.shape) for p in model.parameters()]
+    for chunk in (slice(0, 8), slice(8, 16)):
+        loss = (model(x[chunk].bfloat16()).float() - y[chunk]).square().mean()
+        for e, g in zip(expected, torch.autograd.grad(loss, list(model.parameters()), retain_graph=True)):
+            e += g.float()
+        loss.backward()
+    ours.step()
+    for p, main, e in zip(model.parameters(), ours.fp32_from_float16_groups[0], expected):
+        assert p.grad is None and p.main_grad.dtype == torch.float32
+        assert main.grad is p.main_grad  # the main params step on the fp32 buffer itself
+        torch.testing.assert_close(p.main_grad, e)
+
+
+@pytest.mark.parametrize("precision", ["fp16", "bf16", "fp32"])
+def test_bytes_per_parameter_match_megatron_table(precision):
+    model = mlp(dtype=torch.float32)
+    if precision == "fp32":
+        opt = torch.optim.Adam(model.parameters())
+    else:
+        model = model.half() if precision == "fp16" else model.bfloat16()
+        opt = mp.Float16OptimizerWithFloat16Params(
+            torch.optim.Adam(model.parameters()), mp.DynamicGradScaler(2.0**8) if precision == "fp16" else None,
+            accumulate_grads_in_fp32=precision == "bf16")
+    x = regression_data(samples=8, dtype=torch.float32).tensors[0].to(next(model.parameters()).dtype)
+    loss = model(x).float().square().mean()
+    (loss if precision == "fp32" else opt.scale_loss(loss)).backward()
+    opt.step()
+    measured = mp.bytes_per_parameter(model, opt)
+    assert measured == calc.mixed_precision_bytes_per_parameter(precision)
+    assert measured["total"] == {"fp16": 20, "bf16": 18, "fp32": 16}[precision]
+
+
+def test_bad_input_says_what_to_do():
+    with pytest.raises(TypeError, match="model.half"):
+        mp.Float16OptimizerWithFloat16Params(torch.optim.SGD(mlp().parameters(), lr=0.1))
+    with pytest.raises(ValueError, match="grad_scaler"):
+        mp.Float16OptimizerWithFloat16Params(torch.optim.SGD(mlp().half().parameters(), lr=0.1))
+    with pytest.raises(ValueError, match="min_scale"):
+        mp.DynamicGradScaler(1.0, min_scale=2.0)
+    with pytest.raises(ValueError, match="backoff_factor"):
+        mp.DynamicGradScaler(backoff_factor=2.0)
+    with pytest.raises(ValueError, match="hysteresis"):
+        mp.DynamicGradScaler(hysteresis=0)
+    with pytest.raises(ValueError, match="precision"):
+        calc.mixed_precision_bytes_per_parameter("fp8")
+
+
+def _overflow_on_one_rank():
+    """Rank 1's grad overflows; returns, per case, (step taken, new scale) on this rank."""
+    import torch.distributed as dist
+
+    from megalab import dist as mdist
+
+    rank, _ = mdist.init()
+    out = {}
+    for case, group in (("alone", None), ("group", dist.group.WORLD)):
+        param = torch.nn.Parameter(torch.ones(4, dtype=torch.float16))
+        opt = mp.Float16OptimizerWithFloat16Params(torch.optim.SGD([param], lr=0.1),
+                                                   mp.DynamicGradScaler(16.0, hysteresis=1), found_inf_group=group)
+        param.grad = torch.tensor([INF if rank == 1 else 1.0, 1.0, 1.0, 1.0], dtype=torch.float16)
+        ok, _ = opt.step()
+        out[case] = (ok, opt.get_loss_scale().item())
+    dist.barrier()
+    return out
+
+
+def test_an_overflow_on_one_rank_skips_the_step_on_every_rank_of_the_group():
+    returns = launch.run_function(_overflow_on_one_rank, 2, launch=dict(timeout=120)).returns
+    assert [returns[r]["alone"] for r in (0, 1)] == [(True, 16.0), (False, 8.0)]  # the ranks would diverge
+    assert [returns[r]["group"] for r in (0, 1)] == [(False, 8.0), (False, 8.0)]
