@@ -382,11 +382,15 @@ class ContextParallelGPTModel(TensorParallelGPTModel):
             self.rotary_pos_emb = ContextParallelRotaryEmbedding(
                 config.kv_channels, config.rotary_percent, config.rotary_base, self.cp_group, zigzag)
 
+    def local_position_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """[b, s/cp]: the positions in the full sequence of this rank's tokens."""
+        cp = dist.get_world_size(self.cp_group)
+        return cp_rank_positions(input_ids.shape[1] * cp, cp, dist.get_rank(self.cp_group),
+                                 self.zigzag).to(input_ids.device).expand(input_ids.shape[0], -1)
+
     def forward(self, input_ids, position_ids=None, labels=None):
-        if position_ids is None:  # this rank's positions in the full sequence
-            cp = dist.get_world_size(self.cp_group)
-            position_ids = cp_rank_positions(input_ids.shape[1] * cp, cp, dist.get_rank(self.cp_group),
-                                             self.zigzag).to(input_ids.device).expand(input_ids.shape[0], -1)
+        if position_ids is None:
+            position_ids = self.local_position_ids(input_ids)
         return super().forward(input_ids, position_ids, labels)
 
 

@@ -3,6 +3,7 @@
 Each rank builds the same model from the same seed, keeps its part and runs one step:
 
     ParallelState ─ tp: TensorParallelGPTModel (column/row-parallel linears, vocab-parallel embedding)
+                  ─ cp: ContextParallelGPTModel: ring attention over the zigzag chunks of the sequence
                   ─ pp: build_gpt_stages, forward_backward_pipelining (1F1B over micro-batches)
                   ─ dp: its slice of the global batch; DistributedDataParallel averages the grads over
                         the dp-cp group (ZeRO 1-3 with DistributedOptimizer when pp = tp = 1)
@@ -26,6 +27,7 @@ from torch import nn
 from megalab import parallel_state as ps
 from megalab import tensor_parallel as tp
 from megalab.config import TransformerConfig
+from megalab.context_parallel import ContextParallelGPTModel, get_batch_on_this_cp_rank
 from megalab.data_parallel import DistributedDataParallel, DistributedOptimizer
 from megalab.model.gpt import GPTModel
 from megalab.pipeline_parallel import allreduce_word_embedding_grads, build_gpt_stages, forward_backward_pipelining
@@ -58,7 +60,11 @@ def global_batch(config: TransformerConfig, batch_size: int, seed: int = 1) -> t
 def build_model(config: TransformerConfig, state: ps.ParallelState, seed: int = 0) -> tuple[nn.Module, list[nn.Module]]:
     """This rank's model (all of it built, same draws everywhere) and its pipeline stages."""
     torch.manual_seed(seed)
-    model = tp.TensorParallelGPTModel(config, state.get_tensor_model_parallel_group())
+    tp_group, cp_group = state.get_tensor_model_parallel_group(), state.get_context_parallel_group()
+    if state.get_context_parallel_world_size() > 1:
+        model = ContextParallelGPTModel(config, tp_group, cp_group)
+    else:
+        model = tp.TensorParallelGPTModel(config, tp_group)
     stages = build_gpt_stages(model, state.get_pipeline_model_parallel_world_size(),
                               state.get_pipeline_model_parallel_rank())
     return model, stages
@@ -82,8 +88,9 @@ def train_step(config: TransformerConfig, state: ps.ParallelState, batch_size: i
     """
     optimizer_cls = OPTIMIZERS[optimizer]
     tp_group, tp_rank = state.get_tensor_model_parallel_group(), state.get_tensor_model_parallel_rank()
-    dp_group = state.get_data_parallel_group(with_context_parallel=True)
-    dp, dp_rank = dist.get_world_size(dp_group), dist.get_rank(dp_group)
+    dp_group = state.get_data_parallel_group(with_context_parallel=True)  # grads are averaged over dp-cp
+    dp, dp_rank = state.get_data_parallel_world_size(), state.get_data_parallel_rank()  # the batch splits over dp
+    cp, cp_rank = state.get_context_parallel_world_size(), state.get_context_parallel_rank()  # the sequence over cp
     pp = state.get_pipeline_model_parallel_world_size()
     if batch_size % (dp * num_microbatches):
         raise ValueError(f"batch_size {batch_size} must split into dp={dp} ranks x {num_microbatches} micro-batches")
@@ -97,14 +104,15 @@ def train_step(config: TransformerConfig, state: ps.ParallelState, batch_size: i
     ### BEGIN SOLUTION
     model, stages = build_model(config, state, seed)
     local = slice(dp_rank * batch_size // dp, (dp_rank + 1) * batch_size // dp)
-    inputs, targets = ids[local].chunk(num_microbatches), labels[local].chunk(num_microbatches)
+    mine = get_batch_on_this_cp_rank({"ids": ids[local], "labels": labels[local]}, cp, cp_rank)  # zigzag chunks
+    inputs, targets = mine["ids"].chunk(num_microbatches), mine["labels"].chunk(num_microbatches)
     ddp = DistributedDataParallel(nn.ModuleList(stages), group=dp_group, zero_stage=zero_stage,
                                   overlap_grad_reduce=False)  # reduce once, after the last micro-batch
     opt = (DistributedOptimizer(ddp, optimizer_cls, lr=lr) if zero_stage
            else optimizer_cls(ddp.parameters(), lr=lr))
     loss_func = lambda logits, y: _local_loss(logits, y, tp_group)
     if pp > 1:
-        s, b, h = config.seq_length, inputs[0].shape[0], config.hidden_size
+        s, b, h = config.seq_length // cp, inputs[0].shape[0], config.hidden_size
         shape = (s // state.get_tensor_model_parallel_world_size() if config.sequence_parallel else s, b, h)
         result = forward_backward_pipelining(stages, inputs, targets, loss_func, shape,
                                              group=state.get_pipeline_model_parallel_group())
@@ -124,7 +132,7 @@ def train_step(config: TransformerConfig, state: ps.ParallelState, batch_size: i
     ### END SOLUTION
     # the loss lives on the last stage: average over dp, then hand it to every rank
     loss = torch.tensor(sum(losses) / len(losses) if losses else 0.0)
-    dist.all_reduce(loss, group=dp_group)
+    dist.all_reduce(loss, group=dp_group)  # the mean over dp-cp of equal-sized local means
     dist.broadcast(loss, state.get_pipeline_model_parallel_last_rank(), group=state.get_pipeline_model_parallel_group())
     reference, reference_loss = single_process_step(config, ids, labels, num_microbatches * dp, optimizer_cls, lr, seed)
     full = ddp.full_parameters() if zero_stage == 3 else dict(ddp.module.named_parameters())
@@ -134,7 +142,7 @@ def train_step(config: TransformerConfig, state: ps.ParallelState, batch_size: i
         ref = reference[_model_name(stage_name, stages, int(chunk))]
         stride = 2 if config.gated_linear_unit and "linear_fc1" in name else 1
         worst = max(worst, (param.detach() - full_shard_of(ref, param, tp_rank, stride)).abs().max().item())
-    return StepResult(loss.item() / dp, reference_loss, worst, sum(p.numel() for p in full.values()))
+    return StepResult(loss.item() / (dp * cp), reference_loss, worst, sum(p.numel() for p in full.values()))
 
 
 def _model_name(stage_name: str, stages: list[nn.Module], chunk: int) -> str:

@@ -262,8 +262,8 @@ class GPTStage(nn.Module):
         model = self.model[0]
         tp_group = getattr(model, "tp_group", None)  # a TensorParallelGPTModel's stages
         sp = model.config.sequence_parallel and tp_group is not None
-        if self.pre_process:
-            x = self.embedding(x)  # [b, s] -> [s, b, h]
+        if self.pre_process:  # [b, s] -> [s, b, h]; a CP model's tokens are chunks of the sequence
+            x = self.embedding(x, model.local_position_ids(x) if hasattr(model, "local_position_ids") else None)
             if sp:
                 x = scatter_to_sequence_parallel_region(x, tp_group)  # [s/t, b, h]
         rotary, s = model.rotary_pos_emb, x.shape[0] * (dist.get_world_size(tp_group) if sp else 1)

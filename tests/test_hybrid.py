@@ -15,6 +15,8 @@ LAYOUTS = {  # name: (initialize_model_parallel sizes, config, zero stage, micro
                              dict(LLAMA, sequence_parallel=True), 0, 2),
     "tp4·dp2 llama sp": (dict(tensor_model_parallel_size=4), dict(LLAMA, num_query_groups=4, sequence_parallel=True), 0, 2),
     "pp4·dp2 gpt": (dict(pipeline_model_parallel_size=4), BASE, 0, 4),
+    "tp2·cp2·dp2 llama": (dict(tensor_model_parallel_size=2, context_parallel_size=2), LLAMA, 0, 2),
+    "cp2·pp2·dp2 gpt": (dict(context_parallel_size=2, pipeline_model_parallel_size=2), BASE, 0, 2),
     "dp8 zero1": (dict(), BASE, 1, 1),
     "dp8 zero3 llama": (dict(), LLAMA, 3, 1),
 }
