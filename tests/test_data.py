@@ -9,6 +9,7 @@
 """
 
 import json
+import os
 import struct
 
 import numpy as np
@@ -20,7 +21,7 @@ from megalab.data.blended_dataset import BlendedDataset, build_blended_gpt_datas
 from megalab.data.gpt_dataset import GPTDataset, build_sample_index, get_ltor_masks_and_position_ids, get_split_ranges
 from megalab.data.indexed_dataset import DataFormatError, DType, IndexedDataset, IndexedDatasetBuilder
 from megalab.data.preprocess import main as preprocess_main
-from megalab.data.preprocess import preprocess
+from megalab.data.preprocess import prepare_corpus, preprocess
 from megalab.data.tokenizer import Tokenizer, train_tokenizer
 
 # numpy dtype of each code, from the format description (Megatron's DType enum)
@@ -82,7 +83,7 @@ def test_builder_writes_the_documented_format_byte_for_byte(tmp_path, code):
     assert got_code == code and list(lengths) == [len(s) for s in flat]
     assert list(doc_idx) == [0, *np.cumsum([len(d) for d in documents])]
     assert all(np.array_equal(a, b) for a, b in zip(seqs, flat))
-    assert not list(tmp_path.glob("*.tmp"))
+    assert not list(tmp_path.glob("*.tmp*"))
 
 
 @pytest.mark.parametrize("code", [1, 4, 8])
@@ -204,7 +205,7 @@ def reference_sample_index(sizes, document_index, seq_length, num_samples):
     return np.array(rows)
 
 
-@pytest.mark.exercise("gpt.build_sample_index")
+@pytest.mark.exercise("data.build_sample_index")
 @pytest.mark.parametrize("seq_length", [1, 5, 16])
 def test_sample_index_matches_the_stream(seq_length):
     rng = np.random.default_rng(seq_length)
@@ -217,7 +218,7 @@ def test_sample_index_matches_the_stream(seq_length):
     assert np.array_equal(got, reference_sample_index(sizes, document_index, seq_length, num_samples))
 
 
-@pytest.mark.exercise("gpt.build_sample_index")
+@pytest.mark.exercise("data.build_sample_index")
 def test_sample_index_worked_example():
     # documents of 3, 2 and 4 tokens visited in order 0, 1, 2; seq_length 3 (each sample reads 4 tokens):
     # stream a0 a1 a2 | b0 b1 | c0 c1 c2 c3 ; sample 0 = a0 a1 a2 b0, sample 1 = b0 b1 c0 c1, sample 2 = c1 c2 c3 + ?
@@ -232,7 +233,7 @@ def _write_docs(tmp_path, sizes, seed=0):
     return IndexedDataset(tmp_path / "gpt"), docs
 
 
-@pytest.mark.exercise("gpt.build_sample_index")
+@pytest.mark.exercise("data.build_sample_index")
 @pytest.mark.parametrize("num_samples", [3, 36, 61])  # one epoch, a separate short final epoch, several epochs
 def test_gpt_samples_are_slices_of_the_shuffled_document_stream(tmp_path, num_samples):
     ds, docs = _write_docs(tmp_path, [9, 1, 14, 0, 6, 11])
@@ -278,7 +279,7 @@ def test_split_ranges_are_megatrons():
 
 
 # ------------------------------------------------------------------ blending
-@pytest.mark.exercise("blend.build_blending_indices")
+@pytest.mark.exercise("data.build_blending_indices")
 def test_blending_worked_examples():
     index, sample = build_blending_indices(np.array([0.7, 0.3]), 10)
     assert index.tolist() == [0, 1, 0, 0, 1, 0, 0, 1, 0, 0] and sample.tolist() == [0, 0, 1, 2, 1, 3, 4, 2, 5, 6]
@@ -288,7 +289,7 @@ def test_blending_worked_examples():
     assert index.tolist() == [1, 0, 1, 1]  # sample 0 already follows the weights (max(i, 1))
 
 
-@pytest.mark.exercise("blend.build_blending_indices")
+@pytest.mark.exercise("data.build_blending_indices")
 @pytest.mark.parametrize("weights", [[0.7, 0.3], [0.2, 0.5, 0.3], [0.05, 0.9, 0.03, 0.02]])
 def test_realised_mix_matches_the_weights_in_every_prefix(weights):
     w = np.array(weights)
@@ -303,9 +304,13 @@ def test_realised_mix_matches_the_weights_in_every_prefix(weights):
         assert sample[index == d].tolist() == list(range(int((index == d).sum())))
 
 
-@pytest.mark.exercise("blend.build_blending_indices")
+@pytest.mark.exercise("data.build_blending_indices")
 def test_blended_gpt_dataset_on_the_corpus(tmp_path, tokenizer):
-    prefixes = [preprocess(DATA_DIR / f"{name}.jsonl", tmp_path / name, tokenizer) for name in ("shakespeare", "milton")]
+    prefixes = prepare_corpus(("shakespeare", "milton"), out_dir=tmp_path)
+    stamp = [os.stat(f"{p}.bin").st_mtime_ns for p in prefixes]
+    assert prepare_corpus(("shakespeare", "milton"), out_dir=tmp_path) == prefixes  # built once, then reused
+    assert [os.stat(f"{p}.bin").st_mtime_ns for p in prefixes] == stamp
+    assert len(IndexedDataset(prefixes[1])) == sum(1 for _ in open(DATA_DIR / "milton.jsonl"))
     blend = build_blended_gpt_dataset(prefixes, [3, 1], seq_length=32, num_samples=400, seed=1, eod=tokenizer.eod)
     ids = np.array([blend[i]["dataset_id"] for i in range(400)])
     assert (ids == 0).sum() == 300 and (ids == 1).sum() == 100

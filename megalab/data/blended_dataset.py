@@ -37,7 +37,7 @@ def build_blending_indices(weights: np.ndarray, size: int) -> tuple[np.ndarray, 
     """(dataset_index [size] int16, dataset_sample_index [size] int64) by Megatron's greedy largest-error rule."""
     dataset_index = np.zeros(size, dtype=np.int16)
     dataset_sample_index = np.zeros(size, dtype=np.int64)
-    # EXERCISE blend.build_blending_indices: give sample i to the dataset with the largest weights[d] * i - taken[d]
+    # EXERCISE data.build_blending_indices: give sample i to the dataset with the largest weights[d] * i - taken[d]
     ### BEGIN SOLUTION
     taken = np.zeros(len(weights), dtype=np.int64)
     for i in range(size):

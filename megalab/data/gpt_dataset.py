@@ -60,7 +60,7 @@ def build_sample_index(sizes: np.ndarray, document_index: np.ndarray, seq_length
     holding the stream token (j + 1) * seq_length, found by walking the documents from row j.
     """
     sample_index = np.zeros((num_samples + 1, 2), dtype=np.int64)
-    # EXERCISE gpt.build_sample_index: walk the documents in document_index, one row per seq_length tokens
+    # EXERCISE data.build_sample_index: walk the documents in document_index, one row per seq_length tokens
     ### BEGIN SOLUTION
     doc_pos, doc_offset = 0, 0  # row 0: the first document, offset 0
     for j in range(1, num_samples + 1):

@@ -19,8 +19,8 @@ A tokenized corpus is far bigger than memory, so Megatron stores it as two files
 A document is a run of sequences (sentences, when preprocessing splits them; for GPT a whole document is one
 sequence). Reading sequence i is one `numpy.frombuffer` on the mapped .bin: no parsing, O(1) random access.
 
-Writing is all-or-nothing here: `IndexedDatasetBuilder` writes `prefix.bin.tmp` and `prefix.idx.tmp` and renames them
-only in `finalize`; any error before that deletes them, so a crash never leaves a half-written dataset behind.
+Writing is all-or-nothing here: `IndexedDatasetBuilder` writes `prefix.bin.tmpPID` and `prefix.idx.tmpPID` and renames
+them only in `finalize`; any error before that deletes them, so a crash never leaves a half-written dataset behind.
 
 Megatron-LM: `megatron/core/datasets/indexed_dataset.py` (`_INDEX_HEADER`, `DType`, `_IndexWriter`, `_IndexReader`,
 `IndexedDataset`, `IndexedDatasetBuilder`): same names, same bytes, so files written here read there and back.
@@ -189,8 +189,8 @@ class IndexedDatasetBuilder:
 
     def __init__(self, path_prefix: str | Path, dtype: type = np.int32):
         self.path_prefix, self.dtype = str(path_prefix), dtype
-        self._bin_tmp = data_file_path(path_prefix) + ".tmp"
-        self._idx_tmp = index_file_path(path_prefix) + ".tmp"
+        self._bin_tmp = f"{data_file_path(path_prefix)}.tmp{os.getpid()}"  # per process: ranks may build side by side
+        self._idx_tmp = f"{index_file_path(path_prefix)}.tmp{os.getpid()}"
         self._bin = open(self._bin_tmp, "wb")
         self.sequence_lengths: list[int] = []
         self.document_indices: list[int] = [0]

@@ -17,11 +17,13 @@ tokenizer's own threads (`encode_batch`) do that.
 import argparse
 import json
 import os
+import tempfile
 from pathlib import Path
 
 import numpy as np
 from tqdm.auto import tqdm
 
+from megalab.data import DATA_DIR
 from megalab.data.indexed_dataset import DataFormatError, DType, IndexedDatasetBuilder
 from megalab.data.tokenizer import DEFAULT_TOKENIZER, Tokenizer
 
@@ -67,6 +69,23 @@ def preprocess(input_path: str | Path, output_prefix: str | Path, tokenizer: Tok
                 builder.add_document(np.asarray(ids), lengths=[len(ids)])
         builder.finalize()
     return prefix
+
+
+def prepare_corpus(names: tuple[str, ...] = ("shakespeare", "milton"), out_dir: str | Path | None = None,
+                   tokenizer_path: str | Path = DEFAULT_TOKENIZER) -> list[str]:
+    """The shipped corpus files `data/{name}.jsonl`, preprocessed once into `out_dir` (default: a `megalab-data` folder
+    in the temp dir) and reused while newer than the JSONL and the tokenizer. Returns the dataset prefixes."""
+    out_dir = Path(out_dir or Path(tempfile.gettempdir()) / "megalab-data")
+    tokenizer, prefixes = None, []
+    for name in names:
+        source = DATA_DIR / f"{name}.jsonl"
+        prefix = out_dir / name
+        idx = Path(f"{prefix}_text_document.idx")
+        if not idx.exists() or idx.stat().st_mtime < max(source.stat().st_mtime, Path(tokenizer_path).stat().st_mtime):
+            tokenizer = tokenizer or Tokenizer.from_file(tokenizer_path)
+            preprocess(source, prefix, tokenizer)
+        prefixes.append(f"{prefix}_text_document")
+    return prefixes
 
 
 def main(argv: list[str] | None = None) -> None:
