@@ -304,6 +304,7 @@ def test_realised_mix_matches_the_weights_in_every_prefix(weights):
         assert sample[index == d].tolist() == list(range(int((index == d).sum())))
 
 
+@pytest.mark.exercise("data.build_sample_index")
 @pytest.mark.exercise("data.build_blending_indices")
 def test_blended_gpt_dataset_on_the_corpus(tmp_path, tokenizer):
     prefixes = prepare_corpus(("shakespeare", "milton"), out_dir=tmp_path)
