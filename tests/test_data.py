@@ -132,6 +132,9 @@ def test_truncated_bin_and_idx_name_the_file(tmp_path):
     (tmp_path / "d.idx").write_bytes(idx[:-5])
     with pytest.raises(DataFormatError, match=r"d\.idx: truncated"):
         IndexedDataset(prefix)
+    (tmp_path / "d.idx").write_bytes(idx[:20])
+    with pytest.raises(DataFormatError, match=r"d\.idx: truncated, 20 bytes, shorter than the 34-byte header"):
+        IndexedDataset(prefix)
     (tmp_path / "d.idx").write_bytes(idx[:17] + bytes([99]) + idx[18:])
     with pytest.raises(DataFormatError, match="unknown dtype code 99"):
         IndexedDataset(prefix)
