@@ -68,7 +68,10 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
     logits = logits.float()
     if params.greedy:
         return int(logits.argmax())
-    probs = filter_logits(logits / params.temperature, params.top_k, params.top_p).softmax(-1)
+    logits = logits / params.temperature
+    if params.top_k or params.top_p:
+        logits = filter_logits(logits, params.top_k, params.top_p)
+    probs = logits.softmax(-1)
     return int(torch.multinomial(probs, 1, generator=generator))
 
 
