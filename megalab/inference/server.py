@@ -251,12 +251,18 @@ def _percentile(xs: list[float], q: float) -> float:
     return statistics.quantiles(xs, n=100, method="inclusive")[q - 1] if len(xs) > 1 else xs[0]
 
 
+def _is_loopback(host: str) -> bool:
+    try:
+        return host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name
+        return False
+
+
 def load_test(url: str, prompts: list[str], concurrency: int = 64, requests_per_client: int = 1,
               max_tokens: int = 16, timeout: float = 120.0, **body) -> LoadTestResult:
     """`concurrency` clients send requests_per_client completions each, all at once (loopback only)."""
-    host = httpx.URL(url).host
-    if host != "localhost" and not ipaddress.ip_address(host).is_loopback:
-        raise ValueError(f"load_test only targets this machine (127.0.0.1 / localhost), not {host!r}")
+    if not _is_loopback(httpx.URL(url).host):
+        raise ValueError(f"load_test only targets this machine (127.0.0.1 / localhost), not {url!r}")
     if not 1 <= concurrency <= 256 or not 1 <= requests_per_client <= 100:
         raise ValueError("keep the load test bounded: 1..256 clients, 1..100 requests each")
 
