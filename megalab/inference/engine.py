@@ -130,7 +130,9 @@ class InferenceEngine:
         for seg in segments:
             positions.extend(range(seg.start, seg.start + seg.length))
             self.cache.reserve(seg.seq_id, seg.start + seg.length)
-        logits = forward_step(self.model, torch.tensor(ids), torch.tensor(positions), segments, self.cache)  # [T, V]
+        device = self.model.embedding.word_embeddings.weight.device
+        logits = forward_step(self.model, torch.tensor(ids, device=device), torch.tensor(positions, device=device),
+                              segments, self.cache)  # [T, V]
         last_rows = torch.tensor([s.length for s in segments]).cumsum(0) - 1  # each request's last token
         finished = []
         for request, row in zip(self.active, logits[last_rows]):
@@ -172,9 +174,10 @@ class InferenceEngine:
 def generate_by_recompute(model, prompt_tokens: list[int], sampling_params: SamplingParams) -> list[int]:
     """The reference without a cache: every new token runs the full forward over the whole sequence."""
     model.eval()
+    device = model.embedding.word_embeddings.weight.device
     generator, tokens = make_generator(sampling_params), list(prompt_tokens)
     for _ in range(sampling_params.num_tokens_to_generate):
-        logits = model(torch.tensor([tokens]))[0, -1]  # [V]: a forward over all len(tokens) positions
+        logits = model(torch.tensor([tokens], device=device))[0, -1]  # [V]: a forward over all len(tokens) positions
         tokens.append(sample(logits, sampling_params, generator))
         if tokens[-1] == sampling_params.termination_id:
             break

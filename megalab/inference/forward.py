@@ -67,7 +67,7 @@ def attend(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start:
     ### BEGIN SOLUTION
     keys = keys.repeat_interleave(np_ // keys.shape[1], dim=1)  # GQA: each key/value group serves np/ng heads
     values = values.repeat_interleave(np_ // values.shape[1], dim=1)
-    visible = torch.arange(keys.shape[0]) <= (start + torch.arange(n))[:, None]  # [n, len]
+    visible = torch.arange(keys.shape[0], device=query.device) <= start + torch.arange(n, device=query.device)[:, None]
     context = F.scaled_dot_product_attention(
         query.transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1), attn_mask=visible)  # [np, n, hn]
     return context.transpose(0, 1).reshape(n, np_ * hn)

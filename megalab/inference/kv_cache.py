@@ -121,8 +121,8 @@ class PagedKVCache:
         """(block id, offset in block) of positions start .. start+n-1 through the block table."""
         # EXERCISE inference.paged_slots: map each position to (its block from the block table, its offset)
         ### BEGIN SOLUTION
-        positions = torch.arange(start, start + n)
-        table = torch.tensor(self.block_tables[seq_id])
+        positions = torch.arange(start, start + n, device=self.key.device)
+        table = torch.tensor(self.block_tables[seq_id], device=self.key.device)
         return table[positions // self.block_size], positions % self.block_size
         ### END SOLUTION
 

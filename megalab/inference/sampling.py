@@ -64,8 +64,8 @@ def filter_logits(logits: torch.Tensor, top_k: int = 0, top_p: float = 0.0) -> t
 
 
 def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None) -> int:
-    """One token id from the logits [V] of one request."""
-    logits = logits.float()
+    """One token id from the logits [V] of one request (drawn on the CPU, where its generator lives)."""
+    logits = logits.float().cpu()
     if params.greedy:
         return int(logits.argmax())
     logits = logits / params.temperature

@@ -105,16 +105,23 @@ def _error(status: int, message: str, kind: str = "invalid_request_error") -> JS
     return JSONResponse(status_code=status, content={"error": {"message": message, "type": kind}})
 
 
+def _codec(tokenizer):
+    """(encode, decode) of a tokenizer with encode/decode, or Megatron's tokenize/detokenize (chapter 05's)."""
+    if hasattr(tokenizer, "tokenize"):
+        return tokenizer.tokenize, tokenizer.detokenize
+    return tokenizer.encode, tokenizer.decode
+
+
 class _Detokenizer:
     """Text of the tokens so far, handed out in pieces; holds back a cut multi-byte character."""
 
-    def __init__(self, tokenizer):
-        self.tokenizer, self.tokens, self.sent = tokenizer, [], 0
+    def __init__(self, decode):
+        self.decode, self.tokens, self.sent = decode, [], 0
 
     def push(self, token: int | None, final: bool) -> str:
         if token is not None:
             self.tokens.append(token)
-        text = self.tokenizer.decode(self.tokens)
+        text = self.decode(self.tokens)
         if text.endswith("\ufffd") and not final:
             return ""
         piece, self.sent = text[self.sent:], len(text)
@@ -122,7 +129,9 @@ class _Detokenizer:
 
 
 def create_app(engine: InferenceEngine, tokenizer, model_name: str = "megalab-gpt") -> FastAPI:
-    loop_thread = EngineLoop(engine)
+    """The app; generation stops at the tokenizer's end-of-document id (`eod`) when it has one."""
+    loop_thread, (encode, decode) = EngineLoop(engine), _codec(tokenizer)
+    termination_id = getattr(tokenizer, "eod", None)
 
     @asynccontextmanager
     async def lifespan(app):
@@ -155,8 +164,8 @@ def create_app(engine: InferenceEngine, tokenizer, model_name: str = "megalab-gp
         try:
             params = SamplingParams(temperature=body.temperature, top_k=body.top_k,
                                     top_p=0.0 if body.top_p == 1.0 else body.top_p,
-                                    num_tokens_to_generate=body.max_tokens, seed=body.seed, return_log_probs=False)
-            prompt_tokens = tokenizer.encode(body.prompt)
+                                    num_tokens_to_generate=body.max_tokens, seed=body.seed, termination_id=termination_id)
+            prompt_tokens = encode(body.prompt)
             loop, tokens = asyncio.get_running_loop(), asyncio.Queue()
             on_token = lambda request, token: loop.call_soon_threadsafe(  # runs in the engine thread
                 tokens.put_nowait, (token, request.finish_reason, request))
@@ -165,7 +174,7 @@ def create_app(engine: InferenceEngine, tokenizer, model_name: str = "megalab-gp
             return _error(400, str(exc))
         meta = {"id": f"cmpl-{uuid.uuid4().hex[:16]}", "object": "text_completion", "created": int(time.time()),
                 "model": model_name}
-        detok = _Detokenizer(tokenizer)
+        detok = _Detokenizer(decode)
 
         async def next_piece():  # -> (text, finish_reason or None, request)
             token, finish, request = await tokens.get()
