@@ -255,3 +255,17 @@ def test_tensor_parallel_inference_on_two_ranks_equals_single_process():
             prompts, [SamplingParams(top_k=1, num_tokens_to_generate=n) for n in lengths])]
         for rank in (0, 1):
             assert result.returns[rank][variant] == expected, f"{variant} rank {rank}"
+
+
+# ------------------------------------------------------------------ the shipped tiny checkpoint
+def test_shipped_tiny_checkpoint_is_trained_on_the_corpus():
+    from megalab.data.tokenizer import Tokenizer
+    from megalab.inference.checkpoint import CHECKPOINT, load_tiny_gpt
+
+    assert CHECKPOINT.stat().st_size < 2.5e6
+    model, tokenizer = load_tiny_gpt(), Tokenizer.from_file()
+    text = "HAMLET. To be, or not to be, that is the question:\nWhether 'tis nobler in the mind to suffer"
+    ids = torch.tensor([tokenizer.tokenize(text)])
+    with torch.no_grad():
+        loss = model(ids[:, :-1], labels=ids[:, 1:]).mean().item()
+    assert loss < 0.75 * torch.log(torch.tensor(8192.0)).item()  # far below guessing uniformly (9.0 nats)

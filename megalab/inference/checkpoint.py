@@ -37,7 +37,7 @@ def train(steps: int, batch_size: int = 16, lr: float = 3e-3, seed: int = 0) -> 
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
     schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, lr, total_steps=steps, pct_start=0.1)
     s, losses = config.seq_length, []
-    for _ in range(steps):
+    for step in range(steps):
         starts = torch.randint(0, len(tokens) - s - 1, (batch_size,))
         window = torch.stack([tokens[i:i + s + 1] for i in starts.tolist()])  # [b, s + 1]
         loss = model(window[:, :-1], labels=window[:, 1:]).mean()
@@ -46,6 +46,8 @@ def train(steps: int, batch_size: int = 16, lr: float = 3e-3, seed: int = 0) -> 
         optimizer.step()
         schedule.step()
         losses.append(loss.item())
+        if (step + 1) % 50 == 0:
+            print(f"step {step + 1}/{steps}: loss {loss.item():.2f}", flush=True)
     return model.eval(), losses
 
 
@@ -62,7 +64,7 @@ def load_tiny_gpt(path: str | Path = CHECKPOINT) -> GPTModel:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m megalab.inference.checkpoint", description=__doc__.split("\n")[0])
-    parser.add_argument("--steps", type=int, default=600)
+    parser.add_argument("--steps", type=int, default=400)
     parser.add_argument("-o", "--output", default=str(CHECKPOINT))
     args = parser.parse_args(argv)
     start = time.perf_counter()
