@@ -100,3 +100,23 @@ def test_load_test_stays_on_this_machine():
         load_test("http://example.com:8000", ["hi"])
     with pytest.raises(ValueError, match="bounded"):
         load_test("http://127.0.0.1:1", ["hi"], concurrency=10_000)
+
+
+def test_a_failing_engine_step_fails_only_its_requests():
+    engine = _engine()
+    step, calls = engine.step, []
+
+    def flaky_step():  # the first forward blows up (say, out of memory), the next ones work
+        calls.append(1)
+        if len(calls) == 1:
+            engine.cache.reserve(engine.waiting[0].request_id, 1)  # half-done work: a block is taken
+            engine.active.append(engine.waiting.popleft())
+            raise RuntimeError("simulated failure inside a step")
+        return step()
+
+    engine.step = flaky_step
+    with ServerThread(create_app(engine, ByteTokenizer())) as s:
+        failed = httpx.post(s.url + "/v1/completions", json={"prompt": "boom", "max_tokens": 4})
+        assert failed.status_code == 500 and "engine failed" in failed.json()["error"]["message"]
+        assert len(engine.cache.allocator.free_blocks) == 256  # its blocks came back
+        assert httpx.post(s.url + "/v1/completions", json={"prompt": "ok", "max_tokens": 4}).status_code == 200

@@ -145,6 +145,17 @@ class InferenceEngine:
         self.steps += 1
         return finished
 
+    def abort_all(self, reason: str = "error") -> None:
+        """End every request in flight or waiting (e.g. after a failed step) and free their cache."""
+        for request in self.active:
+            self.cache.free(request.request_id)
+        for request in [*self.active, *self.waiting]:
+            request.status, request.finish_reason, request.finish_time = "completed", reason, time.perf_counter()
+            if request.on_token is not None:
+                request.on_token(request, None)
+        self.active.clear()
+        self.waiting.clear()
+
     def _append(self, request: InferenceRequest, logits: torch.Tensor) -> None:
         params = request.sampling_params
         token = sample(logits, params, request.generator)

@@ -87,18 +87,7 @@ class EngineLoop:
                     self.engine.step()
                 except Exception:  # fail the requests in flight, keep serving
                     traceback.print_exc()
-                    self._fail_all()
-
-    def _fail_all(self) -> None:
-        engine = self.engine
-        for request in [*engine.active, *engine.waiting]:
-            if request.request_id in getattr(engine.cache, "slot_of", getattr(engine.cache, "block_tables", {})):
-                engine.cache.free(request.request_id)
-            request.finish_reason, request.status = "error", "completed"
-            if request.on_token is not None:
-                request.on_token(request, None)
-        engine.active.clear()
-        engine.waiting.clear()
+                    self.engine.abort_all("error")
 
 
 def _error(status: int, message: str, kind: str = "invalid_request_error") -> JSONResponse:
