@@ -1,0 +1,271 @@
+"""KV caches, the cached forward, sampling and the batching engine against independent references:
+the model's own full forward (recompute, no cache), brute-force sorting for top-k/top-p, the
+softmax for sampled frequencies, and the single-process model for tensor-parallel inference."""
+
+import pytest
+import torch
+
+from megalab import launch
+from megalab.config import TransformerConfig
+from megalab.inference import (
+    ContiguousKVCache,
+    InferenceEngine,
+    PagedKVCache,
+    SamplingParams,
+    Segment,
+    filter_logits,
+    forward_step,
+    generate_by_recompute,
+    sample,
+)
+from megalab.model import GPTModel
+
+BASE = dict(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=256, seq_length=64,
+            hidden_dropout=0.0, attention_dropout=0.0)
+VARIANTS = {
+    "gpt": dict(),
+    "llama-gqa": dict(position_embedding_type="rope", num_query_groups=2, normalization="RMSNorm",
+                      activation_func="silu", gated_linear_unit=True, add_bias_linear=False,
+                      share_embeddings_and_output_weights=False, attention_backend="unfused"),
+}
+LENGTHS = [(3, 10), (9, 4), (5, 20), (12, 8), (7, 15)]  # (prompt, tokens to generate)
+
+
+def _model(variant="gpt"):
+    config = TransformerConfig(**BASE, **VARIANTS[variant])
+    torch.manual_seed(0)
+    return GPTModel(config).eval()
+
+
+def _prompts():
+    g = torch.Generator().manual_seed(1)
+    return [torch.randint(0, 256, (n,), generator=g).tolist() for n, _ in LENGTHS]
+
+
+def _caches(config):
+    return {"contiguous": ContiguousKVCache(config, max_batch_size=4),
+            "paged": PagedKVCache(config, num_blocks=40, block_size=4)}
+
+
+# ------------------------------------------------------------------ KV caches
+@pytest.mark.exercise("inference.paged_slots")
+def test_paged_cache_follows_the_block_table():
+    config = TransformerConfig(**BASE)
+    cache = PagedKVCache(config, num_blocks=8, block_size=4)
+    for length in (2, 5, 9):  # two sequences growing in turns: their blocks interleave in the pool
+        cache.reserve(0, length)
+        cache.reserve(1, length + 3)
+    blocks, offsets = cache.slots(0, 3, 6)
+    table = cache.block_tables[0]
+    assert blocks.tolist() == [table[p // 4] for p in range(3, 9)]
+    assert offsets.tolist() == [p % 4 for p in range(3, 9)]
+    assert table != list(range(table[0], table[0] + len(table)))  # really scattered over the pool
+    keys = {s: torch.randn(n, 4, 8) for s, n in ((0, 9), (1, 12))}
+    for s, k in keys.items():
+        cache.write(1, s, 0, k[:5], -k[:5])
+        cache.write(1, s, 5, k[5:], -k[5:])
+    for s, k in keys.items():
+        key, value = cache.read(1, s, len(k))
+        assert torch.equal(key, k) and torch.equal(value, -k)
+
+
+def test_paged_cache_holds_only_the_blocks_it_uses():
+    config = TransformerConfig(**BASE)
+    paged, contiguous = PagedKVCache(config, num_blocks=16, block_size=4), ContiguousKVCache(config, max_batch_size=4)
+    for cache in (paged, contiguous):
+        cache.reserve(0, 6)
+    assert paged.block_tables[0] and len(paged.block_tables[0]) == 2
+    assert contiguous.bytes_reserved() == 64 / 8 * paged.bytes_reserved()  # 64 positions vs 2 blocks of 4
+    paged.free(0)
+    assert len(paged.allocator.free_blocks) == 16
+    assert paged.fits([16] * 4) and not paged.fits([16] * 4 + [1])
+    with pytest.raises(RuntimeError, match="out of KV-cache blocks"):
+        paged.reserve(1, 100)
+
+
+# ------------------------------------------------------------------ the cached forward
+@pytest.mark.exercise("inference.cached_attention")
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_cached_forward_equals_the_full_forward(variant):
+    model = _model(variant)
+    ids = torch.randint(0, 256, (2, 11), generator=torch.Generator().manual_seed(2))
+    full = model(ids)  # [2, 11, V], no cache
+    for name, cache in _caches(model.config).items():
+        # one ragged step: prefill 7 tokens of sequence 0 and 4 of sequence 1; then the rest of both
+        for s in (0, 1):
+            cache.reserve(s, 11)
+        first = forward_step(model, torch.cat([ids[0, :7], ids[1, :4]]), torch.tensor([*range(7), *range(4)]),
+                             [Segment(0, 0, 7), Segment(1, 0, 4)], cache)
+        second = forward_step(model, torch.cat([ids[0, 7:], ids[1, 4:]]), torch.tensor([*range(7, 11), *range(4, 11)]),
+                              [Segment(0, 7, 4), Segment(1, 4, 7)], cache)
+        ours = torch.stack([torch.cat([first[:7], second[:4]]), torch.cat([first[7:], second[4:]])])
+        torch.testing.assert_close(ours, full, atol=1e-5, rtol=1e-5, msg=f"{name} cache")
+
+
+@pytest.mark.exercise("inference.cached_attention")
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_greedy_with_cache_equals_recompute_token_for_token(variant):
+    model, prompts = _model(variant), _prompts()
+    params = [SamplingParams(top_k=1, num_tokens_to_generate=n) for _, n in LENGTHS]
+    expected = [generate_by_recompute(model, p, sp) for p, sp in zip(prompts, params)]
+    for name, cache in _caches(model.config).items():
+        for mode in ("continuous", "static"):
+            engine = InferenceEngine(model, cache, max_batch_size=3, max_tokens=24, mode=mode)
+            got = [r.generated_tokens for r in engine.generate(prompts, params)]
+            assert got == expected, f"{name} cache, {mode} batching"
+
+
+# ------------------------------------------------------------------ sampling
+def _filter_reference(logits, top_k, top_p):
+    """Brute force: rank the tokens, keep the first top_k, then the shortest prefix with mass >= top_p."""
+    order = sorted(range(len(logits)), key=lambda i: -logits[i])
+    keep = order[:top_k] if top_k else order
+    if top_p:
+        probs = torch.softmax(logits[keep], 0).tolist() if top_k else torch.softmax(logits, 0)[keep].tolist()
+        total, n = 0.0, 0
+        while total < top_p and n < len(keep):
+            total, n = total + probs[n], n + 1
+        keep = keep[:n]
+    return set(keep)
+
+
+@pytest.mark.exercise("inference.filter_logits")
+@pytest.mark.parametrize("top_k,top_p", [(0, 0.0), (5, 0.0), (0, 0.5), (0, 0.9), (10, 0.8), (1, 0.0), (0, 1e-6)])
+def test_filter_logits_keeps_the_top_k_and_the_nucleus(top_k, top_p):
+    logits = torch.randn(50, generator=torch.Generator().manual_seed(top_k + int(100 * top_p)), dtype=torch.float64)
+    filtered = filter_logits(logits, top_k, top_p)
+    kept = set(torch.nonzero(filtered > float("-inf")).flatten().tolist())
+    assert kept == _filter_reference(logits, top_k, top_p)
+    assert torch.equal(filtered[list(kept)], logits[list(kept)])  # kept logits unchanged
+
+
+def test_sampling_frequencies_follow_the_tempered_softmax():
+    logits = torch.tensor([2.0, 1.0, 0.5, -1.0])
+    generator = torch.Generator().manual_seed(0)
+    params = SamplingParams(temperature=0.7)
+    counts = torch.bincount(torch.tensor([sample(logits, params, generator) for _ in range(20000)]), minlength=4)
+    torch.testing.assert_close(counts / 20000, torch.softmax(logits / 0.7, 0), atol=0.015, rtol=0)
+    assert sample(logits, SamplingParams(temperature=0)) == 0 == sample(logits, SamplingParams(top_k=1))
+
+
+def test_seeded_sampling_does_not_depend_on_the_batch():
+    model, prompts = _model(), _prompts()
+    params = [SamplingParams(temperature=0.9, top_k=40, top_p=0.9, seed=i, num_tokens_to_generate=n)
+              for i, (_, n) in enumerate(LENGTHS)]
+    alone = [generate_by_recompute(model, p, sp) for p, sp in zip(prompts, params)]
+    engine = InferenceEngine(model, PagedKVCache(model.config, 40, 4), max_batch_size=4, max_tokens=32)
+    assert [r.generated_tokens for r in engine.generate(prompts, params)] == alone
+    assert len({tuple(a) for a in alone}) == len(alone)
+
+
+@pytest.mark.parametrize("bad,message", [
+    (dict(temperature=-0.1), "temperature"), (dict(top_k=-1), "top_k"), (dict(top_p=1.5), "top_p"),
+    (dict(num_tokens_to_generate=0), "num_tokens_to_generate"),
+])
+def test_sampling_params_reject_bad_values(bad, message):
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**bad)
+
+
+# ------------------------------------------------------------------ the engine
+@pytest.mark.exercise("inference.schedule")
+def test_scheduler_admits_in_order_within_every_budget():
+    model = _model()
+    # token budget: prompts of 5 + 9 fit 16, the third (6) does not; FIFO: the fourth (1) must not overtake it
+    engine = InferenceEngine(model, PagedKVCache(model.config, 40, 4), max_batch_size=8, max_tokens=16)
+    requests = [engine.add_request([1] * n, SamplingParams(num_tokens_to_generate=4)) for n in (5, 9, 6, 1)]
+    assert engine.schedule() == requests[:2]
+    engine.active = requests[:2]  # next step: 2 decode tokens + 6 + 1 prompt tokens fit
+    assert engine.schedule() == requests[2:]
+    # batch size
+    engine = InferenceEngine(model, PagedKVCache(model.config, 40, 4), max_batch_size=2, max_tokens=64)
+    requests = [engine.add_request([1] * 3) for _ in range(3)]
+    assert engine.schedule() == requests[:2]
+    # KV cache: 10 blocks of 4; each request needs ceil((4 + 12) / 4) = 4 blocks, so two fit
+    engine = InferenceEngine(model, PagedKVCache(model.config, 10, 4), max_batch_size=8, max_tokens=64)
+    requests = [engine.add_request([1] * 4, SamplingParams(num_tokens_to_generate=12)) for _ in range(3)]
+    assert engine.schedule() == requests[:2]
+
+
+@pytest.mark.exercise("inference.schedule")
+def test_continuous_batching_lets_requests_join_each_step_and_takes_fewer_steps():
+    model, prompts = _model(), _prompts()
+    params = [SamplingParams(top_k=1, num_tokens_to_generate=n) for _, n in LENGTHS]
+    steps, joined_late = {}, {}
+    for mode in ("continuous", "static"):
+        engine = InferenceEngine(model, PagedKVCache(model.config, 40, 4), max_batch_size=2, max_tokens=64, mode=mode)
+        requests = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
+        joined_late[mode] = False
+        while engine.has_unfinished_requests():
+            running, waiting = len(engine.active), len(engine.waiting)
+            engine.step()
+            joined_late[mode] |= running > 0 and len(engine.waiting) < waiting  # admitted beside running ones
+        steps[mode] = engine.steps
+        assert all(r.status == "completed" and len(r.generated_tokens) == n for r, (_, n) in zip(requests, LENGTHS))
+        assert len(engine.cache.allocator.free_blocks) == 40  # every block came back
+    # static: batches {10, 4}, {20, 8}, {15} -> 10 + 20 + 15 steps; continuous fills each freed slot at once
+    assert steps["static"] == 10 + 20 + 15
+    assert steps["continuous"] < steps["static"]
+    assert joined_late["continuous"] and not joined_late["static"]
+
+
+@pytest.mark.parametrize("prompt,params,message", [
+    ([], SamplingParams(), "empty"),
+    ([300], SamplingParams(), "vocab_size"),
+    ([1] * 60, SamplingParams(num_tokens_to_generate=10), "seq_length"),
+    ([1] * 40, SamplingParams(num_tokens_to_generate=4), "max_tokens"),
+])
+def test_engine_rejects_requests_it_cannot_serve(prompt, params, message):
+    model = _model()
+    engine = InferenceEngine(model, PagedKVCache(model.config, 40, 4), max_batch_size=2, max_tokens=32)
+    with pytest.raises(ValueError, match=message):
+        engine.add_request(prompt, params)
+    with pytest.raises(ValueError, match="mode"):
+        InferenceEngine(model, engine.cache, mode="dynamic")
+
+
+# ------------------------------------------------------------------ tensor-parallel inference
+def _tp_generate(variants, prompts, lengths):
+    from megalab import dist as mdist
+    from megalab import parallel_state as ps
+    from megalab.tensor_parallel import TensorParallelGPTModel
+
+    _, world = mdist.init()
+    ps.initialize_model_parallel(tensor_model_parallel_size=world)
+    out = {}
+    for variant in variants:
+        config = TransformerConfig(**BASE, **VARIANTS[variant])
+        torch.manual_seed(0)  # the same draws as the single-process model, then split across the ranks
+        model = TensorParallelGPTModel(config)
+        engine = InferenceEngine(model, PagedKVCache(config, 40, 4, tp_size=world), max_batch_size=3, max_tokens=24)
+        params = [SamplingParams(top_k=1, num_tokens_to_generate=n) for n in lengths]
+        out[variant] = [r.generated_tokens for r in engine.generate(prompts, params)]
+    ps.destroy_model_parallel()
+    torch.distributed.barrier()
+    return out
+
+
+def test_tensor_parallel_inference_on_two_ranks_equals_single_process():
+    prompts, lengths = _prompts(), [n for _, n in LENGTHS]
+    result = launch.run_function(_tp_generate, 2, list(VARIANTS), prompts, lengths, launch=dict(timeout=300))
+    for variant in VARIANTS:
+        model = _model(variant)
+        engine = InferenceEngine(model, PagedKVCache(model.config, 40, 4), max_batch_size=3, max_tokens=24)
+        expected = [r.generated_tokens for r in engine.generate(
+            prompts, [SamplingParams(top_k=1, num_tokens_to_generate=n) for n in lengths])]
+        for rank in (0, 1):
+            assert result.returns[rank][variant] == expected, f"{variant} rank {rank}"
+
+
+# ------------------------------------------------------------------ the shipped tiny checkpoint
+def test_shipped_tiny_checkpoint_is_trained_on_the_corpus():
+    from megalab.data.tokenizer import Tokenizer
+    from megalab.inference.checkpoint import CHECKPOINT, load_tiny_gpt
+
+    assert CHECKPOINT.stat().st_size < 2.5e6
+    model, tokenizer = load_tiny_gpt(), Tokenizer.from_file()
+    text = "HAMLET. To be, or not to be, that is the question:\nWhether 'tis nobler in the mind to suffer"
+    ids = torch.tensor([tokenizer.tokenize(text)])
+    with torch.no_grad():
+        loss = model(ids[:, :-1], labels=ids[:, 1:]).mean().item()
+    assert loss < 0.75 * torch.log(torch.tensor(8192.0)).item()  # far below guessing uniformly (9.0 nats)
