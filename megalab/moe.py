@@ -179,10 +179,9 @@ class TopKRouter(nn.Module):
         self.weight = nn.Parameter(torch.empty(config.num_moe_experts, config.hidden_size))
         init_method_normal(config.init_method_std)(self.weight.data)
         self.weight.sequence_parallel = config.sequence_parallel  # each TP rank routes its own tokens
-        self.expert_bias = self.local_tokens_per_expert = None
-        if config.moe_router_enable_expert_bias:
-            self.register_buffer("expert_bias", torch.zeros(config.num_moe_experts))
-            self.register_buffer("local_tokens_per_expert", torch.zeros(config.num_moe_experts))
+        bias = config.moe_router_enable_expert_bias
+        self.register_buffer("expert_bias", torch.zeros(config.num_moe_experts) if bias else None)
+        self.register_buffer("local_tokens_per_expert", torch.zeros(config.num_moe_experts) if bias else None)
         self.tokens_per_expert = None  # of the last forward, before dropping (for histograms)
 
     def forward(self, hidden: torch.Tensor):  # [T, h] -> probs [T, E], routing_map [T, E]
