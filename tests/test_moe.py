@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megalab import launch, moe
+from megalab import calc, launch, moe
 from megalab import parallel_state as ps
 from megalab.config import TransformerConfig
 from megalab.model import GPTModel
@@ -290,6 +290,8 @@ EP_CASES = {  # name: (tp, ep, config changes)
     "ep4 alltoall grouped": (1, 4, dict(moe_token_dispatcher_type="alltoall", moe_grouped_gemm=True)),
     "ep4 allgather top1": (1, 4, dict(moe_token_dispatcher_type="allgather", moe_router_topk=1)),
     "ep4 alltoall capacity": (1, 4, dict(moe_token_dispatcher_type="alltoall", moe_expert_capacity_factor=1.0)),
+    "ep4 alltoall padded": (1, 4, dict(moe_token_dispatcher_type="alltoall", moe_expert_capacity_factor=1.0,
+                                       moe_pad_expert_input_to_capacity=True)),
     "ep2xtp2 alltoall sp": (2, 2, dict(moe_token_dispatcher_type="alltoall", sequence_parallel=True)),
     "ep2xtp2 allgather sp": (2, 2, dict(moe_token_dispatcher_type="allgather", sequence_parallel=True)),
 }
@@ -325,7 +327,7 @@ def _ep_case(rank, world, tp, ep, change):
                      aux=abs(moe.get_aux_losses_tracker()["load_balancing_loss"][1] - mine[1]).item(),
                      router=_diff(layer.router.weight.grad, ref["router"].grad))
         diffs.update({k: _diff(v, ref[k].grad[local]) for k, v in expert_grads(layer, local).items()})
-        return max(diffs.values()), diffs
+        return max(diffs.values()), diffs, getattr(layer.token_dispatcher, "a2a_bytes", None)
     finally:
         ps.destroy_model_parallel()
 
@@ -339,7 +341,7 @@ def run_ep_cases():
         try:
             results[name] = _ep_case(rank, world, tp, ep, change)
         except Exception:
-            results[name] = (float("inf"), traceback.format_exc(limit=-3))
+            results[name] = (float("inf"), traceback.format_exc(limit=-3), None)
     # experts not divisible by EP: a clear error
     ps.initialize_model_parallel(expert_model_parallel_size=4)
     try:
@@ -361,14 +363,21 @@ def ep_results():
 @pytest.mark.parametrize("case", [c for c in EP_CASES if "alltoall" in c])
 def test_expert_parallel_alltoall_matches_single_process(ep_results, case):
     for rank in range(4):
-        worst, detail = ep_results[rank][case]
+        worst, detail, _ = ep_results[rank][case]
         assert worst < TOL, (rank, detail)
+
+
+@pytest.mark.exercise("moe.alltoall_dispatch")
+def test_alltoall_bytes_match_formula_when_padded_to_capacity(ep_results):
+    """Padded to capacity, every rank sends exactly capacity rows to each remote expert: 2 T k h (ep-1)/ep."""
+    expected = calc.moe_all_to_all_bytes(12, 2, H, 4, bytes_per_element=4)
+    assert [ep_results[r]["ep4 alltoall padded"][2] for r in range(4)] == [expected] * 4
 
 
 @pytest.mark.parametrize("case", [c for c in EP_CASES if "allgather" in c])
 def test_expert_parallel_allgather_matches_single_process(ep_results, case):
     for rank in range(4):
-        worst, detail = ep_results[rank][case]
+        worst, detail, _ = ep_results[rank][case]
         assert worst < TOL, (rank, detail)
 
 
