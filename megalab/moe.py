@@ -68,6 +68,11 @@ class MoEAuxLossAutoScaler(torch.autograd.Function):
         return output
 
     @staticmethod
+    def set_loss_scale(scale: torch.Tensor) -> None:
+        """The factor the main loss is scaled by (e.g. 1 / number of micro-batches)."""
+        MoEAuxLossAutoScaler.main_loss_backward_scale = scale
+
+    @staticmethod
     def backward(ctx, grad_output: torch.Tensor):
         (aux_loss,) = ctx.saved_tensors
         scale = MoEAuxLossAutoScaler.main_loss_backward_scale.to(aux_loss.device)

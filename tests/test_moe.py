@@ -225,11 +225,40 @@ def test_moe_layer_matches_reference(case):
         assert _diff(grad, ref[key].grad) < TOL, key
 
 
+def test_grouped_mlp_equals_the_loop_of_mlps_gated():
+    """SwiGLU experts without biases: one batched matmul == a loop of MLPs, forward and backward."""
+    config = TransformerConfig(**BASE, gated_linear_unit=True, activation_func="silu", add_bias_linear=False)
+    loop, grouped = moe.SequentialMLP(3, config), moe.GroupedMLP(3, config)
+    with torch.no_grad():
+        for i, mlp in enumerate(loop.local_experts):
+            grouped.weight1[i].copy_(mlp.linear_fc1.weight.T)
+            grouped.weight2[i].copy_(mlp.linear_fc2.weight.T)
+    tokens, counts = _tokens(7, 9), torch.tensor([4, 0, 5])  # an expert with no tokens too
+    out_loop, out_grouped = loop(tokens, counts), grouped(tokens, counts)
+    out_loop.sum().backward()
+    out_grouped.sum().backward()
+    assert _diff(out_grouped, out_loop) < TOL
+    assert _diff(grouped.weight1.grad, torch.stack([m.linear_fc1.weight.grad.T for m in loop.local_experts])) < TOL
+
+
+@pytest.mark.gpu
+def test_moe_layer_on_gpu_matches_cpu():
+    config = TransformerConfig(**BASE, moe_grouped_gemm=True, moe_token_dispatcher_type="alltoall",
+                               moe_aux_loss_coeff=0.01, moe_expert_capacity_factor=1.0)
+    layer = moe.MoELayer(config)
+    x = _tokens(8, 12).view(6, 2, H)
+    expected = layer(x)
+    assert _diff(layer.cuda()(x.cuda()).cpu(), expected) < 1e-4
+
+
 def test_shared_experts_see_every_token():
     config = TransformerConfig(**BASE, moe_shared_expert_intermediate_size=8)
     layer = moe.MoELayer(config)
     x = _tokens(6, 8).view(4, 2, H)
     routed = layer(x) - layer.shared_experts(x)
+    # expert weights are marked for the expert-data-parallel reduction, the dense ones are not
+    assert all(p.allreduce is False for p in layer.experts.parameters())
+    assert all(getattr(p, "allreduce", True) for m in (layer.router, layer.shared_experts) for p in m.parameters())
     layer.shared_experts = None
     assert _diff(routed, layer(x)) < TOL
 
@@ -242,6 +271,20 @@ def test_expert_bias_moves_toward_balance():
     moe.update_expert_bias(layer)
     assert layer.router.expert_bias.tolist() == pytest.approx([-0.1, 0.1, 0.0, 0.1])
     assert layer.router.local_tokens_per_expert.sum() == 0
+
+
+def test_aux_loss_gradient_follows_the_loss_scale():
+    config = TransformerConfig(**BASE, moe_aux_loss_coeff=1.0)
+    layer = moe.MoELayer(config)
+    x = _tokens(9, 8).view(4, 2, H)
+    grads = []
+    for scale in (1.0, 0.25):
+        moe.MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(scale))
+        layer.zero_grad()
+        (layer(x) * 0).sum().backward()  # only the aux loss reaches the router
+        grads.append(layer.router.weight.grad.clone())
+    moe.MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(1.0))
+    assert grads[0].abs().sum() > 0 and _diff(grads[1], 0.25 * grads[0]) < 1e-7
 
 
 def test_gpt_with_moe_layers_trains_its_router_through_the_aux_loss():
