@@ -119,3 +119,12 @@ def test_triton_matches_flash_attn_on_gpu():
     for a, b in zip(ours, theirs):
         torch.testing.assert_close(a, b, atol=2e-2, rtol=2e-2)
     assert resolve_attention_backend("auto", q.device, torch.bfloat16) == "flash_attn"
+
+
+def test_doctor_reports_the_auto_attention_backend():
+    from megalab.doctor import facts, report
+
+    expected = resolve_attention_backend("auto", torch.device("cuda" if torch.cuda.is_available() else "cpu"), torch.bfloat16)
+    assert facts()["attention_auto"] == expected
+    line = next(ln for ln in report().splitlines() if ln.startswith("attention (auto)"))
+    assert {"sdpa": "SDPA", "triton": "Triton", "flash_attn": "flash-attn"}[expected] in line
