@@ -15,10 +15,9 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import median, report  # noqa: E402
-
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+from _common import median, report  # noqa: E402
 
 from megalab.kernels import INTERPRET, flash_attn_available  # noqa: E402
 from megalab.kernels.flash_attention import flash_attention  # noqa: E402

@@ -29,15 +29,14 @@ import math
 
 import torch
 import torch.nn.functional as F
+import triton  # the package megalab.kernels, imported first, has chosen the interpreter mode
+import triton.language as tl
 
 from megalab.kernels import INTERPRET
 
-import triton  # noqa: E402  (after megalab.kernels has chosen the interpreter mode)
-import triton.language as tl  # noqa: E402
-
 
 @triton.jit
-def _fwd_kernel(Q, K, V, O, L, scale, seqlen, stride_bh, stride_s,
+def _fwd_kernel(Q, K, V, Out, L, scale, seqlen, stride_bh, stride_s,
                 CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_D: tl.constexpr):
     start_m = tl.program_id(0) * BLOCK_M
     bh = tl.program_id(1)
@@ -67,16 +66,16 @@ def _fwd_kernel(Q, K, V, O, L, scale, seqlen, stride_bh, stride_s,
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
     acc = acc / l_i[:, None]
-    tl.store(O + base + rows[:, None] * stride_s + offs_d[None, :], acc.to(O.dtype.element_ty), mask=rows[:, None] < seqlen)
+    tl.store(Out + base + rows[:, None] * stride_s + offs_d[None, :], acc.to(Out.dtype.element_ty), mask=rows[:, None] < seqlen)
     tl.store(L + bh * seqlen + rows, m_i + tl.log(l_i), mask=rows < seqlen)
 
 
 @triton.jit
-def _bwd_preprocess(O, DO, Delta, seqlen, stride_bh, stride_s, BLOCK_M: tl.constexpr, HEAD_D: tl.constexpr):
+def _bwd_preprocess(Out, DO, Delta, seqlen, stride_bh, stride_s, BLOCK_M: tl.constexpr, HEAD_D: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     bh = tl.program_id(1)
     off = bh * stride_bh + rows[:, None] * stride_s + tl.arange(0, HEAD_D)[None, :]
-    o = tl.load(O + off, mask=rows[:, None] < seqlen, other=0.0).to(tl.float32)
+    o = tl.load(Out + off, mask=rows[:, None] < seqlen, other=0.0).to(tl.float32)
     do = tl.load(DO + off, mask=rows[:, None] < seqlen, other=0.0).to(tl.float32)
     tl.store(Delta + bh * seqlen + rows, tl.sum(o * do, 1), mask=rows < seqlen)  # delta = rowsum(dO * O)
 
