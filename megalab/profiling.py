@@ -72,12 +72,14 @@ def document_causal_mask(cu_seqlens: torch.Tensor) -> torch.Tensor:
 
 
 def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
-    """Causal attention of packed documents, q, k, v [b, h, T, d]: SDPA with the block-diagonal mask.
+    """Causal attention of packed documents, q, k, v [b, h, T, d] -> [b, h, T, d], one document at a time.
 
-    What flash-attn's flash_attn_varlen_func computes without building the [T, T] mask.
+    Like flash-attn's flash_attn_varlen_func, it never touches the masked-out blocks of the [T, T] scores:
+    the cost is the sum of the documents' squares, not the row's. Equal to SDPA with document_causal_mask.
     """
-    mask = document_causal_mask(cu_seqlens).to(q.device)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    bounds = cu_seqlens.tolist()
+    return torch.cat([F.scaled_dot_product_attention(q[..., a:b, :], k[..., a:b, :], v[..., a:b, :], is_causal=True)
+                      for a, b in zip(bounds[:-1], bounds[1:])], dim=2)
 
 
 def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
@@ -106,9 +108,10 @@ def overlap_from_trace(events: list[dict], comm: Callable[[str], bool], compute:
                 overlap_ms=overlap / 1e3, overlap_share=overlap / comm_us if comm_us else 0.0)
 
 
-def profile_ddp_step(trace_dir: str, overlap_grad_reduce: bool = True, width: int = 256, layers: int = 6) -> dict:
-    """On every rank of a torchrun launch: profile one DDP step of an MLP stack, write the rank's Chrome
-    trace to trace_dir, and return overlap_from_trace of bucket all-reduces vs backward ops."""
+def profile_ddp_step(trace_dir: str, width: int = 256, layers: int = 6) -> dict[str, dict]:
+    """On every rank of a torchrun launch: profile one DDP step of an MLP stack with and without
+    overlap_grad_reduce, write the Chrome traces to trace_dir/ddp_{overlapped,serial}_rank{r}.json, and
+    return overlap_from_trace of bucket all-reduces vs backward ops for each ("overlapped", "serial")."""
     import json
 
     import torch.distributed as dist
@@ -118,19 +121,22 @@ def profile_ddp_step(trace_dir: str, overlap_grad_reduce: bool = True, width: in
     from megalab.data_parallel import DistributedDataParallel
 
     rank, _ = mdist.init()
-    torch.manual_seed(0)
-    model = nn.Sequential(*[nn.Sequential(nn.Linear(width, width), nn.GELU()) for _ in range(layers)])
-    ddp = DistributedDataParallel(model, bucket_size=width * width + width, overlap_grad_reduce=overlap_grad_reduce)
     x = torch.randn(512, width, generator=torch.Generator().manual_seed(rank))
+    results = {}
+    for name, overlap in (("overlapped", True), ("serial", False)):
+        torch.manual_seed(0)
+        model = nn.Sequential(*[nn.Sequential(nn.Linear(width, width), nn.GELU()) for _ in range(layers)])
+        ddp = DistributedDataParallel(model, bucket_size=width * width + width, overlap_grad_reduce=overlap)
 
-    def step():
-        ddp.zero_grad_buffer()
-        ddp(x).square().mean().backward()
-        ddp.finish_grad_sync()
+        def step(ddp=ddp):
+            ddp.zero_grad_buffer()
+            ddp(x).square().mean().backward()
+            ddp.finish_grad_sync()
 
-    path = Path(trace_dir) / f"ddp_rank{rank}.json"
-    profile_step(step, steps=1, warmup=1, trace_path=path)
-    events = json.loads(path.read_text())["traceEvents"]
+        path = Path(trace_dir) / f"ddp_{name}_rank{rank}.json"
+        profile_step(step, steps=1, warmup=1, trace_path=path)
+        events = json.loads(path.read_text())["traceEvents"]
+        results[name] = overlap_from_trace(events, comm=lambda n: "all_reduce" in n or "allreduce" in n,
+                                           compute=lambda n: n.endswith("Backward0"))
     dist.barrier()
-    return overlap_from_trace(events, comm=lambda n: "all_reduce" in n or "allreduce" in n,
-                              compute=lambda n: n.endswith("Backward0"))
+    return results

@@ -8,8 +8,15 @@ import torch
 import torch.nn.functional as F
 
 from megalab import launch
-from megalab.profiling import (document_causal_mask, overlap_from_trace, pack_documents, profile_ddp_step,
-                               profile_step, top_ops, varlen_attention)
+from megalab.profiling import (
+    document_causal_mask,
+    overlap_from_trace,
+    pack_documents,
+    profile_ddp_step,
+    profile_step,
+    top_ops,
+    varlen_attention,
+)
 
 DOC_LENGTHS = [(5,), (3, 1, 4), (1, 1), (7, 2, 6, 3)]
 
@@ -43,14 +50,16 @@ def test_document_causal_mask_matches_per_document_loops(lengths):
 
 
 @pytest.mark.exercise("profiling.document_causal_mask")
-def test_varlen_attention_equals_each_document_alone():
+def test_document_mask_attention_equals_each_document_alone():
     lengths = [4, 1, 6, 3]
     _, _, cu_seqlens = pack_documents([torch.zeros(n, dtype=torch.long) for n in lengths])
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(2, 3, sum(lengths), 8, generator=g) for _ in range(3))
-    alone = torch.cat([F.scaled_dot_product_attention(q[..., a:b, :], k[..., a:b, :], v[..., a:b, :], is_causal=True)
-                       for a, b in zip(cu_seqlens[:-1].tolist(), cu_seqlens[1:].tolist())], dim=2)
-    torch.testing.assert_close(varlen_attention(q, k, v, cu_seqlens), alone)
+    masked = F.scaled_dot_product_attention(q, k, v, attn_mask=document_causal_mask(cu_seqlens))
+    alone = [F.scaled_dot_product_attention(q[..., a:b, :], k[..., a:b, :], v[..., a:b, :], is_causal=True)
+             for a, b in zip(cu_seqlens[:-1].tolist(), cu_seqlens[1:].tolist())]
+    torch.testing.assert_close(masked, torch.cat(alone, dim=2))
+    torch.testing.assert_close(varlen_attention(q, k, v, cu_seqlens), masked)
 
 
 def test_overlap_from_trace_counts_merged_intervals():
@@ -76,11 +85,8 @@ def test_profile_step_writes_chrome_trace_and_ranks_ops(tmp_path):
 
 
 def test_ddp_trace_shows_bucket_all_reduce_overlapping_backward(tmp_path):
-    result = launch.run_function(_overlap_both_ways, 2, str(tmp_path), launch=dict(timeout=120))
-    for rank, (overlapped, serial) in result.returns.items():
-        assert overlapped["comm_ms"] > 0 and overlapped["overlap_ms"] > 0, (rank, overlapped)
-        assert serial["comm_ms"] > 0 and serial["overlap_ms"] == 0, (rank, serial)  # all-reduce only after backward
-
-
-def _overlap_both_ways(trace_dir):
-    return [profile_ddp_step(trace_dir, overlap_grad_reduce=ov) for ov in (True, False)]
+    result = launch.run_function(profile_ddp_step, 2, str(tmp_path), launch=dict(timeout=120))
+    for rank, runs in result.returns.items():
+        assert runs["overlapped"]["comm_ms"] > 0 and runs["overlapped"]["overlap_ms"] > 0, (rank, runs)
+        assert runs["serial"]["comm_ms"] > 0 and runs["serial"]["overlap_ms"] == 0, (rank, runs)  # after backward
+    assert (tmp_path / "ddp_overlapped_rank1.json").exists()
