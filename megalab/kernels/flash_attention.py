@@ -196,8 +196,8 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
         raise ValueError(f"q, k, v must all be [b, h, s, d] with the same shape, got {tuple(q.shape)}, "
                          f"{tuple(k.shape)}, {tuple(v.shape)} (repeat k/v heads for GQA first)")
     if q.device.type != ("cpu" if INTERPRET else "cuda"):
-        raise ValueError(f"tensors are on {q.device}, but triton runs {'in the interpreter (CPU)' if INTERPRET else 'on CUDA'};"
-                         " move them there")
+        raise ValueError(f"tensors are on {q.device}, but triton runs {'in the interpreter (CPU)' if INTERPRET else 'on CUDA'}:"
+                         " move them there (for CPU, TRITON_INTERPRET=1 must be set before triton is first imported)")
     d = q.shape[-1]
     scale = 1.0 / math.sqrt(d) if scale is None else scale
     dtype = q.dtype
