@@ -18,7 +18,7 @@ ACTIVATIONS = ("gelu", "relu", "silu", "squared_relu")
 POSITION_EMBEDDINGS = ("learned_absolute", "rope", "none")
 RECOMPUTE_GRANULARITIES = (None, "full", "selective")
 RECOMPUTE_METHODS = (None, "uniform", "block")
-ATTENTION_BACKENDS = ("unfused", "sdpa")
+ATTENTION_BACKENDS = ("unfused", "sdpa", "triton", "flash_attn", "auto")  # the last 3: megalab/kernels
 MOE_ROUTER_SCORE_FUNCTIONS = ("softmax", "sigmoid")
 MOE_TOKEN_DISPATCHER_TYPES = ("alltoall", "allgather")
 

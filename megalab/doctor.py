@@ -16,6 +16,15 @@ def _version(dist: str) -> str:
         return "not installed"
 
 
+def _auto_attention(gpu: bool) -> str:
+    """What attention_backend="auto" runs for a bf16 model on this machine (megalab/kernels)."""
+    import torch
+
+    from megalab.kernels import resolve_attention_backend
+
+    return resolve_attention_backend("auto", torch.device("cuda" if gpu else "cpu"), torch.bfloat16)
+
+
 def facts() -> dict:
     import torch
     import torch.distributed as dist
@@ -40,6 +49,7 @@ def facts() -> dict:
         "flash_attn": _version("flash-attn") if importlib.util.find_spec("flash_attn") else None,
         "triton": _version("triton"),
         "triton_interpret": os.environ.get("TRITON_INTERPRET") == "1" or not gpus,
+        "attention_auto": _auto_attention(bool(gpus)),
         "jupyterlab": _version("jupyterlab"),
         "nbval": _version("nbval"),
         "ipywidgets": _version("ipywidgets"),
@@ -73,6 +83,8 @@ def report() -> str:
         ("FP8 (Ada/Hopper+)", "yes" if f["fp8_tensor_cores"] else "no"),
         ("flash-attn", f["flash_attn"] or "not installed (optional: pip install -e .[gpu] on a CUDA machine)"),
         ("triton", f"{f['triton']}" + (" (interpreter mode: TRITON_INTERPRET=1)" if f["triton_interpret"] else "")),
+        ("attention (auto)", {"flash_attn": "flash-attn", "triton": "Triton FlashAttention kernels (megalab/kernels)",
+                              "sdpa": "PyTorch SDPA (Triton kernels selectable by name: interpreter, slow)"}[f["attention_auto"]]),
         ("jupyterlab", f["jupyterlab"]),
         ("nbval", f["nbval"]),
         ("ipywidgets", f["ipywidgets"]),

@@ -9,7 +9,8 @@
 np query heads, ng key/value groups (num_query_groups; ng = np is MHA, ng < np is GQA, ng = 1
 MQA), hn = kv_channels. Megatron: Attention/SelfAttention (megatron/core/transformer/attention.py)
 and DotProductAttention (dot_product_attention.py), whose "unfused" math is written out below;
-the fast path is PyTorch's fused F.scaled_dot_product_attention.
+the fused paths (PyTorch's F.scaled_dot_product_attention, our Triton FlashAttention, flash-attn,
+or "auto") are in megalab/kernels.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megalab.config import TransformerConfig
+from megalab.kernels import attention as fused_attention
 from megalab.model.embeddings import apply_rotary_pos_emb
 from megalab.model.layers import init_method_normal, scaled_init_method_normal
 from megalab.model.recompute import checkpoint
@@ -44,9 +46,9 @@ class CoreAttention(nn.Module):
             key = key.repeat_interleave(np_ // key.shape[2], dim=2)
             value = value.repeat_interleave(np_ // value.shape[2], dim=2)
         dropout_p = self.attention_dropout if self.training else 0.0
-        if self.backend == "sdpa":
+        if self.backend != "unfused":  # sdpa, triton, flash_attn or auto (megalab/kernels picks)
             q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, np, s, hn]
-            context = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
+            context = fused_attention(q, k, v, self.backend, dropout_p=dropout_p, causal=True)
             return context.permute(2, 0, 1, 3).reshape(s, b, np_ * hn)
         return self.unfused_attention(query, key, value, dropout_p)
 

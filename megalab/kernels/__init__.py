@@ -1,0 +1,69 @@
+"""Hand-written kernels (Triton).
+
+Triton compiles `@triton.jit` kernels for a GPU. Without one, `TRITON_INTERPRET=1` runs the same
+kernels on CPU tensors with NumPy (slow, but exact in fp32), and that variable is read when triton
+decorates a kernel, so it must be set before `triton` is imported. This package does it for you:
+on a machine without CUDA, if triton is not imported yet, importing `megalab.kernels` sets
+`TRITON_INTERPRET=1` (an explicit value you set yourself is kept). `INTERPRET` says which mode
+the kernels run in.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+
+if not torch.cuda.is_available() and "triton" not in sys.modules:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+# Backends of CoreAttention (config.attention_backend) that dispatch here; "unfused" stays in the model.
+FUSED_BACKENDS = ("sdpa", "triton", "flash_attn", "auto")
+
+
+def flash_attn_available() -> bool:
+    """Tri Dao's flash-attn package is importable (it only installs on a CUDA machine)."""
+    import importlib.util
+
+    return importlib.util.find_spec("flash_attn") is not None
+
+
+def resolve_attention_backend(requested: str, device: torch.device, dtype: torch.dtype = torch.float32,
+                              dropout_p: float = 0.0) -> str:
+    """The backend `requested` runs as on `device`: "auto" picks the fastest that supports the call.
+
+    auto: flash-attn (CUDA, fp16/bf16) > Triton kernels (CUDA, no dropout) > PyTorch SDPA. On CPU auto
+    is SDPA: the Triton interpreter is exact but far too slow for a model; ask for "triton" by name.
+    """
+    if requested not in FUSED_BACKENDS:
+        raise ValueError(f"attention backend must be one of {FUSED_BACKENDS}, got {requested!r}")
+    cuda = torch.device(device).type == "cuda"
+    if requested == "auto":
+        if cuda and flash_attn_available() and dtype in (torch.float16, torch.bfloat16):
+            return "flash_attn"
+        return "triton" if cuda and dropout_p == 0.0 else "sdpa"
+    if requested == "flash_attn" and not (cuda and flash_attn_available()):
+        raise ValueError('attention_backend="flash_attn" needs a CUDA GPU and `pip install flash-attn`; '
+                         'use "auto" to fall back to Triton or SDPA')
+    if requested == "triton" and dropout_p > 0.0:
+        raise ValueError('the Triton kernels have no attention dropout: set attention_dropout=0.0 or use "auto"/"sdpa"')
+    return requested
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: str = "auto",
+              dropout_p: float = 0.0, causal: bool = True) -> torch.Tensor:
+    """Attention on [b, h, s, d] tensors through the chosen backend (see resolve_attention_backend)."""
+    backend = resolve_attention_backend(backend, q.device, q.dtype, dropout_p)
+    if backend == "triton":
+        from megalab.kernels.flash_attention import flash_attention
+
+        return flash_attention(q, k, v, causal=causal)
+    if backend == "flash_attn":
+        from flash_attn import flash_attn_func
+
+        out = flash_attn_func(*(t.transpose(1, 2) for t in (q, k, v)), dropout_p=dropout_p, causal=causal)  # [b, s, h, d]
+        return out.transpose(1, 2)
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=causal)

@@ -1,0 +1,240 @@
+"""FlashAttention in Triton: exact attention without ever storing the [s, s] score matrix.
+
+One program owns a BLOCK_M tile of queries and walks over the keys in BLOCK_N tiles, keeping a
+running max m, a running denominator l and an unnormalized output acc ("online softmax"):
+
+          keys ─────────────────────────────>
+        ┌──────┬──────┬──────┬──────┐
+  q tile│ S_0  │ S_1  │ S_2  │ (skip│   S_j = q k_j^T * scale           [BLOCK_M, BLOCK_N]
+        │      │      │  ◣   │causal│   m'  = max(m, rowmax(S_j))
+        └──────┴──────┴──────┴──────┘   acc = acc * e^(m - m') + e^(S_j - m') v_j
+                                        l   = l   * e^(m - m') + rowsum(e^(S_j - m'))
+  out = acc / l,  and the row's log-sum-exp L = m + log l is kept for the backward.
+
+The backward recomputes P = e^(S - L) tile by tile instead of loading it (Dao, FlashAttention-2):
+    dV = P^T dO      dP = dO V^T      dS = P * (dP - delta),  delta = rowsum(dO * O)
+    dQ = scale * dS K                 dK = scale * dS^T Q
+one kernel per key tile accumulates dK, dV over the query tiles; one per query tile accumulates dQ.
+Causal programs skip the tiles above the diagonal: about half the work.
+
+Tensors are [b, h, s, d] (like F.scaled_dot_product_attention). The kernels use plain pointer
+arithmetic (`tl.make_block_ptr` is gone in triton 3.9). Megatron-LM does not write its own
+attention kernel: `TEDotProductAttention` (megatron/core/extensions/transformer_engine.py) calls
+Transformer Engine, which dispatches to cuDNN's or Tri Dao's flash-attn kernels.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+import triton  # the package megalab.kernels, imported first, has chosen the interpreter mode
+import triton.language as tl
+
+from megalab.kernels import INTERPRET
+
+
+@triton.jit
+def _fwd_kernel(Q, K, V, Out, L, scale, seqlen, stride_bh, stride_s,
+                CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_D: tl.constexpr):
+    start_m = tl.program_id(0) * BLOCK_M
+    bh = tl.program_id(1)
+    rows = start_m + tl.arange(0, BLOCK_M)  # query positions of this tile
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_D)
+    base = bh * stride_bh
+    q = tl.load(Q + base + rows[:, None] * stride_s + offs_d[None, :], mask=rows[:, None] < seqlen, other=0.0)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_D], tl.float32)
+    hi = tl.minimum(start_m + BLOCK_M, seqlen) if CAUSAL else seqlen
+    for start_n in range(0, hi, BLOCK_N):
+        cols = start_n + offs_n
+        kv_off = base + cols[:, None] * stride_s + offs_d[None, :]
+        k = tl.load(K + kv_off, mask=cols[:, None] < seqlen, other=0.0)  # [BLOCK_N, D]
+        v = tl.load(V + kv_off, mask=cols[:, None] < seqlen, other=0.0)
+        s = tl.dot(q, tl.trans(k)) * scale  # [BLOCK_M, BLOCK_N]
+        valid = cols[None, :] < seqlen
+        if CAUSAL:
+            valid = valid & (rows[:, None] >= cols[None, :])
+        s = tl.where(valid, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp(m_i - m_new)  # rescales what was accumulated under the old max
+        p = tl.exp(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+    acc = acc / l_i[:, None]
+    tl.store(Out + base + rows[:, None] * stride_s + offs_d[None, :], acc.to(Out.dtype.element_ty), mask=rows[:, None] < seqlen)
+    tl.store(L + bh * seqlen + rows, m_i + tl.log(l_i), mask=rows < seqlen)
+
+
+@triton.jit
+def _bwd_preprocess(Out, DO, Delta, seqlen, stride_bh, stride_s, BLOCK_M: tl.constexpr, HEAD_D: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    bh = tl.program_id(1)
+    off = bh * stride_bh + rows[:, None] * stride_s + tl.arange(0, HEAD_D)[None, :]
+    o = tl.load(Out + off, mask=rows[:, None] < seqlen, other=0.0).to(tl.float32)
+    do = tl.load(DO + off, mask=rows[:, None] < seqlen, other=0.0).to(tl.float32)
+    tl.store(Delta + bh * seqlen + rows, tl.sum(o * do, 1), mask=rows < seqlen)  # delta = rowsum(dO * O)
+
+
+@triton.jit
+def _bwd_dkdv_kernel(Q, K, V, DO, L, Delta, DK, DV, scale, seqlen, stride_bh, stride_s,
+                     CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_D: tl.constexpr):
+    start_n = tl.program_id(0) * BLOCK_N
+    bh = tl.program_id(1)
+    cols = start_n + tl.arange(0, BLOCK_N)  # key positions of this tile
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_D)
+    base = bh * stride_bh
+    kv_off = base + cols[:, None] * stride_s + offs_d[None, :]
+    k = tl.load(K + kv_off, mask=cols[:, None] < seqlen, other=0.0)
+    v = tl.load(V + kv_off, mask=cols[:, None] < seqlen, other=0.0)
+    dk = tl.zeros([BLOCK_N, HEAD_D], tl.float32)
+    dv = tl.zeros([BLOCK_N, HEAD_D], tl.float32)
+    lo = (start_n // BLOCK_M) * BLOCK_M if CAUSAL else 0  # earlier queries never see these keys
+    for start_m in range(lo, seqlen, BLOCK_M):
+        rows = start_m + offs_m
+        q_off = base + rows[:, None] * stride_s + offs_d[None, :]
+        q = tl.load(Q + q_off, mask=rows[:, None] < seqlen, other=0.0)
+        do = tl.load(DO + q_off, mask=rows[:, None] < seqlen, other=0.0)
+        lse = tl.load(L + bh * seqlen + rows, mask=rows < seqlen, other=0.0)
+        delta = tl.load(Delta + bh * seqlen + rows, mask=rows < seqlen, other=0.0)
+        s = tl.dot(q, tl.trans(k)) * scale  # [BLOCK_M, BLOCK_N]
+        valid = (rows[:, None] < seqlen) & (cols[None, :] < seqlen)
+        if CAUSAL:
+            valid = valid & (rows[:, None] >= cols[None, :])
+        p = tl.where(valid, tl.exp(s - lse[:, None]), 0.0)  # the forward's probabilities, recomputed
+        dv += tl.dot(tl.trans(p.to(do.dtype)), do)
+        dp = tl.dot(do, tl.trans(v))
+        ds = p * (dp - delta[:, None])
+        dk += tl.dot(tl.trans(ds.to(q.dtype)), q)
+    tl.store(DK + kv_off, (dk * scale).to(DK.dtype.element_ty), mask=cols[:, None] < seqlen)
+    tl.store(DV + kv_off, dv.to(DV.dtype.element_ty), mask=cols[:, None] < seqlen)
+
+
+@triton.jit
+def _bwd_dq_kernel(Q, K, V, DO, L, Delta, DQ, scale, seqlen, stride_bh, stride_s,
+                   CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_D: tl.constexpr):
+    start_m = tl.program_id(0) * BLOCK_M
+    bh = tl.program_id(1)
+    rows = start_m + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_D)
+    base = bh * stride_bh
+    q_off = base + rows[:, None] * stride_s + offs_d[None, :]
+    q = tl.load(Q + q_off, mask=rows[:, None] < seqlen, other=0.0)
+    do = tl.load(DO + q_off, mask=rows[:, None] < seqlen, other=0.0)
+    lse = tl.load(L + bh * seqlen + rows, mask=rows < seqlen, other=0.0)
+    delta = tl.load(Delta + bh * seqlen + rows, mask=rows < seqlen, other=0.0)
+    dq = tl.zeros([BLOCK_M, HEAD_D], tl.float32)
+    hi = tl.minimum(start_m + BLOCK_M, seqlen) if CAUSAL else seqlen
+    for start_n in range(0, hi, BLOCK_N):
+        cols = start_n + offs_n
+        kv_off = base + cols[:, None] * stride_s + offs_d[None, :]
+        k = tl.load(K + kv_off, mask=cols[:, None] < seqlen, other=0.0)
+        v = tl.load(V + kv_off, mask=cols[:, None] < seqlen, other=0.0)
+        s = tl.dot(q, tl.trans(k)) * scale
+        valid = (rows[:, None] < seqlen) & (cols[None, :] < seqlen)
+        if CAUSAL:
+            valid = valid & (rows[:, None] >= cols[None, :])
+        p = tl.where(valid, tl.exp(s - lse[:, None]), 0.0)
+        ds = p * (tl.dot(do, tl.trans(v)) - delta[:, None])
+        dq += tl.dot(ds.to(k.dtype), k)
+    tl.store(DQ + q_off, (dq * scale).to(DQ.dtype.element_ty), mask=rows[:, None] < seqlen)
+
+
+def _blocks(seqlen: int) -> tuple[int, int]:
+    """Tile sizes: 64 x 64 on a GPU; in the interpreter the smallest tile that covers short sequences."""
+    block = 64 if not INTERPRET else max(16, min(64, triton.next_power_of_2(seqlen)))
+    return block, block
+
+
+class FlashAttentionFunction(torch.autograd.Function):
+    """Triton forward and backward; saves q, k, v, o and the log-sum-exp L [b*h, s], never P."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, causal: bool, scale: float):
+        b, h, s, d = q.shape  # d is a power of two >= 16 (flash_attention pads it)
+        q, k, v = (t.contiguous() for t in (q, k, v))
+        o = torch.empty_like(q)
+        lse = torch.empty(b * h, s, device=q.device, dtype=torch.float32)
+        block_m, block_n = _blocks(s)
+        grid = (triton.cdiv(s, block_m), b * h)
+        _fwd_kernel[grid](q, k, v, o, lse, scale, s, s * d, d,
+                          CAUSAL=causal, BLOCK_M=block_m, BLOCK_N=block_n, HEAD_D=d)
+        ctx.save_for_backward(q, k, v, o, lse)
+        ctx.causal, ctx.scale = causal, scale
+        return o
+
+    @staticmethod
+    def backward(ctx, do):
+        q, k, v, o, lse = ctx.saved_tensors
+        b, h, s, d = q.shape
+        do = do.contiguous()
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        delta = torch.empty_like(lse)
+        block_m, block_n = _blocks(s)
+        _bwd_preprocess[(triton.cdiv(s, block_m), b * h)](o, do, delta, s, s * d, d, BLOCK_M=block_m, HEAD_D=d)
+        meta = dict(CAUSAL=ctx.causal, BLOCK_M=block_m, BLOCK_N=block_n, HEAD_D=d)
+        _bwd_dkdv_kernel[(triton.cdiv(s, block_n), b * h)](q, k, v, do, lse, delta, dk, dv, ctx.scale, s, s * d, d, **meta)
+        _bwd_dq_kernel[(triton.cdiv(s, block_m), b * h)](q, k, v, do, lse, delta, dq, ctx.scale, s, s * d, d, **meta)
+        return dq, dk, dv, None, None
+
+
+def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
+                    scale: float | None = None) -> torch.Tensor:
+    """softmax(q k^T * scale [+ causal mask]) v with the Triton kernels; q, k, v [b, h, s, d], same shape.
+
+    Any head dim works: d is zero-padded to a power of two >= 16 (tl.dot's smallest tile), which
+    leaves q k^T unchanged. In the interpreter the kernels compute in fp32 (`tl.dot` on bf16 is
+    wrong there); the output has the input's dtype.
+    """
+    if not (q.shape == k.shape == v.shape and q.dim() == 4):
+        raise ValueError(f"q, k, v must all be [b, h, s, d] with the same shape, got {tuple(q.shape)}, "
+                         f"{tuple(k.shape)}, {tuple(v.shape)} (repeat k/v heads for GQA first)")
+    if q.device.type != ("cpu" if INTERPRET else "cuda"):
+        raise ValueError(f"tensors are on {q.device}, but triton runs {'in the interpreter (CPU)' if INTERPRET else 'on CUDA'}:"
+                         " move them there (for CPU, TRITON_INTERPRET=1 must be set before triton is first imported)")
+    d = q.shape[-1]
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    dtype = q.dtype
+    if INTERPRET:
+        q, k, v = q.float(), k.float(), v.float()
+    d_pad = max(16, triton.next_power_of_2(d))
+    if d_pad != d:
+        q, k, v = (F.pad(t, (0, d_pad - d)) for t in (q, k, v))
+    out = FlashAttentionFunction.apply(q, k, v, causal, scale)
+    return out[..., :d].to(dtype)
+
+
+def online_softmax_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
+                             block_n: int = 16) -> torch.Tensor:
+    """The forward kernel's algorithm in plain PyTorch: keys in tiles of block_n, online softmax.
+
+    q, k, v [b, h, s, d] -> [b, h, s, d]. Never builds more than an [s, block_n] slice of scores.
+    """
+    s, d = q.shape[-2], q.shape[-1]
+    scale = 1.0 / math.sqrt(d)
+    rows = torch.arange(s, device=q.device)[:, None]  # [s, 1] query positions
+    # EXERCISE kernels.online_softmax: loop over key tiles keeping running max m, denominator l, output acc
+    ### BEGIN SOLUTION
+    m = torch.full(q.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)  # [b, h, s]
+    l = torch.zeros_like(m)  # noqa: E741
+    acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)  # [b, h, s, d]
+    for start in range(0, s, block_n):
+        cols = torch.arange(start, min(start + block_n, s), device=q.device)[None, :]  # [1, n]
+        scores = (q.float() @ k[..., start:start + block_n, :].float().transpose(-1, -2)) * scale  # [b, h, s, n]
+        if causal:
+            scores = scores.masked_fill(cols > rows, float("-inf"))
+        m_new = torch.maximum(m, scores.amax(-1))
+        alpha = torch.exp(m - m_new)  # 0 where m was -inf (nothing accumulated yet)
+        p = torch.exp(scores - m_new[..., None])  # [b, h, s, n]
+        l = l * alpha + p.sum(-1)  # noqa: E741
+        acc = acc * alpha[..., None] + p @ v[..., start:start + block_n, :].float()
+        m = m_new
+    out = acc / l[..., None]
+    ### END SOLUTION
+    return out.to(q.dtype)

@@ -1,0 +1,130 @@
+"""FlashAttention in Triton (megalab/kernels) vs PyTorch's scaled_dot_product_attention.
+
+Without CUDA, importing megalab.kernels switches triton to its interpreter (TRITON_INTERPRET=1)
+before triton is imported, so these tests run the very same kernels on CPU in fp32 on small shapes.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from megalab.config import TransformerConfig
+from megalab.kernels import INTERPRET, attention, resolve_attention_backend
+from megalab.kernels.flash_attention import flash_attention, online_softmax_attention
+from megalab.model.attention import CoreAttention
+
+DEVICE = "cpu" if INTERPRET else "cuda"
+# (b, h, s, d): a sequence that is not a multiple of the tile, a head dim below tl.dot's 16, several tiles
+SHAPES = [(1, 2, 37, 8), (2, 1, 48, 16), (1, 1, 80, 32)]
+
+
+def _qkv(shape, dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(shape, generator=g).to(DEVICE, dtype).requires_grad_() for _ in range(3)]
+
+
+def _grads(fn, q, k, v, dout):
+    out = fn(q, k, v)
+    dq, dk, dv = torch.autograd.grad(out, (q, k, v), dout)
+    return out, dq, dk, dv
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_triton_flash_attention_matches_sdpa_values_and_gradients(shape, causal):
+    q, k, v = _qkv(shape)
+    dout = torch.randn(shape, generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    ours = _grads(lambda *t: flash_attention(*t, causal=causal), q, k, v, dout)
+    ref = _grads(lambda *t: F.scaled_dot_product_attention(*t, is_causal=causal), q, k, v, dout)
+    for name, a, b in zip(("out", "dq", "dk", "dv"), ours, ref):
+        torch.testing.assert_close(a, b, atol=2e-5, rtol=1e-4, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def test_causal_is_not_full_attention():
+    q, k, v = _qkv(SHAPES[0])
+    assert not torch.allclose(flash_attention(q, k, v, causal=True), flash_attention(q, k, v, causal=False), atol=1e-3)
+
+
+@pytest.mark.exercise("kernels.online_softmax")
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_online_softmax_attention_matches_sdpa(causal):
+    q, k, v = (t.detach().cpu() for t in _qkv((2, 3, 45, 8), seed=2))
+    ref = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    for block_n in (1, 16, 64):  # one key at a time, several tiles with a ragged last one, a single tile
+        torch.testing.assert_close(online_softmax_attention(q, k, v, causal, block_n=block_n), ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.exercise("kernels.online_softmax")
+def test_online_softmax_is_stable_for_large_scores():
+    q, k, v = (t.detach().cpu() for t in _qkv((1, 1, 20, 8), seed=3))
+    q = q * 200  # scores of order 1e3: a naive exp overflows to inf
+    out = online_softmax_attention(q, k, v, causal=True, block_n=4)
+    torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v, is_causal=True), atol=1e-5, rtol=1e-5)
+
+
+def test_bad_input_says_what_to_do():
+    q, k, v = _qkv((1, 4, 16, 16))
+    with pytest.raises(ValueError, match="repeat k/v heads"):
+        flash_attention(q, k[:, :2], v[:, :2])
+    with pytest.raises(ValueError, match="attention_dropout=0.0"):
+        attention(q, k, v, "triton", dropout_p=0.1)
+    with pytest.raises(ValueError, match="must be one of"):
+        attention(q, k, v, "flash")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="needs a CUDA GPU"):
+            attention(q, k, v, "flash_attn")
+        with pytest.raises(ValueError, match="move them there"):
+            flash_attention(*(t.to("meta") for t in (q, k, v)))
+
+
+def test_auto_backend_selection():
+    assert resolve_attention_backend("auto", torch.device("cpu")) == "sdpa"  # the interpreter is too slow for a model
+    assert resolve_attention_backend("triton", torch.device("cpu")) == "triton"  # ... but selectable by name
+    assert resolve_attention_backend("auto", torch.device("cuda"), torch.float32, dropout_p=0.1) == "sdpa"
+    assert resolve_attention_backend("auto", torch.device("cuda"), torch.float32) == "triton"
+
+
+def test_core_attention_triton_backend_matches_sdpa_backend():
+    cfg = dict(num_layers=1, hidden_size=32, num_attention_heads=4, num_query_groups=2, vocab_size=64,
+               seq_length=24, attention_dropout=0.0)
+    g = torch.Generator().manual_seed(4)
+    q = torch.randn(24, 2, 4, 8, generator=g).to(DEVICE)  # [s, b, np, hn]
+    k, v = (torch.randn(24, 2, 2, 8, generator=g).to(DEVICE) for _ in range(2))  # GQA: 2 groups
+    outs = {b: CoreAttention(TransformerConfig(**cfg, attention_backend=b))(q, k, v) for b in ("sdpa", "triton", "auto")}
+    torch.testing.assert_close(outs["triton"], outs["sdpa"], atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(outs["auto"], outs["sdpa"], atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_compiled_kernels_half_precision_on_gpu(dtype):
+    shape = (2, 4, 1000, 64)
+    q, k, v = _qkv(shape, dtype)
+    dout = torch.randn(shape, device="cuda", dtype=dtype)
+    ours = _grads(lambda *t: flash_attention(*t, causal=True), q, k, v, dout)
+    ref = _grads(lambda *t: F.scaled_dot_product_attention(*t, is_causal=True), q, k, v, dout)
+    for a, b in zip(ours, ref):
+        torch.testing.assert_close(a, b, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.gpu
+def test_triton_matches_flash_attn_on_gpu():
+    flash_attn = pytest.importorskip("flash_attn")
+    shape = (2, 4, 512, 64)
+    q, k, v = _qkv(shape, torch.bfloat16)
+    dout = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
+    theirs = _grads(lambda *t: flash_attn.flash_attn_func(*(x.transpose(1, 2) for x in t), causal=True).transpose(1, 2),
+                    q, k, v, dout)
+    ours = _grads(lambda *t: flash_attention(*t, causal=True), q, k, v, dout)
+    for a, b in zip(ours, theirs):
+        torch.testing.assert_close(a, b, atol=2e-2, rtol=2e-2)
+    assert resolve_attention_backend("auto", q.device, torch.bfloat16) == "flash_attn"
+
+
+def test_doctor_reports_the_auto_attention_backend():
+    from megalab.doctor import facts, report
+
+    expected = resolve_attention_backend("auto", torch.device("cuda" if torch.cuda.is_available() else "cpu"), torch.bfloat16)
+    assert facts()["attention_auto"] == expected
+    line = next(ln for ln in report().splitlines() if ln.startswith("attention (auto)"))
+    assert {"sdpa": "SDPA", "triton": "Triton", "flash_attn": "flash-attn"}[expected] in line
