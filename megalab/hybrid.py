@@ -7,6 +7,8 @@ Each rank builds the same model from the same seed, keeps its part and runs one 
                   ─ pp: build_gpt_stages, forward_backward_pipelining (1F1B over micro-batches)
                   ─ dp: its slice of the global batch; DistributedDataParallel averages the grads over
                         the dp-cp group (ZeRO 1-3 with DistributedOptimizer when pp = tp = 1)
+                  ─ ep: MoE layers (megalab/moe.py): experts split over the EP group, their grads averaged
+                        over expert-DP and the rest over DP (finalize_moe_grads)
                   ─ sp: norms' grads summed over tp (allreduce_sequence_parallel_grads)
 
 and the step must equal the single-process one: the same loss (the mean over every token of the
@@ -17,6 +19,7 @@ train_step, which run exactly these pieces for every layout.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 import torch
@@ -30,6 +33,7 @@ from megalab.config import TransformerConfig
 from megalab.context_parallel import ContextParallelGPTModel, get_batch_on_this_cp_rank
 from megalab.data_parallel import DistributedDataParallel, DistributedOptimizer
 from megalab.model.gpt import GPTModel
+from megalab.moe import MoEAuxLossAutoScaler, finalize_moe_grads
 from megalab.pipeline_parallel import allreduce_word_embedding_grads, build_gpt_stages, forward_backward_pipelining
 
 
@@ -99,6 +103,10 @@ def train_step(config: TransformerConfig, state: ps.ParallelState, batch_size: i
                          "so the step could not equal the single-process one")
     if zero_stage and (pp > 1 or state.get_tensor_model_parallel_world_size() > 1):
         raise ValueError("this step runs ZeRO (zero_stage > 0) on pure data parallelism only (tp = pp = 1)")
+    moe = config.num_moe_experts is not None
+    if moe and (pp > 1 or zero_stage or config.moe_grouped_gemm):
+        raise ValueError("MoE layouts here combine tp, cp, ep and dp (no pp, no ZeRO) with the loop of expert "
+                         "MLPs (moe_grouped_gemm=False), so each expert maps to its single-process twin")
     ids, labels = global_batch(config, batch_size)
     # EXERCISE hybrid.train_step: this rank's slice of the batch, micro-batches through the stages (pipelined if pp > 1), grads averaged over dp-cp, one optimizer step
     ### BEGIN SOLUTION
@@ -106,10 +114,14 @@ def train_step(config: TransformerConfig, state: ps.ParallelState, batch_size: i
     local = slice(dp_rank * batch_size // dp, (dp_rank + 1) * batch_size // dp)
     mine = get_batch_on_this_cp_rank({"ids": ids[local], "labels": labels[local]}, cp, cp_rank)  # zigzag chunks
     inputs, targets = mine["ids"].chunk(num_microbatches), mine["labels"].chunk(num_microbatches)
-    ddp = DistributedDataParallel(nn.ModuleList(stages), group=dp_group, zero_stage=zero_stage,
-                                  overlap_grad_reduce=False)  # reduce once, after the last micro-batch
-    opt = (DistributedOptimizer(ddp, optimizer_cls, lr=lr) if zero_stage
-           else optimizer_cls(ddp.parameters(), lr=lr))
+    local = nn.ModuleList(stages)  # this rank's parameters
+    if moe:  # experts reduce over expert-DP, the rest over DP (finalize_moe_grads): no DP wrapper
+        ddp, opt = None, optimizer_cls(local.parameters(), lr=lr)
+        MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(1 / num_microbatches))  # the aux losses' share of the mean
+    else:
+        ddp = DistributedDataParallel(local, group=dp_group, zero_stage=zero_stage,
+                                      overlap_grad_reduce=False)  # reduce once, after the last micro-batch
+        opt = DistributedOptimizer(ddp, optimizer_cls, lr=lr) if zero_stage else optimizer_cls(ddp.parameters(), lr=lr)
     loss_func = lambda logits, y: _local_loss(logits, y, tp_group)
     if pp > 1:
         s, b, h = config.seq_length // cp, inputs[0].shape[0], config.hidden_size
@@ -123,10 +135,13 @@ def train_step(config: TransformerConfig, state: ps.ParallelState, batch_size: i
             loss = loss_func(stages[0](x), y)
             (loss / num_microbatches).backward()
             losses.append(loss.item())
-    ddp.finish_grad_sync()
+    if moe:
+        finalize_moe_grads(model, state)  # SP grads over tp, experts over edp, the rest over dp-cp
+    else:
+        ddp.finish_grad_sync()
     if pp > 1 and state.is_rank_in_embedding_group():  # tied: first and last stage each hold the word embeddings
         allreduce_word_embedding_grads(model, state.get_embedding_group())
-    if config.sequence_parallel:
+    if config.sequence_parallel and not moe:
         tp.allreduce_sequence_parallel_grads(model, tp_group)
     opt.step()
     ### END SOLUTION
@@ -135,18 +150,23 @@ def train_step(config: TransformerConfig, state: ps.ParallelState, batch_size: i
     dist.all_reduce(loss, group=dp_group)  # the mean over dp-cp of equal-sized local means
     dist.broadcast(loss, state.get_pipeline_model_parallel_last_rank(), group=state.get_pipeline_model_parallel_group())
     reference, reference_loss = single_process_step(config, ids, labels, num_microbatches * dp, optimizer_cls, lr, seed)
-    full = ddp.full_parameters() if zero_stage == 3 else dict(ddp.module.named_parameters())
+    full = ddp.full_parameters() if zero_stage == 3 else dict(local.named_parameters())
+    first_expert = state.get_expert_model_parallel_rank() * (config.num_moe_experts or 0) // (
+        state.get_expert_model_parallel_world_size())
     worst = 0.0
     for name, param in full.items():  # "<stage>.<name in the stage>"
         chunk, _, stage_name = name.partition(".")
-        ref = reference[_model_name(stage_name, stages, int(chunk))]
+        ref = reference[_model_name(stage_name, stages, int(chunk), first_expert)]
         stride = 2 if config.gated_linear_unit and "linear_fc1" in name else 1
         worst = max(worst, (param.detach() - full_shard_of(ref, param, tp_rank, stride)).abs().max().item())
     return StepResult(loss.item() / (dp * cp), reference_loss, worst, sum(p.numel() for p in full.values()))
 
 
-def _model_name(stage_name: str, stages: list[nn.Module], chunk: int) -> str:
-    """A stage's parameter name -> the GPTModel's (stage "layers.0" is decoder layer start + 0)."""
+def _model_name(stage_name: str, stages: list[nn.Module], chunk: int, first_expert: int = 0) -> str:
+    """A stage's parameter name -> the GPTModel's (stage "layers.0" is decoder layer start + 0;
+    local expert i of this EP rank is expert first_expert + i)."""
+    stage_name = re.sub(r"local_experts\.(\d+)\.", lambda m: f"local_experts.{first_expert + int(m.group(1))}.",
+                        stage_name)
     head, _, rest = stage_name.partition(".")
     if head == "layers":
         index, _, rest = rest.partition(".")
@@ -163,13 +183,16 @@ def single_process_step(config: TransformerConfig, ids: torch.Tensor, labels: to
                         seed: int) -> tuple[dict[str, torch.Tensor], float]:
     """The reference: the same model on one process, the loss averaged over the same micro-batches."""
     config = TransformerConfig(**{**vars(config), "sequence_parallel": False})
-    torch.manual_seed(seed)
-    model = GPTModel(config)
-    optimizer = optimizer_cls(model.parameters(), lr=lr)
-    total = 0.0
-    for x, y in zip(ids.chunk(num_microbatches), labels.chunk(num_microbatches)):
-        loss = F.cross_entropy(model(x).float().flatten(0, 1), y.flatten()) / num_microbatches
-        loss.backward()
-        total += loss.item()
-    optimizer.step()
+    with ps.no_model_parallel():  # no groups: MoE layers hold every expert
+        torch.manual_seed(seed)
+        model = GPTModel(config)
+        optimizer = optimizer_cls(model.parameters(), lr=lr)
+        if config.num_moe_experts is not None:
+            MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(1 / num_microbatches))
+        total = 0.0
+        for x, y in zip(ids.chunk(num_microbatches), labels.chunk(num_microbatches)):
+            loss = F.cross_entropy(model(x).float().flatten(0, 1), y.flatten()) / num_microbatches
+            loss.backward()
+            total += loss.item()
+        optimizer.step()
     return {name: p.detach() for name, p in model.named_parameters()}, total

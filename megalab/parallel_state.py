@@ -25,6 +25,8 @@ one, with the names Megatron-LM uses in megatron/core/parallel_state.py.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch.distributed as dist
@@ -417,6 +419,18 @@ def destroy_model_parallel() -> None:
     """Forget the current state (its groups are released when no layer holds them)."""
     global _STATE
     _STATE = None
+
+
+@contextmanager
+def no_model_parallel() -> Iterator[None]:
+    """Inside, no state is current: build and run a model as on one process (the single-process
+    reference a parallel run is compared with) while this rank's groups stay alive."""
+    global _STATE
+    saved, _STATE = _STATE, None
+    try:
+        yield
+    finally:
+        _STATE = saved
 
 
 def model_parallel_is_initialized() -> bool:

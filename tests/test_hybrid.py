@@ -9,6 +9,8 @@ BASE = dict(num_layers=4, hidden_size=32, num_attention_heads=4, vocab_size=64, 
             attention_dropout=0.0)  # GPT: LayerNorm, learned positions, GeLU, tied embeddings
 LLAMA = dict(BASE, num_query_groups=2, normalization="RMSNorm", position_embedding_type="rope", activation_func="silu",
              gated_linear_unit=True, add_bias_linear=False, share_embeddings_and_output_weights=False)
+MOE = dict(LLAMA, num_moe_experts=8, moe_router_topk=2, moe_aux_loss_coeff=0.01, moe_token_dispatcher_type="alltoall",
+           sequence_parallel=True)
 LAYOUTS = {  # name: (initialize_model_parallel sizes, config, zero stage, micro-batches per dp rank)
     "tp2·pp2·dp2 gpt": (dict(tensor_model_parallel_size=2, pipeline_model_parallel_size=2), BASE, 0, 2),
     "tp2·pp2·dp2 llama sp": (dict(tensor_model_parallel_size=2, pipeline_model_parallel_size=2),
@@ -17,6 +19,8 @@ LAYOUTS = {  # name: (initialize_model_parallel sizes, config, zero stage, micro
     "pp4·dp2 gpt": (dict(pipeline_model_parallel_size=4), BASE, 0, 4),
     "tp2·cp2·dp2 llama": (dict(tensor_model_parallel_size=2, context_parallel_size=2), LLAMA, 0, 2),
     "cp2·pp2·dp2 gpt": (dict(context_parallel_size=2, pipeline_model_parallel_size=2), BASE, 0, 2),
+    "ep4 with tp2·dp4 moe": (dict(tensor_model_parallel_size=2, expert_model_parallel_size=4, expert_tensor_parallel_size=1),
+                             MOE, 0, 2),
     "dp8 zero1": (dict(), BASE, 1, 1),
     "dp8 zero3 llama": (dict(), LLAMA, 3, 1),
 }
