@@ -22,6 +22,7 @@ from torch import nn
 
 from megalab.config import TransformerConfig
 from megalab.model.embeddings import apply_rotary_pos_emb
+from megalab.model.gqa import repeat_kv
 from megalab.model.layers import init_method_normal, scaled_init_method_normal
 from megalab.model.recompute import checkpoint
 
@@ -41,8 +42,7 @@ class CoreAttention(nn.Module):
         # query [s, b, np, hn], key/value [s, b, ng, hn] -> context [s, b, np * hn]
         s, b, np_, hn = query.shape
         if key.shape[2] != np_:  # GQA: each key/value head serves np/ng query heads
-            key = key.repeat_interleave(np_ // key.shape[2], dim=2)
-            value = value.repeat_interleave(np_ // value.shape[2], dim=2)
+            key, value = repeat_kv(key, np_ // key.shape[2]), repeat_kv(value, np_ // value.shape[2])
         dropout_p = self.attention_dropout if self.training else 0.0
         if self.backend == "sdpa":
             q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, np, s, hn]
@@ -99,8 +99,9 @@ class SelfAttention(nn.Module):
         )
         query = query.reshape(s, b, ng * self.heads_per_group, self.kv_channels)  # [s, b, np, hn]
         if rotary_pos_emb is not None:
-            query = apply_rotary_pos_emb(query, rotary_pos_emb)
-            key = apply_rotary_pos_emb(key, rotary_pos_emb)
+            interleaved = self.config.rotary_interleaved
+            query = apply_rotary_pos_emb(query, rotary_pos_emb, interleaved)
+            key = apply_rotary_pos_emb(key, rotary_pos_emb, interleaved)
         if self.checkpoint_core_attention and self.training:  # selective recomputation
             context = checkpoint(self.core_attention, query, key, value)
         else:
