@@ -121,3 +121,14 @@ def zero_memory_per_device(num_parameters: float, data_parallel_size: int, stage
     }
     out["total"] = sum(out.values())
     return out
+
+
+def moe_all_to_all_bytes(num_tokens: int, topk: int, hidden_size: int, expert_parallel_size: int,
+                         bytes_per_element: int = 2) -> float:
+    """Bytes one rank sends in the all-to-alls of one MoE layer's forward (dispatch + combine),
+    with the load spread evenly: each of its T k token copies goes to a random expert, (ep-1)/ep
+    of them on another rank, h elements each, and comes back: 2 T k h (ep-1)/ep elements.
+    Backward sends the same again. (Megatron's MoEAlltoAllTokenDispatcher; DeepSpeed-MoE, Rajbhandari 2022.)
+    """
+    ep = expert_parallel_size
+    return 2 * num_tokens * topk * hidden_size * (ep - 1) / ep * bytes_per_element

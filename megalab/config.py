@@ -19,6 +19,8 @@ POSITION_EMBEDDINGS = ("learned_absolute", "rope", "none")
 RECOMPUTE_GRANULARITIES = (None, "full", "selective")
 RECOMPUTE_METHODS = (None, "uniform", "block")
 ATTENTION_BACKENDS = ("unfused", "sdpa")
+MOE_ROUTER_SCORE_FUNCTIONS = ("softmax", "sigmoid")
+MOE_TOKEN_DISPATCHER_TYPES = ("alltoall", "allgather")
 
 
 @dataclass
@@ -55,6 +57,20 @@ class TransformerConfig:
     recompute_granularity: str | None = None
     recompute_method: str | None = None
     recompute_num_layers: int | None = None
+    # mixture of experts (megalab/moe.py; Megatron's names): None experts = the dense MLP
+    num_moe_experts: int | None = None
+    moe_router_topk: int = 2
+    moe_router_score_function: str = "softmax"  # "sigmoid": DeepSeek-V3 scores, usually with the expert bias
+    moe_router_enable_expert_bias: bool = False  # aux-loss-free balancing: a per-expert bias steers the top-k
+    moe_router_bias_update_rate: float = 1e-3
+    moe_aux_loss_coeff: float = 0.0  # Switch/GShard load-balancing loss
+    moe_z_loss_coeff: float | None = None  # ST-MoE router z-loss
+    moe_expert_capacity_factor: float | None = None  # None: no token is dropped
+    moe_pad_expert_input_to_capacity: bool = False  # every expert gets exactly `capacity` tokens
+    moe_token_dispatcher_type: str = "allgather"
+    moe_ffn_hidden_size: int | None = None  # each expert's hidden size (default ffn_hidden_size)
+    moe_shared_expert_intermediate_size: int | None = None  # None: no shared expert
+    moe_grouped_gemm: bool = False  # experts as one batched matmul instead of a loop of MLPs
 
     def __post_init__(self):
         for name in ("num_layers", "hidden_size", "num_attention_heads", "vocab_size", "seq_length"):
@@ -104,6 +120,36 @@ class TransformerConfig:
                 'recompute_method and recompute_num_layers only apply to recompute_granularity="full" '
                 f"(got granularity {self.recompute_granularity!r})"
             )
+
+        if self.num_moe_experts is not None:
+            self._check_moe()
+
+    def _check_moe(self) -> None:
+        e, k = self.num_moe_experts, self.moe_router_topk
+        if not isinstance(e, int) or e < 1:
+            raise ValueError(f"num_moe_experts must be a positive integer (or None for a dense MLP), got {e!r}")
+        if not isinstance(k, int) or not 1 <= k <= e:
+            raise ValueError(f"moe_router_topk {k!r} must be in 1..num_moe_experts={e}: "
+                             "each token picks k distinct experts")
+        self._check_choice("moe_router_score_function", MOE_ROUTER_SCORE_FUNCTIONS)
+        self._check_choice("moe_token_dispatcher_type", MOE_TOKEN_DISPATCHER_TYPES)
+        if self.moe_router_enable_expert_bias and self.moe_router_score_function != "sigmoid":
+            raise ValueError('moe_router_enable_expert_bias needs moe_router_score_function="sigmoid" '
+                             "(DeepSeek-V3's aux-loss-free balancing, Megatron's rule)")
+        for name in ("moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_router_bias_update_rate"):
+            if getattr(self, name) is not None and getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        cf = self.moe_expert_capacity_factor
+        if cf is not None and cf <= 0:
+            raise ValueError(f"moe_expert_capacity_factor must be > 0 (or None for no dropping), got {cf}")
+        if self.moe_pad_expert_input_to_capacity and cf is None:
+            raise ValueError("moe_pad_expert_input_to_capacity needs moe_expert_capacity_factor (the capacity to pad to)")
+        if self.moe_ffn_hidden_size is None:
+            self.moe_ffn_hidden_size = self.ffn_hidden_size
+        for name in ("moe_ffn_hidden_size", "moe_shared_expert_intermediate_size"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
     def _check_choice(self, name: str, choices: tuple) -> None:
         if getattr(self, name) not in choices:

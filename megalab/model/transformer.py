@@ -6,6 +6,9 @@
 Megatron: TransformerLayer (megatron/core/transformer/transformer_layer.py) and
 TransformerBlock (transformer_block.py), whose final_layernorm ends the stack.
 
+With config.num_moe_experts set, the MLP is a MoELayer (megalab/moe.py), as in Megatron's
+MoE layer spec: a mixture-of-experts GPT is the same GPTModel.
+
 Recomputation (config.recompute_granularity), in training only:
     "selective"  the core attention of every layer (SelfAttention checkpoints it): the s^2 part
     "full"       whole layers; recompute_method "uniform" checkpoints every chunk of
@@ -34,7 +37,12 @@ class TransformerLayer(nn.Module):
         self.input_layernorm = build_norm(config)
         self.self_attention = SelfAttention(config, spec, layer_number)
         self.pre_mlp_layernorm = build_norm(config)
-        self.mlp = MLP(config, spec)
+        if config.num_moe_experts is None:
+            self.mlp = MLP(config, spec)
+        else:  # a mixture of experts in place of the MLP (megalab/moe.py builds on model/: import it here)
+            from megalab.moe import MoELayer
+
+            self.mlp = MoELayer(config, layer_number)
         self.hidden_dropout = config.hidden_dropout
 
     def forward(self, hidden_states: torch.Tensor, rotary_pos_emb: torch.Tensor | None = None) -> torch.Tensor:

@@ -1,0 +1,385 @@
+"""Mixture of experts against an independent reference written token by token below.
+
+The reference loops over tokens and their top-k experts with plain tensor math (no permute, no
+dispatcher, no batched experts). Single-process tests check the router, the losses, capacity and
+the layer; one 4-rank launch checks expert parallelism (EP=1, 2, 4 and EP2 x TP2 with sequence
+parallelism, both dispatchers, both expert implementations): outputs, aux/z-losses and every
+gradient equal the reference's.
+"""
+
+import math
+import traceback
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from megalab import calc, launch, moe
+from megalab import parallel_state as ps
+from megalab.config import TransformerConfig
+from megalab.model import GPTModel
+
+TOL = 1e-5
+H, FFN, E = 16, 24, 4
+BASE = dict(num_layers=1, hidden_size=H, num_attention_heads=2, vocab_size=32, seq_length=8, ffn_hidden_size=FFN,
+            hidden_dropout=0.0, attention_dropout=0.0, num_moe_experts=E, moe_router_topk=2)
+
+
+# ------------------------------------------------------------------ the independent reference
+def reference_params(num_experts=E, h=H, ffn=FFN, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return dict(router=torch.randn(num_experts, h, generator=g) * 0.5,
+                w1=torch.randn(num_experts, ffn, h, generator=g) * 0.2, b1=torch.randn(num_experts, ffn, generator=g) * 0.1,
+                w2=torch.randn(num_experts, h, ffn, generator=g) * 0.2, b2=torch.randn(num_experts, h, generator=g) * 0.1)
+
+
+def reference_moe(x, p, topk, score="softmax", expert_bias=None, capacity_factor=None):
+    """x [T, h] -> out [T, h], balance term E sum f_i P_i, z = mean logsumexp^2, counts [E] (before
+    dropping), kept set of (token, expert). Experts are served in token order; with a capacity
+    an expert serves only its first `capacity` arrivals."""
+    T, num_experts = x.shape[0], p["router"].shape[0]
+    logits = x @ p["router"].T
+    capacity = math.ceil(T * topk / num_experts * capacity_factor) if capacity_factor else T * topk
+    arrivals, kept, rows = [0] * num_experts, set(), []
+    for t in range(T):
+        if score == "softmax":
+            top_logits, experts = logits[t].topk(topk)
+            weights = torch.exp(top_logits - top_logits.max()) / torch.exp(top_logits - top_logits.max()).sum()
+        else:
+            s = torch.sigmoid(logits[t])
+            experts = (s + (expert_bias if expert_bias is not None else 0)).topk(topk).indices
+            weights = s[experts] / s[experts].sum() if topk > 1 else s[experts]
+        row = torch.zeros(x.shape[1])
+        for w, e in zip(weights, experts.tolist()):
+            arrivals[e] += 1
+            if arrivals[e] > capacity:
+                continue
+            kept.add((t, e))
+            hidden = F.gelu(p["w1"][e] @ x[t] + p["b1"][e])
+            row = row + w * (p["w2"][e] @ hidden + p["b2"][e])
+        rows.append(row)
+    counts = torch.tensor(arrivals, dtype=torch.float)
+    if score == "softmax":
+        scores = torch.softmax(logits, dim=-1)
+    else:
+        scores = torch.sigmoid(logits) / torch.sigmoid(logits).sum(-1, keepdim=True)
+    f, P = counts / (T * topk), scores.mean(0)
+    balance = num_experts * (f * P).sum()
+    z = (torch.logsumexp(logits, -1) ** 2).mean()
+    return torch.stack(rows), balance, z, counts, kept
+
+
+def load_into(layer, p, local_experts):
+    """Copy the reference weights of `local_experts` into a MoELayer (either expert implementation)."""
+    with torch.no_grad():
+        layer.router.weight.copy_(p["router"])
+        experts = layer.experts
+        for i, e in enumerate(local_experts):
+            if isinstance(experts, moe.GroupedMLP):
+                experts.weight1[i].copy_(p["w1"][e].T)
+                experts.weight2[i].copy_(p["w2"][e].T)
+                experts.bias1[i].copy_(p["b1"][e])
+                experts.bias2[i].copy_(p["b2"][e])
+            else:
+                mlp = experts.local_experts[i]
+                for name, key in (("linear_fc1.weight", "w1"), ("linear_fc1.bias", "b1"),
+                                  ("linear_fc2.weight", "w2"), ("linear_fc2.bias", "b2")):
+                    mlp.get_parameter(name).copy_(p[key][e])
+
+
+def expert_grads(layer, local_experts):
+    """The local experts' gradients in the reference's layout: {key: [L, ...]}."""
+    experts = layer.experts
+    if isinstance(experts, moe.GroupedMLP):
+        return dict(w1=experts.weight1.grad.transpose(1, 2), w2=experts.weight2.grad.transpose(1, 2),
+                    b1=experts.bias1.grad, b2=experts.bias2.grad)
+    mlps = experts.local_experts
+    return dict(w1=torch.stack([m.linear_fc1.weight.grad for m in mlps]),
+                b1=torch.stack([m.linear_fc1.bias.grad for m in mlps]),
+                w2=torch.stack([m.linear_fc2.weight.grad for m in mlps]),
+                b2=torch.stack([m.linear_fc2.bias.grad for m in mlps]))
+
+
+def _diff(a, b):
+    return float("inf") if a.shape != b.shape else (a.detach() - b.detach()).abs().max().item()
+
+
+def _tokens(seed, T=12):
+    return torch.randn(T, H, generator=torch.Generator().manual_seed(100 + seed))
+
+
+# ------------------------------------------------------------------ router, losses, capacity, permutation
+@pytest.mark.exercise("moe.topk_routing")
+@pytest.mark.parametrize("score, topk", [("softmax", 1), ("softmax", 2), ("sigmoid", 2), ("sigmoid", 1)])
+def test_topk_routing_matches_reference(score, topk):
+    x, p = _tokens(0, 16), reference_params()
+    bias = torch.tensor([0.5, -0.5, 0.0, 0.2]) if score == "sigmoid" else None
+    logits = x @ p["router"].T
+    probs, routing_map, counts = moe.topk_softmax_with_capacity(logits, topk, score_function=score, expert_bias=bias)
+    _, _, _, ref_counts, kept = reference_moe(x, p, topk, score, bias)
+    assert {(t, e) for t, e in routing_map.nonzero().tolist()} == kept
+    assert torch.equal(counts.float(), ref_counts)
+    # the weights: softmax over the chosen logits, or the chosen sigmoid scores normalized
+    chosen = logits.masked_fill(~routing_map, float("-inf"))
+    expected = (torch.softmax(chosen, -1) if score == "softmax"
+                else torch.sigmoid(logits) * routing_map / (torch.sigmoid(logits) * routing_map).sum(-1, keepdim=True))
+    if score == "sigmoid" and topk == 1:
+        expected = torch.sigmoid(logits) * routing_map
+    assert _diff(probs, expected) < TOL
+
+
+@pytest.mark.exercise("moe.load_balancing_loss")
+def test_load_balancing_loss_is_switch_formula():
+    x, p = _tokens(1, 32), reference_params()
+    logits = x @ p["router"].T
+    _, _, _, counts, _ = reference_moe(x, p, 2)
+    scores = torch.softmax(logits, -1)
+    expected = 0.01 * E * sum((counts[i] / (32 * 2)) * scores[:, i].mean() for i in range(E))
+    assert abs(moe.switch_load_balancing_loss_func(scores, counts, 32, 2, E, 0.01) - expected) < 1e-7
+    # uniform load and uniform probabilities give exactly coeff; one expert taking everything gives coeff * E
+    uniform = moe.switch_load_balancing_loss_func(torch.full((8, E), 1 / E), torch.full((E,), 4.0), 8, 2, E, 0.5)
+    collapsed = moe.switch_load_balancing_loss_func(
+        F.one_hot(torch.zeros(8, dtype=torch.long), E).float(), torch.tensor([8.0, 0, 0, 0]), 8, 1, E, 0.5)
+    assert (round(uniform.item(), 6), round(collapsed.item(), 6)) == (0.5, 0.5 * E)
+
+
+@pytest.mark.exercise("moe.capacity")
+@pytest.mark.parametrize("capacity_factor", [0.5, 1.0, 1.5])
+def test_dropped_tokens_are_exactly_those_past_capacity(capacity_factor):
+    x, p = _tokens(2, 20), reference_params()
+    p["router"][0] += 1.0  # skew the routing so that some experts overflow
+    logits = x @ p["router"].T
+    probs, routing_map, counts = moe.topk_softmax_with_capacity(logits, 2, capacity_factor)
+    _, _, _, ref_counts, kept = reference_moe(x, p, 2, capacity_factor=capacity_factor)
+    assert {(t, e) for t, e in routing_map.nonzero().tolist()} == kept
+    assert torch.equal(counts.float(), ref_counts)  # counted before dropping
+    assert bool((probs[~routing_map] == 0).all())
+    capacity = math.ceil(20 * 2 / E * capacity_factor)
+    padded_probs, padded_map, _ = moe.topk_softmax_with_capacity(logits, 2, capacity_factor, pad_to_capacity=True)
+    assert padded_map.sum(0).tolist() == [min(capacity, 20)] * E  # every expert gets exactly capacity rows
+    assert torch.equal(padded_probs, probs)  # fillers carry weight 0: the output is unchanged
+    assert bool((padded_map | ~routing_map).all()) and bool((padded_map & routing_map == routing_map).all())
+
+
+@pytest.mark.exercise("moe.permute")
+def test_permute_groups_by_expert_and_unpermute_inverts():
+    x, p = _tokens(3, 10), reference_params()
+    probs, routing_map, _ = moe.topk_softmax_with_capacity(x @ p["router"].T, 2)
+    permuted, permuted_probs, sorted_indices = moe.permute(x, routing_map, probs)
+    expected = [(e, t) for e in range(E) for t in range(10) if routing_map[t, e]]  # expert-major, token order
+    assert sorted_indices.tolist() == [t for _, t in expected]
+    assert torch.equal(permuted, x[[t for _, t in expected]])
+    assert torch.equal(permuted_probs, torch.stack([probs[t, e] for e, t in expected]))
+    restored = moe.unpermute(permuted, sorted_indices, 10, permuted_probs)
+    assert _diff(restored, x * probs.sum(-1, keepdim=True)) < TOL  # the k weights of each token sum to 1
+
+
+def test_sort_chunks_by_idxs():
+    x = torch.arange(6.0).unsqueeze(1)
+    out = moe.sort_chunks_by_idxs(x, torch.tensor([1, 2, 3]), [2, 0, 1])
+    assert out.squeeze(1).tolist() == [3.0, 4.0, 5.0, 0.0, 1.0, 2.0]
+
+
+# ------------------------------------------------------------------ the layer in one process
+LAYER_CASES = {
+    "softmax top2": dict(),
+    "top1 grouped": dict(moe_router_topk=1, moe_grouped_gemm=True),
+    "capacity 1.0": dict(moe_expert_capacity_factor=1.0),
+    "capacity padded grouped": dict(moe_expert_capacity_factor=1.0, moe_pad_expert_input_to_capacity=True,
+                                    moe_grouped_gemm=True),
+    "sigmoid + bias": dict(moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True),
+    "alltoall": dict(moe_token_dispatcher_type="alltoall"),
+}
+
+
+@pytest.mark.parametrize("case", LAYER_CASES)
+def test_moe_layer_matches_reference(case):
+    """Output, aux and z-loss values, and every gradient (aux/z-losses included through backward)."""
+    change = LAYER_CASES[case]
+    config = TransformerConfig(**{**BASE, **change}, moe_aux_loss_coeff=0.1, moe_z_loss_coeff=0.01)
+    p = reference_params()
+    torch.manual_seed(0)
+    layer = moe.MoELayer(config)
+    load_into(layer, p, range(E))
+    bias = None
+    if config.moe_router_enable_expert_bias:
+        bias = torch.tensor([0.3, -0.3, 0.1, 0.0])
+        layer.router.expert_bias.copy_(bias)
+    x = _tokens(4, 12).view(6, 2, H)
+    g = _tokens(5, 12).view(6, 2, H)
+    out = layer(x)
+    (out * g).sum().backward()
+    ref = {k: v.clone().requires_grad_() for k, v in p.items()}
+    ref_out, balance, z, counts, _ = reference_moe(x.view(12, H), ref, config.moe_router_topk,
+                                                   config.moe_router_score_function, bias,
+                                                   config.moe_expert_capacity_factor)
+    ((ref_out * g.view(12, H)).sum() + 0.1 * balance + 0.01 * z).backward()
+    tracker = moe.get_aux_losses_tracker()
+    assert _diff(out.view(12, H), ref_out) < TOL
+    assert abs(tracker["load_balancing_loss"][1] - balance) < TOL and abs(tracker["z_loss"][1] - 0.01 * z) < TOL
+    assert torch.equal(layer.router.tokens_per_expert.float(), counts)  # routing counts == independent count
+    assert _diff(layer.router.weight.grad, ref["router"].grad) < TOL
+    for key, grad in expert_grads(layer, range(E)).items():
+        assert _diff(grad, ref[key].grad) < TOL, key
+
+
+def test_shared_experts_see_every_token():
+    config = TransformerConfig(**BASE, moe_shared_expert_intermediate_size=8)
+    layer = moe.MoELayer(config)
+    x = _tokens(6, 8).view(4, 2, H)
+    routed = layer(x) - layer.shared_experts(x)
+    layer.shared_experts = None
+    assert _diff(routed, layer(x)) < TOL
+
+
+def test_expert_bias_moves_toward_balance():
+    config = TransformerConfig(**BASE, moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
+                               moe_router_bias_update_rate=0.1)
+    layer = moe.MoELayer(config)
+    layer.router.local_tokens_per_expert.copy_(torch.tensor([10.0, 2.0, 4.0, 0.0]))  # mean 4
+    moe.update_expert_bias(layer)
+    assert layer.router.expert_bias.tolist() == pytest.approx([-0.1, 0.1, 0.0, 0.1])
+    assert layer.router.local_tokens_per_expert.sum() == 0
+
+
+def test_gpt_with_moe_layers_trains_its_router_through_the_aux_loss():
+    """MoEAuxLossAutoScaler: the router's gradient with the aux loss on = without + d(coeff * balance)/dW."""
+    ids = torch.randint(0, 32, (2, 8), generator=torch.Generator().manual_seed(0))
+    grads = {}
+    for coeff in (0.0, 0.5):
+        torch.manual_seed(0)
+        model = GPTModel(TransformerConfig(**BASE, moe_aux_loss_coeff=coeff))
+        assert isinstance(model.decoder.layers[0].mlp, moe.MoELayer)
+        model(ids, labels=ids).mean().backward()
+        grads[coeff] = model.decoder.layers[0].mlp.router.weight.grad.clone()
+        balance = moe.get_aux_losses_tracker()["load_balancing_loss"][1]
+    # the balance term alone, recomputed from the same router input
+    torch.manual_seed(0)
+    model = GPTModel(TransformerConfig(**BASE))
+    layer = model.decoder.layers[0]
+    hidden = layer.pre_mlp_layernorm(layer.self_attention(layer.input_layernorm(model.embedding(ids))) +
+                                     model.embedding(ids)).reshape(16, H).detach()
+    router = layer.mlp.router
+    logits = hidden @ router.weight.T
+    counts = torch.bincount(logits.topk(2).indices.flatten(), minlength=E).float()
+    aux = 0.5 * E * ((counts / 32) * torch.softmax(logits, -1).mean(0)).sum()
+    assert abs(aux.item() - 0.5 * balance.item()) < TOL
+    aux.backward()
+    assert _diff(grads[0.5] - grads[0.0], router.weight.grad) < 1e-6
+
+
+@pytest.mark.parametrize("change, match", [
+    (dict(moe_router_topk=5), "moe_router_topk 5 must be in 1..num_moe_experts=4"),
+    (dict(moe_router_score_function="relu"), "moe_router_score_function must be one of"),
+    (dict(moe_token_dispatcher_type="deepep"), "moe_token_dispatcher_type must be one of"),
+    (dict(moe_router_enable_expert_bias=True), "needs moe_router_score_function"),
+    (dict(moe_expert_capacity_factor=0.0), "moe_expert_capacity_factor must be > 0"),
+    (dict(moe_pad_expert_input_to_capacity=True), "needs moe_expert_capacity_factor"),
+    (dict(num_moe_experts=0), "num_moe_experts must be a positive integer"),
+])
+def test_bad_moe_config_says_what_to_do(change, match):
+    with pytest.raises(ValueError, match=match):
+        TransformerConfig(**{**BASE, **change})
+
+
+# ------------------------------------------------------------------ expert parallelism on 4 ranks
+EP_CASES = {  # name: (tp, ep, config changes)
+    "ep1 alltoall": (1, 1, dict(moe_token_dispatcher_type="alltoall")),
+    "ep2 alltoall": (1, 2, dict(moe_token_dispatcher_type="alltoall")),
+    "ep2 allgather": (1, 2, dict(moe_token_dispatcher_type="allgather")),
+    "ep4 alltoall grouped": (1, 4, dict(moe_token_dispatcher_type="alltoall", moe_grouped_gemm=True)),
+    "ep4 allgather top1": (1, 4, dict(moe_token_dispatcher_type="allgather", moe_router_topk=1)),
+    "ep4 alltoall capacity": (1, 4, dict(moe_token_dispatcher_type="alltoall", moe_expert_capacity_factor=1.0)),
+    "ep4 alltoall padded": (1, 4, dict(moe_token_dispatcher_type="alltoall", moe_expert_capacity_factor=1.0,
+                                       moe_pad_expert_input_to_capacity=True)),
+    "ep2xtp2 alltoall sp": (2, 2, dict(moe_token_dispatcher_type="alltoall", sequence_parallel=True)),
+    "ep2xtp2 allgather sp": (2, 2, dict(moe_token_dispatcher_type="allgather", sequence_parallel=True)),
+}
+
+
+def _ep_case(rank, world, tp, ep, change):
+    num_experts = 8
+    state = ps.initialize_model_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=ep,
+                                         expert_tensor_parallel_size=1)
+    try:
+        config = TransformerConfig(**{**BASE, "num_moe_experts": num_experts, **change},
+                                   moe_aux_loss_coeff=0.1, moe_z_loss_coeff=0.01)
+        p = reference_params(num_experts)
+        layer = moe.MoELayer(config)
+        load_into(layer, p, layer.local_expert_indices)
+        x, g = _tokens(rank).view(6, 2, H), _tokens(50 + rank).view(6, 2, H)
+        out = layer(x)
+        (out * g).sum().backward()
+        moe.finalize_moe_grads(layer, state)
+        # the reference: every rank's tokens, the loss averaged over the data-parallel replicas
+        ref = {k: v.clone().requires_grad_() for k, v in p.items()}
+        dp = state.get_data_parallel_world_size()
+        total = 0
+        for r in range(world):
+            ref_out, balance, z, _, _ = reference_moe(_tokens(r), ref, config.moe_router_topk,
+                                                      capacity_factor=config.moe_expert_capacity_factor)
+            total = total + (ref_out * _tokens(50 + r)).sum() + 0.1 * balance + 0.01 * z
+            if r == rank:
+                mine = (ref_out, balance)
+        (total / dp).backward()
+        local = layer.local_expert_indices
+        diffs = dict(out=_diff(out.view(12, H), mine[0]),
+                     aux=abs(moe.get_aux_losses_tracker()["load_balancing_loss"][1] - mine[1]).item(),
+                     router=_diff(layer.router.weight.grad, ref["router"].grad))
+        diffs.update({k: _diff(v, ref[k].grad[local]) for k, v in expert_grads(layer, local).items()})
+        return max(diffs.values()), diffs, getattr(layer.token_dispatcher, "a2a_bytes", None)
+    finally:
+        ps.destroy_model_parallel()
+
+
+def run_ep_cases():
+    from megalab import dist as mdist
+
+    rank, world = mdist.init()
+    results = {}
+    for name, (tp, ep, change) in EP_CASES.items():
+        try:
+            results[name] = _ep_case(rank, world, tp, ep, change)
+        except Exception:
+            results[name] = (float("inf"), traceback.format_exc(limit=-3), None)
+    # experts not divisible by EP: a clear error
+    ps.initialize_model_parallel(expert_model_parallel_size=4)
+    try:
+        moe.MoELayer(TransformerConfig(**{**BASE, "num_moe_experts": 6}))
+        results["bad ep"] = "no error"
+    except ValueError as e:
+        results["bad ep"] = str(e)
+    ps.destroy_model_parallel()
+    torch.distributed.barrier()
+    return results
+
+
+@pytest.fixture(scope="module")
+def ep_results():
+    return launch.run_function(run_ep_cases, 4, launch=dict(backend="gloo", timeout=240)).returns
+
+
+@pytest.mark.exercise("moe.alltoall_dispatch")
+@pytest.mark.parametrize("case", [c for c in EP_CASES if "alltoall" in c])
+def test_expert_parallel_alltoall_matches_single_process(ep_results, case):
+    for rank in range(4):
+        worst, detail, _ = ep_results[rank][case]
+        assert worst < TOL, (rank, detail)
+
+
+@pytest.mark.exercise("moe.alltoall_dispatch")
+def test_alltoall_bytes_match_formula_when_padded_to_capacity(ep_results):
+    """Padded to capacity, every rank sends exactly capacity rows to each remote expert: 2 T k h (ep-1)/ep."""
+    expected = calc.moe_all_to_all_bytes(12, 2, H, 4, bytes_per_element=4)
+    assert [ep_results[r]["ep4 alltoall padded"][2] for r in range(4)] == [expected] * 4
+
+
+@pytest.mark.parametrize("case", [c for c in EP_CASES if "allgather" in c])
+def test_expert_parallel_allgather_matches_single_process(ep_results, case):
+    for rank in range(4):
+        worst, detail, _ = ep_results[rank][case]
+        assert worst < TOL, (rank, detail)
+
+
+def test_experts_not_divisible_by_ep_is_a_clear_error(ep_results):
+    assert "num_moe_experts 6 is not divisible by the expert-parallel size 4" in ep_results[0]["bad ep"]
