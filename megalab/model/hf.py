@@ -13,6 +13,12 @@ Our names are Megatron's; the Hugging Face (HF) LLaMA layout is the one its chec
     decoder.final_layernorm.weight                  model.norm.weight
     output_layer.weight                             lm_head.weight
 
+Mixtral (model_type "mixtral") is the same with block_sparse_moe in place of mlp:
+
+    decoder.layers.{i}.mlp.router.weight                         model.layers.{i}.block_sparse_moe.gate.weight
+    decoder.layers.{i}.mlp.experts.local_experts.{e}.linear_fc1  ...block_sparse_moe.experts.{e}.{w1 (gate), w3 (up)}
+    decoder.layers.{i}.mlp.experts.local_experts.{e}.linear_fc2  ...block_sparse_moe.experts.{e}.w2
+
 Two layouts need care. linear_qkv holds, per key/value group, its query heads then its key and
 its value ([ng, (np/ng + 2) hn, h], fuse_qkv). And HF LLaMA runs half-split ("rotate_half") RoPE,
 so its q/k rows are in that order; a model with rotary_interleaved=True gets them permuted
@@ -52,18 +58,23 @@ def split_qkv(qkv: torch.Tensor, config: TransformerConfig) -> tuple[torch.Tenso
 
 
 def config_from_hf(hf_config) -> TransformerConfig:
-    """A LlamaConfig (or its dict) -> our TransformerConfig."""
+    """A LlamaConfig / MixtralConfig (or its dict) -> our TransformerConfig."""
     c = hf_config if isinstance(hf_config, dict) else hf_config.to_dict()
-    if c.get("model_type") not in ("llama", None):
-        raise ValueError(f"model_type {c.get('model_type')!r} is not supported; this converter reads LLaMA configs")
+    if c.get("model_type") not in ("llama", "mixtral"):
+        raise ValueError(f"model_type {c.get('model_type')!r} is not supported; this converter reads llama and mixtral")
     if c.get("attention_bias") or c.get("mlp_bias"):
         raise ValueError("attention_bias/mlp_bias checkpoints are not supported (LLaMA has no biases)")
+    if c.get("sliding_window"):
+        raise ValueError(f"sliding_window={c['sliding_window']} is not supported (full causal attention only)")
     rope = c.get("rope_parameters") or {}
     if rope.get("rope_type", "default") != "default":
         raise ValueError(f"rope_type {rope['rope_type']!r} (RoPE scaling) is not supported; only 'default'")
     head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
+    moe = {}
+    if c["model_type"] == "mixtral":
+        moe = dict(num_moe_experts=c["num_local_experts"], moe_router_topk=c["num_experts_per_tok"])
     config = llama_config(
-        num_layers=c["num_hidden_layers"], hidden_size=c["hidden_size"], num_attention_heads=c["num_attention_heads"],
+        **moe, num_layers=c["num_hidden_layers"], hidden_size=c["hidden_size"], num_attention_heads=c["num_attention_heads"],
         num_query_groups=c.get("num_key_value_heads") or c["num_attention_heads"], kv_channels=head_dim,
         ffn_hidden_size=c["intermediate_size"], vocab_size=c["vocab_size"], seq_length=c["max_position_embeddings"],
         rotary_base=int(rope.get("rope_theta", c.get("rope_theta", 10000))), layernorm_epsilon=c["rms_norm_eps"],
@@ -72,8 +83,13 @@ def config_from_hf(hf_config) -> TransformerConfig:
 
 
 def hf_config_dict(config: TransformerConfig) -> dict:
-    """Our config -> the config.json of an HF LlamaForCausalLM."""
+    """Our config -> the config.json of an HF LlamaForCausalLM (MixtralForCausalLM with experts)."""
     _check_llama(config)
+    moe = {}
+    if config.num_moe_experts is not None:
+        moe = {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral",
+               "num_local_experts": config.num_moe_experts, "num_experts_per_tok": config.moe_router_topk,
+               "router_jitter_noise": 0.0, "sliding_window": None}
     return {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama",
         "vocab_size": config.vocab_size, "hidden_size": config.hidden_size,
@@ -83,17 +99,21 @@ def hf_config_dict(config: TransformerConfig) -> dict:
         "rms_norm_eps": config.layernorm_epsilon, "rope_parameters": {"rope_type": "default",
                                                                      "rope_theta": float(config.rotary_base)},
         "tie_word_embeddings": config.share_embeddings_and_output_weights,
-        "attention_bias": False, "mlp_bias": False, "torch_dtype": "float32",
+        "attention_bias": False, "mlp_bias": False, "torch_dtype": "float32", **moe,
     }
 
 
 def _check_llama(config: TransformerConfig) -> None:
     want = dict(normalization="RMSNorm", activation_func="silu", gated_linear_unit=True,
                 position_embedding_type="rope", add_bias_linear=False, rotary_percent=1.0)
+    if config.num_moe_experts is not None:  # Mixtral: softmax top-k, every expert the same size, no shared one
+        want.update(moe_router_score_function="softmax", moe_ffn_hidden_size=config.ffn_hidden_size,
+                    moe_shared_expert_intermediate_size=None, moe_grouped_gemm=False,
+                    moe_router_enable_expert_bias=False, moe_expert_capacity_factor=None)
     wrong = {k: getattr(config, k) for k, v in want.items() if getattr(config, k) != v}
     if wrong or config.add_qkv_bias:
-        raise ValueError(f"the HF LLaMA layout needs {want} and no qkv bias; this config has {wrong or 'qkv bias'} "
-                         "(build it with megalab.model.llama.llama_config)")
+        raise ValueError(f"the HF LLaMA/Mixtral layout needs {want} and no qkv bias; this config has "
+                         f"{wrong or 'qkv bias'} (build it with megalab.model.llama.llama_config or mixtral_config)")
 
 
 def to_hf_state_dict(model: GPTModel) -> dict[str, torch.Tensor]:
@@ -111,20 +131,46 @@ def to_hf_state_dict(model: GPTModel) -> dict[str, torch.Tensor]:
         if config.rotary_interleaved:
             q = interleaved_to_half_split(q, config.num_attention_heads)
             k = interleaved_to_half_split(k, config.num_query_groups)
-        gate, up = ours[src + "mlp.linear_fc1.weight"].chunk(2, dim=0)
+        out.update(_mlp_to_hf(ours, src + "mlp.", dst, config))
         out.update({
             dst + "input_layernorm.weight": ours[src + "input_layernorm.weight"],
             dst + "self_attn.q_proj.weight": q, dst + "self_attn.k_proj.weight": k, dst + "self_attn.v_proj.weight": v,
             dst + "self_attn.o_proj.weight": ours[src + "self_attention.linear_proj.weight"],
             dst + "post_attention_layernorm.weight": ours[src + "pre_mlp_layernorm.weight"],
-            dst + "mlp.gate_proj.weight": gate, dst + "mlp.up_proj.weight": up,
-            dst + "mlp.down_proj.weight": ours[src + "mlp.linear_fc2.weight"],
         })
     return {name: t.detach().clone().contiguous() for name, t in out.items()}
 
 
+def _mlp_to_hf(ours: dict, src: str, dst: str, config: TransformerConfig) -> dict:
+    """One layer's dense MLP (mlp.{gate,up,down}_proj) or Mixtral experts (block_sparse_moe.*) in HF names."""
+    if config.num_moe_experts is None:
+        gate, up = ours[src + "linear_fc1.weight"].chunk(2, dim=0)
+        return {dst + "mlp.gate_proj.weight": gate, dst + "mlp.up_proj.weight": up,
+                dst + "mlp.down_proj.weight": ours[src + "linear_fc2.weight"]}
+    out = {dst + "block_sparse_moe.gate.weight": ours[src + "router.weight"]}
+    for e in range(config.num_moe_experts):
+        expert, hf = f"{src}experts.local_experts.{e}.", f"{dst}block_sparse_moe.experts.{e}."
+        w1, w3 = ours[expert + "linear_fc1.weight"].chunk(2, dim=0)
+        out.update({hf + "w1.weight": w1, hf + "w3.weight": w3, hf + "w2.weight": ours[expert + "linear_fc2.weight"]})
+    return out
+
+
+def _mlp_from_hf(sd: dict, src: str, dst: str, config: TransformerConfig) -> dict:
+    """The inverse of _mlp_to_hf; pops what it uses from sd."""
+    if config.num_moe_experts is None:
+        return {dst + "linear_fc1.weight": torch.cat([sd.pop(src + "mlp.gate_proj.weight"),
+                                                      sd.pop(src + "mlp.up_proj.weight")], dim=0),
+                dst + "linear_fc2.weight": sd.pop(src + "mlp.down_proj.weight")}
+    out = {dst + "router.weight": sd.pop(src + "block_sparse_moe.gate.weight")}
+    for e in range(config.num_moe_experts):
+        hf, expert = f"{src}block_sparse_moe.experts.{e}.", f"{dst}experts.local_experts.{e}."
+        out[expert + "linear_fc1.weight"] = torch.cat([sd.pop(hf + "w1.weight"), sd.pop(hf + "w3.weight")], dim=0)
+        out[expert + "linear_fc2.weight"] = sd.pop(hf + "w2.weight")
+    return out
+
+
 def from_hf_state_dict(state_dict: dict[str, torch.Tensor], config: TransformerConfig) -> dict[str, torch.Tensor]:
-    """HF LLaMA weights -> our state dict for GPTModel(config) (load it with load_state_dict)."""
+    """HF LLaMA/Mixtral weights (checkpoint layout) -> our state dict for GPTModel(config) (load_state_dict)."""
     _check_llama(config)
     sd = dict(state_dict)
     out = {"embedding.word_embeddings.weight": sd.pop("model.embed_tokens.weight"),
@@ -147,10 +193,8 @@ def from_hf_state_dict(state_dict: dict[str, torch.Tensor], config: TransformerC
                                                                config.num_query_groups),
             dst + "self_attention.linear_proj.weight": sd.pop(src + "self_attn.o_proj.weight"),
             dst + "pre_mlp_layernorm.weight": sd.pop(src + "post_attention_layernorm.weight"),
-            dst + "mlp.linear_fc1.weight": torch.cat([sd.pop(src + "mlp.gate_proj.weight"),
-                                                      sd.pop(src + "mlp.up_proj.weight")], dim=0),
-            dst + "mlp.linear_fc2.weight": sd.pop(src + "mlp.down_proj.weight"),
         })
+        out.update(_mlp_from_hf(sd, src, dst + "mlp.", config))
     leftover = sorted(k for k in sd if "rotary_emb" not in k)
     if leftover:
         raise ValueError(f"{len(leftover)} checkpoint tensors were not used, e.g. {leftover[:3]}; "
@@ -159,7 +203,7 @@ def from_hf_state_dict(state_dict: dict[str, torch.Tensor], config: TransformerC
 
 
 def save_hf(model: GPTModel, directory: str | Path) -> Path:
-    """Write config.json + model.safetensors in the HF layout: LlamaForCausalLM.from_pretrained(directory) loads it."""
+    """Write config.json + model.safetensors in the HF layout: {Llama,Mixtral}ForCausalLM.from_pretrained loads it."""
     from safetensors.torch import save_file
 
     directory = Path(directory)
@@ -170,7 +214,7 @@ def save_hf(model: GPTModel, directory: str | Path) -> Path:
 
 
 def load_hf(directory: str | Path, **config_overrides) -> GPTModel:
-    """A GPTModel from an HF LLaMA directory (config.json + *.safetensors), e.g. one save_pretrained wrote."""
+    """A GPTModel from an HF LLaMA/Mixtral directory (config.json + *.safetensors), e.g. one save_pretrained wrote."""
     from safetensors.torch import load_file
 
     directory = Path(directory)
