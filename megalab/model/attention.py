@@ -22,7 +22,6 @@ from torch import nn
 
 from megalab.config import TransformerConfig
 from megalab.model.embeddings import apply_rotary_pos_emb
-from megalab.model.gqa import repeat_kv
 from megalab.model.layers import init_method_normal, scaled_init_method_normal
 from megalab.model.recompute import checkpoint
 
@@ -42,7 +41,8 @@ class CoreAttention(nn.Module):
         # query [s, b, np, hn], key/value [s, b, ng, hn] -> context [s, b, np * hn]
         s, b, np_, hn = query.shape
         if key.shape[2] != np_:  # GQA: each key/value head serves np/ng query heads
-            key, value = repeat_kv(key, np_ // key.shape[2]), repeat_kv(value, np_ // value.shape[2])
+            key = key.repeat_interleave(np_ // key.shape[2], dim=2)
+            value = value.repeat_interleave(np_ // value.shape[2], dim=2)
         dropout_p = self.attention_dropout if self.training else 0.0
         if self.backend == "sdpa":
             q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, np, s, hn]

@@ -6,12 +6,14 @@
 
 Only the k/v projections and the KV cache shrink (by np/ng); the attention math is MHA on the
 repeated heads. LLaMA-2 70B and LLaMA-3 use ng = 8. Megatron: num_query_groups; its
-DotProductAttention repeats key/value the same way (repeat_interleave on the head dimension).
+DotProductAttention repeats key/value the same way (chapter 02's CoreAttention does it inline),
+and PyTorch's F.scaled_dot_product_attention(..., enable_gqa=True) does it inside the kernel.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 
 def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
@@ -23,3 +25,14 @@ def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
     s, b, ng, hn = x.shape
     return x[:, :, :, None, :].expand(s, b, ng, n_rep, hn).reshape(s, b, ng * n_rep, hn)
     ### END SOLUTION
+
+
+def grouped_query_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """Causal attention with GQA: q [s, b, np, hn], k/v [s, b, ng, hn] -> context [s, b, np * hn]."""
+    s, b, np_, hn = query.shape
+    if np_ % key.shape[2]:
+        raise ValueError(f"{np_} query heads do not split into {key.shape[2]} key/value groups")
+    n_rep = np_ // key.shape[2]
+    q, k, v = (t.permute(1, 2, 0, 3) for t in (query, repeat_kv(key, n_rep), repeat_kv(value, n_rep)))  # [b, np, s, hn]
+    context = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    return context.permute(2, 0, 1, 3).reshape(s, b, np_ * hn)
