@@ -82,12 +82,11 @@ def test_safetensors_round_trip_with_transformers(tmp_path):
                                  ffn_hidden_size=96, vocab_size=97, seq_length=32)).eval()
     save_hf(ours, tmp_path / "ours")
     hf = LlamaForCausalLM.from_pretrained(tmp_path / "ours").eval()
+    hf.save_pretrained(tmp_path / "hf")
+    again = load_hf(tmp_path / "hf").eval()
     x = ids()
     with torch.no_grad():
         torch.testing.assert_close(hf(x).logits, ours(x), atol=1e-5, rtol=0)
-    hf.save_pretrained(tmp_path / "hf")
-    again = load_hf(tmp_path / "hf").eval()
-    with torch.no_grad():
         torch.testing.assert_close(again(x), ours(x), atol=1e-5, rtol=0)
 
 

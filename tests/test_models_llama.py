@@ -184,3 +184,16 @@ def test_counts_match_the_model_and_flop_counter(name):
         model(ids, labels=ids).sum().backward()
     assert counter.get_total_flops() == calc.model_flops(c, 3, c.seq_length)
     del loss
+
+
+# ------------------------------------------------------------------ the short training run
+def test_pretrain_loss_falls_on_a_learnable_stream_and_rejects_short_data():
+    from megalab.model.pretrain import pretrain
+
+    torch.manual_seed(0)
+    model = GPTModel(llama_config(**{**TINY, "seq_length": 8}))
+    tokens = torch.arange(200) % 7  # a period-7 cycle: predictable from one token of context
+    losses = pretrain(model, tokens, steps=40, micro_batch_size=4, lr=1e-2)
+    assert losses[0] > 3.0 and sum(losses[-5:]) / 5 < 0.5
+    with pytest.raises(ValueError, match="too few"):
+        pretrain(model, tokens[:9], steps=1)
