@@ -68,6 +68,11 @@ class MoEAuxLossAutoScaler(torch.autograd.Function):
         return output
 
     @staticmethod
+    def set_loss_scale(scale: torch.Tensor) -> None:
+        """The factor the main loss is scaled by (e.g. 1 / number of micro-batches)."""
+        MoEAuxLossAutoScaler.main_loss_backward_scale = scale
+
+    @staticmethod
     def backward(ctx, grad_output: torch.Tensor):
         (aux_loss,) = ctx.saved_tensors
         scale = MoEAuxLossAutoScaler.main_loss_backward_scale.to(aux_loss.device)
@@ -170,11 +175,19 @@ def get_updated_expert_bias(tokens_per_expert: torch.Tensor, expert_bias: torch.
 
 class TopKRouter(nn.Module):
     """logits = x W^T, then top-k routing; attaches the aux/z-losses to the activations.
-    The weight is dense (replicated on every EP rank): its gradient is reduced over DP."""
+    The weight is dense (replicated on every EP rank): its gradient is reduced over DP.
 
-    def __init__(self, config: TransformerConfig, layer_number: int = 1):
+    Under sequence parallelism (tp_group given) each TP rank routes its slice of the sequence, and
+    the losses are those of the whole sequence, as in Megatron: the token counts are summed over
+    TP (so the rank's share of E sum f_i P_i uses the global f), the z-loss coefficient is divided
+    by the TP size; the rank's shares add up to the sequence's loss when the gradients are summed.
+    """
+
+    def __init__(self, config: TransformerConfig, layer_number: int = 1, tp_group=None):
         super().__init__()
         self.config, self.layer_number = config, layer_number
+        self.tp_group = tp_group
+        self.tp_size = dist.get_world_size(tp_group) if tp_group is not None else 1
         self.topk, self.num_experts = config.moe_router_topk, config.num_moe_experts
         self.weight = nn.Parameter(torch.empty(config.num_moe_experts, config.hidden_size))
         init_method_normal(config.init_method_std)(self.weight.data)
@@ -189,8 +202,8 @@ class TopKRouter(nn.Module):
         logits = F.linear(hidden, self.weight)  # [T, E]
         training = self.training and torch.is_grad_enabled()
         if c.moe_z_loss_coeff:
-            z_loss = z_loss_func(logits, c.moe_z_loss_coeff)
-            save_to_aux_losses_tracker("z_loss", z_loss, self.layer_number)
+            z_loss = z_loss_func(logits, c.moe_z_loss_coeff / self.tp_size)
+            save_to_aux_losses_tracker("z_loss", self._sum_over_tp(z_loss), self.layer_number)
             if training:
                 logits = MoEAuxLossAutoScaler.apply(logits, z_loss)
         probs, routing_map, tokens_per_expert = topk_softmax_with_capacity(
@@ -205,12 +218,20 @@ class TopKRouter(nn.Module):
             scores = torch.sigmoid(logits.float())
             scores = scores / (scores.sum(dim=-1, keepdim=True) + 1e-20)
         # the balance term E * sum f_i P_i is tracked always (1 when balanced), added to the loss when coeff > 0
-        balance = switch_load_balancing_loss_func(scores, tokens_per_expert, hidden.shape[0], self.topk,
-                                                  self.num_experts, 1.0)
-        save_to_aux_losses_tracker("load_balancing_loss", balance, self.layer_number)
+        balance = switch_load_balancing_loss_func(scores, self._sum_over_tp(tokens_per_expert),
+                                                  hidden.shape[0] * self.tp_size, self.topk, self.num_experts, 1.0)
+        save_to_aux_losses_tracker("load_balancing_loss", self._sum_over_tp(balance), self.layer_number)
         if c.moe_aux_loss_coeff > 0 and training:
             probs = MoEAuxLossAutoScaler.apply(probs, balance * c.moe_aux_loss_coeff)
         return probs, routing_map
+
+    def _sum_over_tp(self, value: torch.Tensor) -> torch.Tensor:
+        """value summed over the TP group (a copy, outside autograd), or value itself without SP."""
+        if self.tp_size == 1:
+            return value
+        value = value.detach().clone()
+        dist.all_reduce(value, group=self.tp_group)
+        return value
 
 
 def update_expert_bias(model: nn.Module, group=None) -> None:
@@ -361,12 +382,17 @@ def _expert_config(config: TransformerConfig, ffn_hidden_size: int) -> Transform
 
 
 class SequentialMLP(nn.Module):
-    """The local experts as a loop of MLPs, one per chunk of tokens."""
+    """The local experts as a loop of MLPs, one per chunk of tokens.
 
-    def __init__(self, num_local_experts: int, config: TransformerConfig):
+    Every expert is drawn as on one device and only the local ones are kept, so with the same
+    seed EP = n builds the same model as EP = 1 (as tensor_parallel splits one master weight).
+    """
+
+    def __init__(self, config: TransformerConfig, local_expert_indices: list[int]):
         super().__init__()
         expert_config = _expert_config(config, config.moe_ffn_hidden_size)
-        self.local_experts = nn.ModuleList(MLP(expert_config, LayerSpec()) for _ in range(num_local_experts))
+        experts = [MLP(expert_config, LayerSpec()) for _ in range(config.num_moe_experts)]
+        self.local_experts = nn.ModuleList(experts[e] for e in local_expert_indices)
 
     def forward(self, tokens: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:  # [N, h] -> [N, h]
         chunks = torch.split(tokens, tokens_per_expert.tolist())
@@ -376,17 +402,18 @@ class SequentialMLP(nn.Module):
 class GroupedMLP(nn.Module):
     """All local experts in one batched matmul: tokens are laid out [L, max tokens, h] (zero rows
     pad the shorter experts) and multiplied by stacked weights. weight1 [L, h, ffn (x2 gated)],
-    weight2 [L, ffn, h]; expert l's weight1[l] is SequentialMLP's linear_fc1.weight.T."""
+    weight2 [L, ffn, h]; expert l's weight1[l] is SequentialMLP's linear_fc1.weight.T. The weights
+    of all E experts are drawn, the local ones kept (the same model for any EP, given the seed)."""
 
-    def __init__(self, num_local_experts: int, config: TransformerConfig):
+    def __init__(self, config: TransformerConfig, local_expert_indices: list[int]):
         super().__init__()
-        L, h, ffn = num_local_experts, config.hidden_size, config.moe_ffn_hidden_size
+        E, L, h, ffn = config.num_moe_experts, len(local_expert_indices), config.hidden_size, config.moe_ffn_hidden_size
         self.gated, self.activation_func = config.gated_linear_unit, ACTIVATIONS[config.activation_func]
         fc1 = ffn * (2 if self.gated else 1)
-        self.weight1 = nn.Parameter(torch.empty(L, h, fc1))
-        self.weight2 = nn.Parameter(torch.empty(L, ffn, h))
-        init_method_normal(config.init_method_std)(self.weight1.data)  # the MLP's init, per expert
-        scaled_init_method_normal(config.init_method_std, config.num_layers)(self.weight2.data)
+        weight1 = init_method_normal(config.init_method_std)(torch.empty(E, h, fc1))  # the MLP's init, per expert
+        weight2 = scaled_init_method_normal(config.init_method_std, config.num_layers)(torch.empty(E, ffn, h))
+        self.weight1 = nn.Parameter(weight1[local_expert_indices].clone())
+        self.weight2 = nn.Parameter(weight2[local_expert_indices].clone())
         self.bias1 = nn.Parameter(torch.zeros(L, fc1)) if config.add_bias_linear else None
         self.bias2 = nn.Parameter(torch.zeros(L, h)) if config.add_bias_linear else None
 
@@ -424,6 +451,9 @@ class MoELayer(nn.Module):
         if config.num_moe_experts is None:
             raise ValueError("MoELayer needs config.num_moe_experts (None builds the dense MLP instead)")
         state = ps.get_parallel_state() if ps.model_parallel_is_initialized() else None
+        tp_group = None
+        if state is not None and config.sequence_parallel and state.get_tensor_model_parallel_world_size() > 1:
+            tp_group = state.get_tensor_model_parallel_group()
         if ep_group is None and state is not None:
             ep_group = state.get_expert_model_parallel_group()
             if state.sizes.expert_tensor_parallel_size > 1:
@@ -441,8 +471,8 @@ class MoELayer(nn.Module):
         self.config, self.layer_number = config, layer_number
         self.num_local_experts = E // ep_size
         self.local_expert_indices = list(range(ep_rank * self.num_local_experts, (ep_rank + 1) * self.num_local_experts))
-        self.router = TopKRouter(config, layer_number)
-        self.experts = (GroupedMLP if config.moe_grouped_gemm else SequentialMLP)(self.num_local_experts, config)
+        self.router = TopKRouter(config, layer_number, tp_group)
+        self.experts = (GroupedMLP if config.moe_grouped_gemm else SequentialMLP)(config, self.local_expert_indices)
         for p in self.experts.parameters():
             p.allreduce = False  # Megatron's mark: reduced over the expert-data-parallel group, not DP
         self.token_dispatcher = DISPATCHERS[config.moe_token_dispatcher_type](

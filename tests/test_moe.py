@@ -164,7 +164,9 @@ def test_dropped_tokens_are_exactly_those_past_capacity(capacity_factor):
 @pytest.mark.exercise("moe.permute")
 def test_permute_groups_by_expert_and_unpermute_inverts():
     x, p = _tokens(3, 10), reference_params()
-    probs, routing_map, _ = moe.topk_softmax_with_capacity(x @ p["router"].T, 2)
+    top_logits, chosen = (x @ p["router"].T).topk(2)
+    routing_map = torch.zeros(10, E, dtype=torch.bool).scatter(1, chosen, True)
+    probs = torch.zeros(10, E).scatter(1, chosen, torch.softmax(top_logits, -1))
     permuted, permuted_probs, sorted_indices = moe.permute(x, routing_map, probs)
     expected = [(e, t) for e in range(E) for t in range(10) if routing_map[t, e]]  # expert-major, token order
     assert sorted_indices.tolist() == [t for _, t in expected]
@@ -223,11 +225,40 @@ def test_moe_layer_matches_reference(case):
         assert _diff(grad, ref[key].grad) < TOL, key
 
 
+def test_grouped_mlp_equals_the_loop_of_mlps_gated():
+    """SwiGLU experts without biases: one batched matmul == a loop of MLPs, forward and backward."""
+    config = TransformerConfig(**BASE, gated_linear_unit=True, activation_func="silu", add_bias_linear=False)
+    loop, grouped = moe.SequentialMLP(config, [0, 1, 2]), moe.GroupedMLP(config, [0, 1, 2])
+    with torch.no_grad():
+        for i, mlp in enumerate(loop.local_experts):
+            grouped.weight1[i].copy_(mlp.linear_fc1.weight.T)
+            grouped.weight2[i].copy_(mlp.linear_fc2.weight.T)
+    tokens, counts = _tokens(7, 9), torch.tensor([4, 0, 5])  # an expert with no tokens too
+    out_loop, out_grouped = loop(tokens, counts), grouped(tokens, counts)
+    out_loop.sum().backward()
+    out_grouped.sum().backward()
+    assert _diff(out_grouped, out_loop) < TOL
+    assert _diff(grouped.weight1.grad, torch.stack([m.linear_fc1.weight.grad.T for m in loop.local_experts])) < TOL
+
+
+@pytest.mark.gpu
+def test_moe_layer_on_gpu_matches_cpu():
+    config = TransformerConfig(**BASE, moe_grouped_gemm=True, moe_token_dispatcher_type="alltoall",
+                               moe_aux_loss_coeff=0.01, moe_expert_capacity_factor=1.0)
+    layer = moe.MoELayer(config)
+    x = _tokens(8, 12).view(6, 2, H)
+    expected = layer(x)
+    assert _diff(layer.cuda()(x.cuda()).cpu(), expected) < 1e-4
+
+
 def test_shared_experts_see_every_token():
     config = TransformerConfig(**BASE, moe_shared_expert_intermediate_size=8)
     layer = moe.MoELayer(config)
     x = _tokens(6, 8).view(4, 2, H)
     routed = layer(x) - layer.shared_experts(x)
+    # expert weights are marked for the expert-data-parallel reduction, the dense ones are not
+    assert all(p.allreduce is False for p in layer.experts.parameters())
+    assert all(getattr(p, "allreduce", True) for m in (layer.router, layer.shared_experts) for p in m.parameters())
     layer.shared_experts = None
     assert _diff(routed, layer(x)) < TOL
 
@@ -240,6 +271,20 @@ def test_expert_bias_moves_toward_balance():
     moe.update_expert_bias(layer)
     assert layer.router.expert_bias.tolist() == pytest.approx([-0.1, 0.1, 0.0, 0.1])
     assert layer.router.local_tokens_per_expert.sum() == 0
+
+
+def test_aux_loss_gradient_follows_the_loss_scale():
+    config = TransformerConfig(**BASE, moe_aux_loss_coeff=1.0)
+    layer = moe.MoELayer(config)
+    x = _tokens(9, 8).view(4, 2, H)
+    grads = []
+    for scale in (1.0, 0.25):
+        moe.MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(scale))
+        layer.zero_grad()
+        (layer(x) * 0).sum().backward()  # only the aux loss reaches the router
+        grads.append(layer.router.weight.grad.clone())
+    moe.MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(1.0))
+    assert grads[0].abs().sum() > 0 and _diff(grads[1], 0.25 * grads[0]) < 1e-7
 
 
 def test_gpt_with_moe_layers_trains_its_router_through_the_aux_loss():
@@ -311,16 +356,18 @@ def _ep_case(rank, world, tp, ep, change):
         out = layer(x)
         (out * g).sum().backward()
         moe.finalize_moe_grads(layer, state)
-        # the reference: every rank's tokens, the loss averaged over the data-parallel replicas
+        # the reference: a data-parallel replica routes the tokens of its TP ranks (the sequence under
+        # SP) together; the loss is averaged over the replicas
         ref = {k: v.clone().requires_grad_() for k, v in p.items()}
         dp = state.get_data_parallel_world_size()
         total = 0
-        for r in range(world):
-            ref_out, balance, z, _, _ = reference_moe(_tokens(r), ref, config.moe_router_topk,
+        for replica in [list(range(i, i + tp)) for i in range(0, world, tp)]:  # the TP groups: tp-first order
+            tokens = torch.cat([_tokens(r) for r in replica])
+            ref_out, balance, z, _, _ = reference_moe(tokens, ref, config.moe_router_topk,
                                                       capacity_factor=config.moe_expert_capacity_factor)
-            total = total + (ref_out * _tokens(50 + r)).sum() + 0.1 * balance + 0.01 * z
-            if r == rank:
-                mine = (ref_out, balance)
+            total = total + (ref_out * torch.cat([_tokens(50 + r) for r in replica])).sum() + 0.1 * balance + 0.01 * z
+            if rank in replica:
+                mine = (ref_out.chunk(tp)[replica.index(rank)], balance)
         (total / dp).backward()
         local = layer.local_expert_indices
         diffs = dict(out=_diff(out.view(12, H), mine[0]),
@@ -328,6 +375,43 @@ def _ep_case(rank, world, tp, ep, change):
                      router=_diff(layer.router.weight.grad, ref["router"].grad))
         diffs.update({k: _diff(v, ref[k].grad[local]) for k, v in expert_grads(layer, local).items()})
         return max(diffs.values()), diffs, getattr(layer.token_dispatcher, "a2a_bytes", None)
+    finally:
+        ps.destroy_model_parallel()
+
+
+def _gpt_case(rank):
+    """A MoE GPT under TP2 x EP2 with sequence parallelism: the same seed builds the same model as on
+    one device (experts drawn as there, the local ones kept), so the losses and the router's gradient match."""
+    from megalab import tensor_parallel as tp
+
+    config = TransformerConfig(**{**BASE, "num_layers": 2, "vocab_size": 64, "num_moe_experts": 4},
+                               moe_token_dispatcher_type="alltoall", moe_aux_loss_coeff=0.01)
+    ids = torch.randint(0, 64, (4, 8), generator=torch.Generator().manual_seed(0))
+    torch.manual_seed(0)
+    single = GPTModel(config)
+    ref_losses = [single(ids[2 * d:2 * d + 2], labels=ids[2 * d:2 * d + 2]).mean() for d in range(2)]
+    ref_loss = sum(ref_losses) / 2  # the mean over the two data-parallel replicas (each its own aux loss)
+    moe.MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(0.5))  # the aux losses are averaged too (Megatron's
+    ref_loss.backward()  # schedules scale them by 1 / micro-batches the same way)
+    moe.MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(1.0))
+    state = ps.initialize_model_parallel(tensor_model_parallel_size=2, expert_model_parallel_size=2,
+                                         expert_tensor_parallel_size=1)
+    try:
+        torch.manual_seed(0)
+        model = tp.TensorParallelGPTModel(TransformerConfig(**{**config.__dict__, "sequence_parallel": True}))
+        dp_rank = state.get_data_parallel_rank()
+        loss = model(ids[2 * dp_rank:2 * dp_rank + 2], labels=ids[2 * dp_rank:2 * dp_rank + 2]).mean()
+        loss.backward()
+        moe.finalize_moe_grads(model, state)
+        losses = [torch.zeros(()) for _ in range(2)]
+        torch.distributed.all_gather(losses, loss.detach(), group=state.get_data_parallel_group())
+        diffs = dict(loss=abs(sum(losses) / 2 - ref_loss).item())
+        for name in ("router.weight", "experts.local_experts.0.linear_fc1.weight"):
+            mine = model.decoder.layers[1].mlp.get_parameter(name).grad
+            e = model.decoder.layers[1].mlp.local_expert_indices[0] if "experts" in name else None
+            ref_name = name.replace("local_experts.0", f"local_experts.{e}") if e is not None else name
+            diffs[name] = _diff(mine, single.decoder.layers[1].mlp.get_parameter(ref_name).grad)
+        return max(diffs.values()), diffs, None
     finally:
         ps.destroy_model_parallel()
 
@@ -342,6 +426,10 @@ def run_ep_cases():
             results[name] = _ep_case(rank, world, tp, ep, change)
         except Exception:
             results[name] = (float("inf"), traceback.format_exc(limit=-3), None)
+    try:
+        results["gpt ep2xtp2"] = _gpt_case(rank)
+    except Exception:
+        results["gpt ep2xtp2"] = (float("inf"), traceback.format_exc(limit=-3), None)
     # experts not divisible by EP: a clear error
     ps.initialize_model_parallel(expert_model_parallel_size=4)
     try:
@@ -354,6 +442,14 @@ def run_ep_cases():
     return results
 
 
+def _assert_matches(ep_results, case):
+    for rank in range(4):
+        worst, detail, _ = ep_results[rank][case]
+        if isinstance(detail, str):  # the case raised: show its traceback in full
+            pytest.fail(f"rank {rank}, {case}:\n{detail}")
+        assert worst < TOL, (rank, detail)
+
+
 @pytest.fixture(scope="module")
 def ep_results():
     return launch.run_function(run_ep_cases, 4, launch=dict(backend="gloo", timeout=240)).returns
@@ -362,9 +458,7 @@ def ep_results():
 @pytest.mark.exercise("moe.alltoall_dispatch")
 @pytest.mark.parametrize("case", [c for c in EP_CASES if "alltoall" in c])
 def test_expert_parallel_alltoall_matches_single_process(ep_results, case):
-    for rank in range(4):
-        worst, detail, _ = ep_results[rank][case]
-        assert worst < TOL, (rank, detail)
+    _assert_matches(ep_results, case)
 
 
 @pytest.mark.exercise("moe.alltoall_dispatch")
@@ -376,9 +470,11 @@ def test_alltoall_bytes_match_formula_when_padded_to_capacity(ep_results):
 
 @pytest.mark.parametrize("case", [c for c in EP_CASES if "allgather" in c])
 def test_expert_parallel_allgather_matches_single_process(ep_results, case):
-    for rank in range(4):
-        worst, detail, _ = ep_results[rank][case]
-        assert worst < TOL, (rank, detail)
+    _assert_matches(ep_results, case)
+
+
+def test_moe_gpt_under_tp2_ep2_sp_equals_one_device(ep_results):
+    _assert_matches(ep_results, "gpt ep2xtp2")
 
 
 def test_experts_not_divisible_by_ep_is_a_clear_error(ep_results):
