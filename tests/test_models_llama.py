@@ -164,7 +164,7 @@ CONFIGS = {
                                             share_embeddings_and_output_weights=False),
     "llama-gqa": llama_config(**TINY, num_query_groups=2, ffn_hidden_size=40),
     "mixtral": mixtral_config(**TINY, num_query_groups=2, ffn_hidden_size=40, num_moe_experts=4),
-    "deepseek-style": deepseek_v3_style_config(**TINY, num_query_groups=2),
+    "deepseek-style": deepseek_v3_style_config(**TINY, num_query_groups=2, num_moe_experts=8, moe_router_topk=2),
 }
 
 
