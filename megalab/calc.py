@@ -205,3 +205,71 @@ def moe_all_to_all_bytes(num_tokens: int, topk: int, hidden_size: int, expert_pa
     """
     ep = expert_parallel_size
     return 2 * num_tokens * topk * hidden_size * (ep - 1) / ep * bytes_per_element
+
+
+# ---------------------------------------------------------------- chapter 04: counts of a configured model
+# Exact counts for any TransformerConfig (GPT, LLaMA: gated MLP, GQA, untied output; MoE: experts,
+# shared experts), so they can be checked against the published sizes and against
+# torch.utils.flop_counter.FlopCounterMode on the real GPTModel. "active" is what one token uses:
+# a MoE token passes through moe_router_topk experts (and the shared ones), not all of them.
+
+
+def _mlp_parameters(hidden_size: int, ffn_hidden_size: int, gated: bool, bias: bool) -> int:
+    fc1 = ffn_hidden_size * (2 if gated else 1)
+    return hidden_size * fc1 + ffn_hidden_size * hidden_size + ((fc1 + hidden_size) if bias else 0)
+
+
+def model_parameters(config) -> dict[str, int]:
+    """Parameters of GPTModel(config), by part: embedding, attention, mlp (dense, or router + experts +
+    shared experts), norms, output (0 when tied); "total" and "active" (used by one token)."""
+    h, V, L = config.hidden_size, config.vocab_size, config.num_layers
+    np_, ng, hn = config.num_attention_heads, config.num_query_groups, config.kv_channels
+    bias = config.add_bias_linear
+    norm = h * (2 if config.normalization == "LayerNorm" else 1)
+    qkv = h * (np_ + 2 * ng) * hn + ((np_ + 2 * ng) * hn if bias or config.add_qkv_bias else 0)
+    attention = qkv + np_ * hn * h + (h if bias else 0)
+    gated = config.gated_linear_unit
+    if getattr(config, "num_moe_experts", None) is None:
+        mlp = active_mlp = _mlp_parameters(h, config.ffn_hidden_size, gated, bias)
+    else:
+        E, k = config.num_moe_experts, config.moe_router_topk
+        expert = _mlp_parameters(h, config.moe_ffn_hidden_size, gated, bias)
+        shared = config.moe_shared_expert_intermediate_size
+        shared = _mlp_parameters(h, shared, gated, bias) if shared else 0
+        mlp, active_mlp = E * h + E * expert + shared, E * h + k * expert + shared
+    counts = {
+        "embedding": V * h + (config.seq_length * h if config.position_embedding_type == "learned_absolute" else 0),
+        "attention": L * attention,
+        "mlp": L * mlp,
+        "norms": (2 * L + 1) * norm,
+        "output": 0 if config.share_embeddings_and_output_weights else V * h,
+    }
+    counts["total"] = sum(counts.values())
+    counts["active"] = counts["total"] - L * (mlp - active_mlp)
+    return counts
+
+
+def model_flops(config, batch_size: int, seq_length: int, training: bool = True) -> float:
+    """Matmul FLOPs of one forward (training=False) or forward + backward (3x) over batch_size sequences.
+
+    Per token, 2 FLOPs per active matmul weight (attention projections, the active MLP or experts and
+    router, the logit layer; not the embedding lookup, norms or biases), plus attention 2 * 2 s np hn
+    per layer for q k^T and probs v over the full s x s square (Megatron's convention, no causal
+    discount). A dense GPT reduces to Korthikanti's 72 B s l h^2 (1 + s/(6h) + V/(12 h l)).
+    """
+    h, L = config.hidden_size, config.num_layers
+    np_, ng, hn = config.num_attention_heads, config.num_query_groups, config.kv_channels
+    attention_weights = h * (np_ + 2 * ng) * hn + np_ * hn * h
+    gated = config.gated_linear_unit
+    if getattr(config, "num_moe_experts", None) is None:
+        mlp_weights = _mlp_parameters(h, config.ffn_hidden_size, gated, bias=False)
+    else:
+        shared = config.moe_shared_expert_intermediate_size
+        mlp_weights = (config.num_moe_experts * h  # the router sees every expert
+                       + config.moe_router_topk * _mlp_parameters(h, config.moe_ffn_hidden_size, gated, bias=False)
+                       + (_mlp_parameters(h, shared, gated, bias=False) if shared else 0))
+    weights = L * (attention_weights + mlp_weights) + config.vocab_size * h  # + the logit layer, tied or not
+    tokens = batch_size * seq_length
+    attention = 4 * batch_size * seq_length**2 * np_ * hn * L
+    forward = 2 * tokens * weights + attention
+    return 3 * forward if training else forward

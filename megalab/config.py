@@ -42,6 +42,7 @@ class TransformerConfig:
     position_embedding_type: str = "learned_absolute"
     rotary_base: int = 10000
     rotary_percent: float = 1.0
+    rotary_interleaved: bool = False  # rotate pairs (x0, x1), (x2, x3)... (Meta's LLaMA) instead of halves (HF)
     add_bias_linear: bool = True
     add_qkv_bias: bool = False  # only read when add_bias_linear is False (Megatron's rule)
     share_embeddings_and_output_weights: bool = True  # tie the output layer to the word embeddings

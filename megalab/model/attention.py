@@ -101,8 +101,9 @@ class SelfAttention(nn.Module):
         )
         query = query.reshape(s, b, ng * self.heads_per_group, self.kv_channels)  # [s, b, np, hn]
         if rotary_pos_emb is not None:
-            query = apply_rotary_pos_emb(query, rotary_pos_emb)
-            key = apply_rotary_pos_emb(key, rotary_pos_emb)
+            interleaved = self.config.rotary_interleaved
+            query = apply_rotary_pos_emb(query, rotary_pos_emb, interleaved)
+            key = apply_rotary_pos_emb(key, rotary_pos_emb, interleaved)
         if self.checkpoint_core_attention and self.training:  # selective recomputation
             context = checkpoint(self.core_attention, query, key, value)
         else:

@@ -7,6 +7,8 @@ Activations leave the embedding sequence-first, [s, b, h], the layout Megatron u
 
 RoPE rotates each pair (x_i, x_{i+d/2}) of a query/key head by the angle pos * base^(-2i/d), so
 q.k depends only on the distance between positions ("rotate half" layout, as Megatron's default).
+With rotary_interleaved the pairs are (x_{2i}, x_{2i+1}) instead (Meta's LLaMA code); rope.py
+explains both and converts weights between them.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from torch import nn
 
 from megalab.config import TransformerConfig
 from megalab.model.layers import init_method_normal
+from megalab.model.rope import rotate_interleaved
 
 
 class LanguageModelEmbedding(nn.Module):
@@ -48,8 +51,10 @@ class LanguageModelEmbedding(nn.Module):
 class RotaryEmbedding(nn.Module):
     """The rotation angles for every position: forward(s) -> [s, 1, 1, rotary_dim]."""
 
-    def __init__(self, kv_channels: int, rotary_percent: float = 1.0, rotary_base: int = 10000):
+    def __init__(self, kv_channels: int, rotary_percent: float = 1.0, rotary_base: int = 10000,
+                 rotary_interleaved: bool = False):
         super().__init__()
+        self.rotary_interleaved = rotary_interleaved
         dim = int(kv_channels * rotary_percent)
         inv_freq = 1.0 / (rotary_base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
         self.register_buffer("inv_freq", inv_freq, persistent=False)
@@ -57,7 +62,9 @@ class RotaryEmbedding(nn.Module):
     def forward(self, seq_length: int) -> torch.Tensor:
         positions = torch.arange(seq_length, device=self.inv_freq.device, dtype=torch.float32)
         freqs = torch.outer(positions, self.inv_freq)  # [s, dim/2]
-        return torch.cat([freqs, freqs], dim=-1)[:, None, None, :]  # [s, 1, 1, dim]
+        if self.rotary_interleaved:  # angle i for channels 2i and 2i+1
+            return freqs.repeat_interleave(2, dim=-1)[:, None, None, :]  # [s, 1, 1, dim]
+        return torch.cat([freqs, freqs], dim=-1)[:, None, None, :]  # [s, 1, 1, dim]: angle i for i and i+dim/2
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -65,9 +72,10 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat([-x2, x1], dim=-1)
 
 
-def apply_rotary_pos_emb(t: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+def apply_rotary_pos_emb(t: torch.Tensor, freqs: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
     """Rotate the first rotary_dim channels of t [s, b, heads, head_dim]; the rest pass through."""
     rot_dim = freqs.shape[-1]
     t_rot, t_pass = t[..., :rot_dim], t[..., rot_dim:]
     cos, sin = freqs.cos().to(t.dtype), freqs.sin().to(t.dtype)
-    return torch.cat([t_rot * cos + _rotate_half(t_rot) * sin, t_pass], dim=-1)
+    rotate = rotate_interleaved if interleaved else _rotate_half
+    return torch.cat([t_rot * cos + rotate(t_rot) * sin, t_pass], dim=-1)

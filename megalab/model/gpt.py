@@ -31,7 +31,9 @@ class GPTModel(nn.Module):
         self.embedding = LanguageModelEmbedding(config)
         self.rotary_pos_emb = None
         if config.position_embedding_type == "rope":
-            self.rotary_pos_emb = RotaryEmbedding(config.kv_channels, config.rotary_percent, config.rotary_base)
+            self.rotary_pos_emb = RotaryEmbedding(
+                config.kv_channels, config.rotary_percent, config.rotary_base, config.rotary_interleaved
+            )
         self.decoder = TransformerBlock(config, spec)
         self.output_layer = None
         if not config.share_embeddings_and_output_weights:

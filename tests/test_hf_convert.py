@@ -1,0 +1,133 @@
+"""Chapter 04: our GPTModel against Hugging Face's LlamaForCausalLM / MixtralForCausalLM.
+
+The HF models are built from small configs with random weights (nothing is downloaded); the
+converter copies weights both ways, logits agree to 1e-5 in fp32, greedy generations token for
+token, and safetensors directories written by either side load in the other.
+"""
+
+import json
+from dataclasses import replace
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM
+
+from megalab.model import GPTModel
+from megalab.model.generate import greedy_generate
+from megalab.model.hf import (
+    config_from_hf,
+    from_hf_state_dict,
+    fuse_qkv,
+    hf_config_dict,
+    load_hf,
+    save_hf,
+    split_qkv,
+    to_hf_state_dict,
+)
+from megalab.model.llama import llama_config
+
+SMALL = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=8,
+             num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-5,
+             rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, eos_token_id=None)  # no early stop
+
+
+def hf_llama(seed=0, **overrides):
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(LlamaConfig(**{**SMALL, **overrides})).eval()
+
+
+def hf_mixtral(seed=0):
+    torch.manual_seed(seed)
+    return MixtralForCausalLM(MixtralConfig(**SMALL, num_local_experts=4, num_experts_per_tok=2)).eval()
+
+
+def hf_greedy(hf, prompt, max_new_tokens):
+    hf.generation_config.eos_token_id = None  # generate exactly max_new_tokens, like greedy_generate
+    return hf.generate(prompt, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0)
+
+
+def ids(b=2, s=16, seed=1):
+    return torch.randint(0, SMALL["vocab_size"], (b, s), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.exercise("model.hf_qkv")
+def test_fuse_qkv_groups_queries_with_their_key_and_value():
+    # 4 query heads, 2 groups, head dim 1: rows q0 q1 k0 v0 | q2 q3 k1 v1
+    q, k, v = torch.arange(4.0)[:, None], 10 + torch.arange(2.0)[:, None], 20 + torch.arange(2.0)[:, None]
+    assert fuse_qkv(q, k, v, 2).flatten().tolist() == [0, 1, 10, 20, 2, 3, 11, 21]
+
+
+@pytest.mark.exercise("model.hf_qkv")
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_llama_logits_and_greedy_generation_match_hf(interleaved):
+    hf = hf_llama()
+    config = replace(config_from_hf(hf.config), rotary_interleaved=interleaved, attention_backend="unfused")
+    ours = GPTModel(config).eval()
+    ours.load_state_dict(from_hf_state_dict(hf.state_dict(), config))
+    x = ids()
+    with torch.no_grad():
+        torch.testing.assert_close(ours(x), hf(x).logits, atol=1e-5, rtol=0)
+    prompt = x[:, :4]
+    assert torch.equal(greedy_generate(ours, prompt, 12), hf_greedy(hf, prompt, 12))
+    back = to_hf_state_dict(ours)  # and back: bit for bit
+    assert back.keys() == hf.state_dict().keys()
+    assert all(torch.equal(back[name], t) for name, t in hf.state_dict().items())
+
+
+@pytest.mark.exercise("model.hf_qkv")
+def test_safetensors_round_trip_with_transformers(tmp_path):
+    """Our model saved in the HF layout loads in transformers; HF's save_pretrained loads in ours."""
+    torch.manual_seed(3)
+    ours = GPTModel(llama_config(num_layers=2, hidden_size=64, num_attention_heads=8, num_query_groups=4,
+                                 ffn_hidden_size=96, vocab_size=97, seq_length=32)).eval()
+    save_hf(ours, tmp_path / "ours")
+    hf = LlamaForCausalLM.from_pretrained(tmp_path / "ours").eval()
+    hf.save_pretrained(tmp_path / "hf")
+    again = load_hf(tmp_path / "hf").eval()
+    x = ids()
+    with torch.no_grad():
+        torch.testing.assert_close(hf(x).logits, ours(x), atol=1e-5, rtol=0)
+        torch.testing.assert_close(again(x), ours(x), atol=1e-5, rtol=0)
+
+
+@pytest.mark.exercise("model.hf_qkv")
+def test_mixtral_matches_hf_through_safetensors(tmp_path):
+    hf = hf_mixtral()
+    hf.save_pretrained(tmp_path / "hf")  # the checkpoint layout: block_sparse_moe.experts.{e}.w1/w2/w3
+    ours = load_hf(tmp_path / "hf", attention_backend="unfused").eval()
+    assert ours.config.num_moe_experts == 4 and ours.config.moe_router_topk == 2
+    x = ids()
+    with torch.no_grad():
+        torch.testing.assert_close(ours(x), hf(x).logits, atol=1e-5, rtol=0)
+    prompt = x[:, :4]
+    assert torch.equal(greedy_generate(ours, prompt, 12), hf_greedy(hf, prompt, 12))
+    save_hf(ours, tmp_path / "ours")
+    back = MixtralForCausalLM.from_pretrained(tmp_path / "ours").eval()
+    with torch.no_grad():
+        torch.testing.assert_close(back(x).logits, hf(x).logits, atol=1e-5, rtol=0)
+
+
+def test_split_qkv_inverts_fuse_and_configs_round_trip():
+    hf = hf_llama(tie_word_embeddings=True)
+    config = config_from_hf(hf.config)
+    assert config.share_embeddings_and_output_weights and config.num_query_groups == 2
+    assert config_from_hf(hf_config_dict(config)) == config
+    q, k, v = torch.randn(64, 64), torch.randn(16, 64), torch.randn(16, 64)
+    assert all(torch.equal(a, b) for a, b in zip(split_qkv(fuse_qkv(q, k, v, 2), config), (q, k, v)))
+
+
+def test_converter_bad_input(tmp_path):
+    with pytest.raises(ValueError, match="model_type 'gpt2' is not supported"):
+        config_from_hf({**SMALL, "model_type": "gpt2"})
+    with pytest.raises(ValueError, match="HF LLaMA/Mixtral layout needs"):
+        to_hf_state_dict(GPTModel(replace(llama_config(num_layers=1, hidden_size=16, num_attention_heads=2,
+                                                       vocab_size=10, seq_length=8), normalization="LayerNorm")))
+    hf = hf_llama()
+    config = config_from_hf(hf.config)
+    with pytest.raises(ValueError, match="were not used"):
+        from_hf_state_dict(hf.state_dict(), replace(config, num_layers=1))
+    with pytest.raises(FileNotFoundError, match="needs config.json"):
+        load_hf(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    with pytest.raises(FileNotFoundError, match="safetensors"):
+        load_hf(tmp_path)
