@@ -25,6 +25,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from megalab import calc
+from megalab.config import TransformerConfig
+from megalab.model.llama import llama_preset
+from megalab.model.mixtral import mixtral_preset
 from megalab.pipeline_parallel import bubble_fraction
 
 GB = 1e9
@@ -58,6 +61,17 @@ class ModelSpec:
     qk_head_dim: int = 128
     qk_pos_emb_head_dim: int = 64
     v_head_dim: int = 128
+
+    @classmethod
+    def from_config(cls, name: str, config: TransformerConfig) -> ModelSpec:
+        """The sizes of a TransformerConfig (e.g. chapter 04's presets)."""
+        return cls(name, config.num_layers, config.hidden_size, config.num_attention_heads, config.ffn_hidden_size,
+                   config.vocab_size, num_query_groups=config.num_query_groups, kv_channels=config.kv_channels,
+                   swiglu=config.gated_linear_unit, normalization=config.normalization,
+                   untie_embeddings_and_output_weights=not config.share_embeddings_and_output_weights,
+                   num_experts=config.num_moe_experts, moe_router_topk=config.moe_router_topk,
+                   moe_ffn_hidden_size=config.moe_ffn_hidden_size,
+                   moe_shared_expert_intermediate_size=config.moe_shared_expert_intermediate_size)
 
     @property
     def groups(self) -> int:
@@ -120,11 +134,10 @@ class ModelSpec:
         return self.num_parameters() - (self.num_experts - self.moe_router_topk) * per_expert
 
 
-# Published configurations (the models' own config files / papers).
-LLAMA3_8B = ModelSpec("LLaMA-3 8B", 32, 4096, 32, 14336, 128256, num_query_groups=8)
-LLAMA3_70B = ModelSpec("LLaMA-3 70B", 80, 8192, 64, 28672, 128256, num_query_groups=8)
-MIXTRAL_8X7B = ModelSpec("Mixtral 8x7B", 32, 4096, 32, 14336, 32000, num_query_groups=8, num_experts=8,
-                         moe_router_topk=2, moe_ffn_hidden_size=14336)
+# Published configurations: chapter 04's presets, and DeepSeek-V3 (MLA, 3 dense layers first) from its report.
+LLAMA3_8B = ModelSpec.from_config("LLaMA-3 8B", llama_preset("llama3-8b"))
+LLAMA3_70B = ModelSpec.from_config("LLaMA-3 70B", llama_preset("llama3-70b"))
+MIXTRAL_8X7B = ModelSpec.from_config("Mixtral 8x7B", mixtral_preset("mixtral-8x7b"))
 DEEPSEEK_V3 = ModelSpec("DeepSeek-V3", 61, 7168, 128, 18432, 129280, num_experts=256, moe_router_topk=8,
                         moe_ffn_hidden_size=2048, moe_shared_expert_intermediate_size=2048, moe_first_dense_layers=3,
                         q_lora_rank=1536, kv_lora_rank=512)

@@ -7,8 +7,8 @@ from types import SimpleNamespace
 
 import pytest
 
+from megalab import calc, viz
 from megalab import planner as P
-from megalab import viz
 
 
 @pytest.mark.parametrize("model, total, active", [
@@ -23,6 +23,18 @@ def test_published_parameter_counts(model, total, active):
         assert model.num_active_parameters() / 1e9 == pytest.approx(active, rel=0.02)
     else:
         assert round(model.num_active_parameters() / 1e9, digits) == active
+
+
+@pytest.mark.parametrize("model", [P.LLAMA3_8B, P.LLAMA3_70B, P.MIXTRAL_8X7B], ids=lambda m: m.name)
+def test_counts_equal_calc_model_parameters(model):
+    """The planner's per-shard breakdown adds up to chapter 04's count of the same preset."""
+    from megalab.model.llama import llama_preset
+    from megalab.model.mixtral import mixtral_preset
+
+    config = {"LLaMA-3 8B": llama_preset("llama3-8b"), "LLaMA-3 70B": llama_preset("llama3-70b"),
+              "Mixtral 8x7B": mixtral_preset("mixtral-8x7b")}[model.name]
+    counts = calc.model_parameters(config)
+    assert (model.num_parameters(), model.num_active_parameters()) == (counts["total"], counts["active"])
 
 
 # ------------------------------------------------------------------ Megatron's formulas, transcribed
