@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 
 from megalab.optimizer import tensor_parallel_dims
 
@@ -155,8 +156,9 @@ def _read_common(path: Path) -> dict:
     try:
         return torch.load(path / "common.pt", weights_only=True)
     except Exception as e:
-        raise CheckpointError(f"{path / 'common.pt'} is corrupt ({type(e).__name__}: {e}); "
-                              "load an earlier iteration") from e
+        raise CheckpointError(f"{path / 'common.pt'} cannot be loaded with weights_only=True: it is corrupt or holds "
+                              f"objects other than tensors and plain data ({type(e).__name__}); load an earlier "
+                              "iteration") from e
 
 
 def load_checkpoint(load_dir: str | Path, model: nn.Module, params: list[nn.Parameter],
@@ -189,7 +191,7 @@ def load_checkpoint(load_dir: str | Path, model: nn.Module, params: list[nn.Para
             raise CheckpointError(f"{path}: {key} has shape {tuple(metadata[key].size)}, this model {tuple(t.shape)}")
     try:
         dcp.load(state, checkpoint_id=path)
-    except Exception as e:
+    except (Exception, CheckpointException) as e:  # DCP's exception is a BaseException
         raise CheckpointError(f"{path} could not be read ({type(e).__name__}: {e}): it is corrupt; "
                               "load an earlier iteration") from e
     dims = tensor_parallel_dims(model)

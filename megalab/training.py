@@ -133,14 +133,22 @@ def get_batch(dataset, first: int, count: int) -> dict[str, torch.Tensor]:
     return {key: torch.stack([item[key] for item in items]) for key in ("tokens", "labels", "loss_mask")}
 
 
-def loss_func(output: torch.Tensor, target: tuple[torch.Tensor, torch.Tensor, float], tp_group) -> torch.Tensor:
-    """Sum of the masked per-token losses of a micro-batch, times `scale` (see the module docstring)."""
-    labels, loss_mask, scale = target
-    losses = vocab_parallel_cross_entropy(output.float(), labels, group=tp_group)  # [b, s]
-    # EXERCISE training.masked_loss: the micro-batch's masked token-loss SUM, times scale
+def masked_loss(losses: torch.Tensor, loss_mask: torch.Tensor, num_tokens: float, m: int, dp: int) -> torch.Tensor:
+    """A micro-batch's share of the global token-mean loss, pre-scaled by m·dp (see the module docstring).
+
+    losses, loss_mask: [b, s]; num_tokens: unmasked tokens in the whole global batch (all DP ranks).
+    """
+    # EXERCISE training.masked_loss: masked token-loss SUM over the global token count, times m*dp
     ### BEGIN SOLUTION
-    return (losses * loss_mask).sum() * scale
+    return (losses * loss_mask).sum() / num_tokens * (m * dp)
     ### END SOLUTION
+
+
+def loss_func(output: torch.Tensor, target: tuple, tp_group) -> torch.Tensor:
+    """Megatron's loss_func: per-token cross entropy of the (vocab-split) logits [b, s, V/t], then masked_loss."""
+    labels, loss_mask, num_tokens, m, dp = target
+    losses = vocab_parallel_cross_entropy(output.float(), labels, group=tp_group)  # [b, s]
+    return masked_loss(losses, loss_mask, num_tokens, m, dp)
 
 
 def train_step(state: TrainState, config: TrainingConfig, dataset) -> dict:
@@ -151,14 +159,13 @@ def train_step(state: TrainState, config: TrainingConfig, dataset) -> dict:
     batches = [get_batch(dataset, state.consumed_samples + (j * dp + dp_rank) * b, b) for j in range(m)]
     num_tokens = torch.tensor(float(sum(batch["loss_mask"].sum() for batch in batches)))
     dist.all_reduce(num_tokens, group=ps.get_data_parallel_group())
-    scale = m * dp / num_tokens.item()
     tp_group = ps.get_tensor_model_parallel_group()
 
     state.ddp.zero_grad_buffer()
     with state.ddp.no_sync():
         result = forward_backward_pipelining(
             state.stages, [batch["tokens"] for batch in batches],
-            [(batch["labels"], batch["loss_mask"], scale) for batch in batches],
+            [(batch["labels"], batch["loss_mask"], num_tokens.item(), m, dp) for batch in batches],
             lambda output, target: loss_func(output, target, tp_group),
             tensor_shape=(config.model.seq_length, b, config.model.hidden_size),
             group=ps.get_pipeline_model_parallel_group())
