@@ -127,6 +127,21 @@ def setup_model_and_optimizer(config: TrainingConfig) -> TrainState:
     return TrainState(model, stages, ddp, optimizer, scheduler, ps)
 
 
+def build_train_dataset(num_samples: int, seq_length: int, seed: int = 1234, names: tuple[str, ...] = ("shakespeare",)):
+    """The shipped corpus as a GPTDataset of num_samples samples, and its tokenizer (pretrain_gpt.py's
+    train_valid_test_datasets_provider, with one split and one dataset)."""
+    from megalab.data.gpt_dataset import GPTDataset
+    from megalab.data.indexed_dataset import IndexedDataset
+    from megalab.data.preprocess import prepare_corpus
+    from megalab.data.tokenizer import Tokenizer
+
+    if len(names) != 1:
+        raise ValueError("build_train_dataset takes one corpus name; blend several with megalab.data.blended_dataset")
+    tokenizer = Tokenizer.from_file()
+    corpus = IndexedDataset(prepare_corpus(names)[0])
+    return GPTDataset(corpus, seq_length, num_samples, seed, tokenizer.eod), tokenizer
+
+
 def get_batch(dataset, first: int, count: int) -> dict[str, torch.Tensor]:
     """Samples first .. first+count-1 of the dataset, stacked: each field [count, s]."""
     items = [dataset[i] for i in range(first, first + count)]
@@ -196,6 +211,21 @@ def training_log(record: dict, config: TrainingConfig, elapsed: float, world_siz
     return record
 
 
+def measure_peak_flops(n: int = 512, repeats: int = 10) -> float:
+    """FLOP/s of an n x n fp32 matmul on this device: the "peak" MFU is relative to, where no datasheet applies."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    a, b = torch.randn(n, n, device=device), torch.randn(n, n, device=device)
+    a @ b  # warm up
+    if device == "cuda":
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(repeats):
+        a @ b
+    if device == "cuda":
+        torch.cuda.synchronize()
+    return 2 * n**3 * repeats / (time.perf_counter() - start)
+
+
 def print_log(record: dict) -> None:
     mfu = f" | MFU {100 * record['mfu']:.2f}%" if "mfu" in record else ""
     print(f"iteration {record['iteration']:4d} | loss {record['loss']:.4f} | lr {record['lr']:.2e} | "
@@ -232,3 +262,10 @@ def pretrain(config: TrainingConfig, dataset, on_log: Callable[[dict], None] | N
         return records
     finally:
         parallel_state.destroy_model_parallel()
+
+
+def small_gpt_config(vocab_size: int, seq_length: int = 64) -> TransformerConfig:
+    """The chapter's model: 4 layers, hidden 64, untied output layer, no dropout (runs on a laptop CPU)."""
+    return TransformerConfig(num_layers=4, hidden_size=64, num_attention_heads=4, vocab_size=vocab_size,
+                             seq_length=seq_length, hidden_dropout=0.0, attention_dropout=0.0,
+                             share_embeddings_and_output_weights=False)
