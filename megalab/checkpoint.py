@@ -117,6 +117,20 @@ def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
 
 
 # ------------------------------------------------------------------ save
+def commit_checkpoint(tmp: Path, save_dir: str | Path, iteration: int) -> Path:
+    """Publish a fully written tmp folder as iter_<iteration> and point the tracker at it (rank 0 only)."""
+    final, tracker = checkpoint_dir(save_dir, iteration), Path(save_dir) / TRACKER
+    # EXERCISE checkpoint.commit: rename tmp to final (replacing an old one), then replace the tracker atomically
+    ### BEGIN SOLUTION
+    if final.exists():
+        shutil.rmtree(final)
+    os.rename(tmp, final)  # atomic on one file system: the folder exists whole or not at all
+    tracker.with_suffix(".tmp").write_text(str(iteration))
+    os.replace(tracker.with_suffix(".tmp"), tracker)  # readers see the old or the new number, never half
+    ### END SOLUTION
+    return final
+
+
 def save_checkpoint(save_dir: str | Path, iteration: int, model: nn.Module, params: list[nn.Parameter],
                     optimizer: torch.optim.Optimizer, scheduler, consumed_samples: int, tp_group=None) -> Path:
     """Collective: save model, optimizer, RNG and data position of `iteration` (see the module docstring).
@@ -138,12 +152,7 @@ def save_checkpoint(save_dir: str | Path, iteration: int, model: nn.Module, para
         common = {"iteration": iteration, "consumed_samples": consumed_samples, "scheduler": scheduler.state_dict(),
                   "model_config": dataclasses.asdict(model.config), "world_size": dist.get_world_size()}
         torch.save(common, tmp / "common.pt")
-        if final.exists():
-            shutil.rmtree(final)
-        os.rename(tmp, final)  # atomic on one file system: the checkpoint exists whole or not at all
-        tracker = Path(save_dir) / TRACKER
-        tracker.with_suffix(".tmp").write_text(str(iteration))
-        os.replace(tracker.with_suffix(".tmp"), tracker)
+        commit_checkpoint(tmp, save_dir, iteration)
     dist.barrier()
     return final
 
@@ -191,9 +200,12 @@ def load_checkpoint(load_dir: str | Path, model: nn.Module, params: list[nn.Para
             raise CheckpointError(f"{path}: {key} has shape {tuple(metadata[key].size)}, this model {tuple(t.shape)}")
     try:
         dcp.load(state, checkpoint_id=path)
-    except (Exception, CheckpointException) as e:  # DCP's exception is a BaseException
-        raise CheckpointError(f"{path} could not be read ({type(e).__name__}: {e}): it is corrupt; "
-                              "load an earlier iteration") from e
+    except (Exception, CheckpointException) as e:  # DCP's exception is a BaseException, one failure per rank
+        cause = next(iter(e.failures.values())) if isinstance(e, CheckpointException) else e
+        cause = cause[0] if isinstance(cause, tuple) else cause  # (exception, traceback) from another rank
+        detail = (str(cause).strip().splitlines() or [""])[0][:200]
+        raise CheckpointError(f"{path} could not be read ({type(cause).__name__}: {detail}): a file is corrupt "
+                              "or truncated; load an earlier iteration") from e
     dims = tensor_parallel_dims(model)
     with torch.no_grad():
         for name, p in _owned(model, params).items():

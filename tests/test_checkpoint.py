@@ -131,3 +131,15 @@ def test_tracker_and_common_errors(tmp_path):
         ckpt._read_common(d)
     torch.save({"iteration": 1, "consumed_samples": 8}, d / "common.pt")
     assert ckpt._read_common(d)["consumed_samples"] == 8
+
+
+@pytest.mark.exercise("checkpoint.commit")
+def test_commit_is_rename_then_tracker(tmp_path):
+    for iteration in (2, 4, 4):  # a new checkpoint, a later one, the same iteration saved again
+        tmp = tmp_path / f"iter_{iteration:07d}.tmp"
+        tmp.mkdir()
+        (tmp / "common.pt").write_text(str(iteration))
+        final = ckpt.commit_checkpoint(tmp, tmp_path, iteration)
+        assert final == ckpt.checkpoint_dir(tmp_path, iteration) and (final / "common.pt").read_text() == str(iteration)
+        assert not tmp.exists() and ckpt.read_tracker(tmp_path) == iteration
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["iter_0000002", "iter_0000004", ckpt.TRACKER]
