@@ -132,6 +132,9 @@ def test_truncated_bin_and_idx_name_the_file(tmp_path):
     (tmp_path / "d.idx").write_bytes(idx[:-5])
     with pytest.raises(DataFormatError, match=r"d\.idx: truncated"):
         IndexedDataset(prefix)
+    (tmp_path / "d.idx").write_bytes(idx[:20])
+    with pytest.raises(DataFormatError, match=r"d\.idx: truncated, 20 bytes, shorter than the 34-byte header"):
+        IndexedDataset(prefix)
     (tmp_path / "d.idx").write_bytes(idx[:17] + bytes([99]) + idx[18:])
     with pytest.raises(DataFormatError, match="unknown dtype code 99"):
         IndexedDataset(prefix)
@@ -190,6 +193,14 @@ def test_preprocess_round_trips_documents(tmp_path, tokenizer):
     assert code == 8 and list(doc_idx) == [0, 1, 2, 3]  # uint16, one sequence per document
     for doc, seq in zip(docs, seqs):
         assert seq[-1] == tokenizer.eod and tokenizer.detokenize(seq[:-1].tolist()) == doc
+
+
+def test_preprocess_cli_shows_progress(tmp_path, capsys):
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps({"text": f"line {i}"}) + "\n" for i in range(50)))
+    preprocess_main(["--input", str(tmp_path / "in.jsonl"), "--output-prefix", str(tmp_path / "out")])
+    out, err = capsys.readouterr()
+    assert "tokenizing in.jsonl" in err and "100%" in err and "out_text_document.bin" in out
+    assert len(IndexedDataset(tmp_path / "out_text_document")) == 50
 
 
 # ------------------------------------------------------------------ GPT dataset
@@ -304,6 +315,7 @@ def test_realised_mix_matches_the_weights_in_every_prefix(weights):
         assert sample[index == d].tolist() == list(range(int((index == d).sum())))
 
 
+@pytest.mark.exercise("data.build_sample_index")
 @pytest.mark.exercise("data.build_blending_indices")
 def test_blended_gpt_dataset_on_the_corpus(tmp_path, tokenizer):
     prefixes = prepare_corpus(("shakespeare", "milton"), out_dir=tmp_path)
@@ -321,3 +333,44 @@ def test_blended_gpt_dataset_on_the_corpus(tmp_path, tokenizer):
         BlendedDataset(blend.datasets, [1.0], 10)
     with pytest.raises(ValueError, match="build it larger"):
         BlendedDataset(blend.datasets, [0.5, 0.5], 1000)
+
+
+# ------------------------------------------------------------------ Megatron-LM itself, where it is installed
+def test_same_files_indices_and_blend_as_megatron_core(tmp_path, tokenizer):
+    """Only where `megatron-core` is importable (it is not a dependency): `pip install --no-deps megatron-core`."""
+    pytest.importorskip("megatron.core.datasets.helpers_cpp")
+    from megatron.core.datasets import helpers
+    from megatron.core.datasets.gpt_dataset import GPTDataset as MegatronGPTDataset
+    from megatron.core.datasets.gpt_dataset import GPTDatasetConfig
+    from megatron.core.datasets.indexed_dataset import IndexedDataset as MegatronIndexedDataset
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder as MegatronBuilder
+    from megatron.core.datasets.utils import Split
+
+    prefix = prepare_corpus(("milton",), out_dir=tmp_path)[0]
+    ours = IndexedDataset(prefix)
+    theirs = MegatronBuilder(str(tmp_path / "m.bin"), dtype=np.uint16)
+    for i in range(len(ours)):
+        theirs.add_document(torch.from_numpy(ours[i].astype(np.int64)), [len(ours[i])])
+    theirs.finalize(str(tmp_path / "m.idx"))
+    for suffix in (".bin", ".idx"):
+        assert (tmp_path / f"m{suffix}").read_bytes() == open(prefix + suffix, "rb").read()
+
+    class MegatronTokenizer:  # the fields Megatron's GPTDataset reads
+        eod, pad, vocab_size, unique_identifiers = tokenizer.eod, -1, tokenizer.vocab_size, {"class": "megalab"}
+
+    for seq_length, num_samples in [(64, 1000), (32, 5500)]:  # one epoch; a separate final epoch
+        config = GPTDatasetConfig(random_seed=5, sequence_length=seq_length, tokenizer=MegatronTokenizer(),
+                                  reset_position_ids=True, eod_mask_loss=True, reset_attention_mask=False,
+                                  split="100,0,0", path_to_cache=None, mmap_bin_files=True)
+        meg = MegatronGPTDataset(MegatronIndexedDataset(prefix), None, np.arange(len(ours)), num_samples, Split.train, config)
+        gpt = GPTDataset(ours, seq_length, num_samples, 5, tokenizer.eod, reset_position_ids=True, eod_mask_loss=True)
+        assert np.array_equal(meg.document_index, gpt.document_index) and np.array_equal(meg.sample_index, gpt.sample_index)
+        assert np.array_equal(meg.shuffle_index[:num_samples], gpt.shuffle_index[:num_samples])
+        for i in range(0, num_samples, 97):
+            for key in ("tokens", "labels", "loss_mask", "position_ids"):
+                assert torch.equal(torch.as_tensor(meg[i][key]).to(gpt[i][key].dtype), gpt[i][key])
+    weights = np.array([0.2, 0.5, 0.3])
+    dataset_index, dataset_sample_index = np.zeros(3000, np.int16), np.zeros(3000, np.int64)
+    helpers.build_blending_indices(dataset_index, dataset_sample_index, weights, 3, 3000, False)
+    ours_index, ours_sample_index = build_blending_indices(weights, 3000)
+    assert np.array_equal(ours_index, dataset_index) and np.array_equal(ours_sample_index, dataset_sample_index)

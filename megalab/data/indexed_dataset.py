@@ -108,7 +108,10 @@ class _IndexReader:
         size = os.path.getsize(self.idx_path)
         with open(self.idx_path, "rb") as f:
             head = f.read(_HEADER_BYTES)
-        if len(head) < _HEADER_BYTES or head[:9] != _INDEX_HEADER:
+        if head[:9] == _INDEX_HEADER and len(head) < _HEADER_BYTES:
+            raise DataFormatError(f"{self.idx_path}: truncated, {size} bytes, shorter than the {_HEADER_BYTES}-byte header; "
+                                  "re-run preprocessing")
+        if head[:9] != _INDEX_HEADER:
             raise DataFormatError(
                 f"{self.idx_path}: not a Megatron index file (magic {head[:9]!r}, expected {_INDEX_HEADER!r}); "
                 "re-run preprocessing to rebuild it")
