@@ -61,6 +61,7 @@ class TrainingConfig:
     lr_decay_iters: int | None = None  # default: train_iters
     lr_decay_style: str = "cosine"
     lr_wsd_decay_iters: int | None = None
+    lr_wsd_decay_style: str = "linear"
     weight_decay: float = 0.1
     adam_beta1: float = 0.9
     adam_beta2: float = 0.95
@@ -77,6 +78,9 @@ class TrainingConfig:
         if self.model.share_embeddings_and_output_weights:
             raise ValueError("pretrain needs share_embeddings_and_output_weights=False (tied embeddings across "
                              "pipeline stages are not wired here)")
+        if self.model.sequence_parallel:
+            raise ValueError("pretrain does not wire sequence parallelism (the pipeline stages skip its scatter); "
+                             "set sequence_parallel=False")
         if self.model.gated_linear_unit and self.tensor_model_parallel_size > 1:
             raise ValueError("gated_linear_unit with tensor parallelism is not supported by the checkpoints here")
 
@@ -122,7 +126,8 @@ def setup_model_and_optimizer(config: TrainingConfig) -> TrainState:
                                   betas=(config.adam_beta1, config.adam_beta2))
     scheduler = OptimizerParamScheduler(optimizer, config.lr, config.min_lr, config.lr_warmup_iters,
                                         config.lr_decay_iters or config.train_iters, config.lr_decay_style,
-                                        wsd_decay_steps=config.lr_wsd_decay_iters)
+                                        wsd_decay_steps=config.lr_wsd_decay_iters,
+                                        lr_wsd_decay_style=config.lr_wsd_decay_style)
     torch.manual_seed(config.seed + 100 * dist.get_rank())  # per-rank stream from here on (dropout)
     return TrainState(model, stages, ddp, optimizer, scheduler, ps)
 

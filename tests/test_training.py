@@ -127,3 +127,16 @@ def test_resharded_resume(runs, layout):
     assert [r[0] for r in other] == [3, 4]
     for a, b in zip(other, full[2:]):
         assert a[1] == pytest.approx(b[1], rel=1e-5) and a[3] == b[3]
+
+
+def test_config_errors():
+    from megalab.training import TrainingConfig
+
+    for field, message in [("share_embeddings_and_output_weights", "share_embeddings_and_output_weights=False"),
+                           ("sequence_parallel", "sequence_parallel=False")]:
+        with pytest.raises(ValueError, match=message):
+            TrainingConfig(model=TransformerConfig(**{**MODEL, field: True}), **TRAIN)
+    with pytest.raises(ValueError, match="global_batch_size=6 is not a multiple"):
+        from megalab.training import num_microbatches
+
+        num_microbatches(training_config(global_batch_size=6), dp=4)
