@@ -1,0 +1,145 @@
+"""Checkpoints: a rank killed mid-save leaves the last good checkpoint loadable; corrupt or
+mismatched checkpoints fail with a clear error. (Bit-exact and resharded resume: test_training.py.)
+
+Two 2-rank launches (tp2): the first trains 4 iterations saving every 2, and rank 1 dies
+(os._exit) while writing iteration 4's shards; the second resumes from what is on disk and
+tries the broken variants.
+"""
+
+import shutil
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+
+from megalab import checkpoint as ckpt
+from megalab import launch
+from tests.test_training import dataset, reference_run, training_config
+
+
+def _crash_worker(root: str):
+    import os
+
+    import torch.distributed.checkpoint as dcp
+
+    from megalab import dist as mdist
+    from megalab.training import pretrain
+
+    rank, _ = mdist.init()
+    write_data = dcp.FileSystemWriter.write_data
+
+    def write_then_die(self, plan, planner):  # rank 1 writes its iteration-4 shard, then dies before the commit
+        future = write_data(self, plan, planner)
+        if rank == 1 and "iter_0000004" in str(self.path):
+            future.wait()
+            os._exit(1)
+        return future
+
+    dcp.FileSystemWriter.write_data = write_then_die
+    pretrain(training_config(tensor_model_parallel_size=2, save=f"{root}/ckpt", save_interval=2), dataset(), None)
+
+
+def _try(fn):
+    try:
+        fn()
+        return "no error"
+    except ckpt.CheckpointError as e:
+        return str(e)
+
+
+def _resume_worker(root: str):
+    from megalab import dist as mdist
+    from megalab import parallel_state
+    from megalab.training import pretrain, setup_model_and_optimizer
+
+    mdist.init()
+    out = {"resumed": [(r["iteration"], r["loss"]) for r in pretrain(
+        training_config(tensor_model_parallel_size=2, load=f"{root}/ckpt", exit_interval=3), dataset(), None)]}
+
+    def load(config, directory, iteration=None):
+        state = setup_model_and_optimizer(config)
+        try:
+            ckpt.load_checkpoint(directory, state.model, state.params, state.optimizer, state.scheduler,
+                                 state.ps.get_tensor_model_parallel_group(), iteration)
+        finally:
+            parallel_state.destroy_model_parallel()
+
+    good = training_config(tensor_model_parallel_size=2)
+    bigger = training_config(tensor_model_parallel_size=2)
+    bigger.model.hidden_size, bigger.model.ffn_hidden_size = 64, 256
+    out["mismatch"] = _try(lambda: load(bigger, f"{root}/ckpt"))
+    out["partial"] = _try(lambda: load(good, f"{root}/ckpt", 4))
+    out["empty"] = _try(lambda: load(good, f"{root}/nothing"))
+    out["truncated_shard"] = _try(lambda: load(good, f"{root}/truncated"))
+    out["no_metadata"] = _try(lambda: load(good, f"{root}/no_metadata"))
+    torch.distributed.barrier()
+    return out
+
+
+@pytest.fixture(scope="module")
+def results():
+    with tempfile.TemporaryDirectory() as root:
+        with pytest.raises(launch.RankFailedError):  # rank 1 died; rank 0 lost its peer
+            launch.run_function(_crash_worker, 2, root, launch=dict(timeout=300))
+        save_dir = Path(root) / "ckpt"
+        on_disk = sorted(p.name for p in save_dir.iterdir())
+        tracker = ckpt.read_tracker(save_dir)
+        good = ckpt.checkpoint_dir(save_dir, 2)
+        for name in ("truncated", "no_metadata"):
+            shutil.copytree(good, Path(root) / name / good.name)
+            (Path(root) / name / ckpt.TRACKER).write_text("2")
+        shard = sorted((Path(root) / "truncated" / good.name).glob("*.distcp"))[0]
+        shard.write_bytes(shard.read_bytes()[:100])
+        (Path(root) / "no_metadata" / good.name / ".metadata").unlink()
+        res = launch.run_function(_resume_worker, 2, root, launch=dict(timeout=300)).returns
+        return on_disk, tracker, res
+
+
+def test_crash_mid_save_keeps_last_good_checkpoint(results):
+    on_disk, tracker, res = results
+    assert tracker == 2
+    assert "iter_0000002" in on_disk and "iter_0000004.tmp" in on_disk and "iter_0000004" not in on_disk
+    (iteration, loss), = res[0]["resumed"]
+    assert iteration == 3
+    assert loss == pytest.approx(reference_run(3)[2][0], rel=1e-5)
+    assert res[0] == res[1]
+
+
+def test_bad_checkpoints_give_clear_errors(results):
+    res = results[2][0]
+    assert "saved from another model" in res["mismatch"] and "hidden_size" in res["mismatch"]
+    assert "does not exist" in res["partial"]
+    assert "no latest_checkpointed_iteration.txt" in res["empty"]
+    assert "could not be read" in res["truncated_shard"]
+    assert "incomplete" in res["no_metadata"]
+
+
+def test_tracker_and_common_errors(tmp_path):
+    assert ckpt.read_tracker(tmp_path) is None
+    (tmp_path / ckpt.TRACKER).write_text("latest")
+    with pytest.raises(ckpt.CheckpointError, match="iteration number"):
+        ckpt.read_tracker(tmp_path)
+    d = tmp_path / "iter_0000001"
+    d.mkdir()
+    (d / ".metadata").write_bytes(b"")
+    torch.save({"iteration": 1, "config": Path("/")}, d / "common.pt")  # an object weights_only refuses
+    with pytest.raises(ckpt.CheckpointError, match="weights_only=True"):
+        ckpt._read_common(d)
+    (d / "common.pt").write_bytes(b"not a checkpoint")
+    with pytest.raises(ckpt.CheckpointError, match="corrupt"):
+        ckpt._read_common(d)
+    torch.save({"iteration": 1, "consumed_samples": 8}, d / "common.pt")
+    assert ckpt._read_common(d)["consumed_samples"] == 8
+
+
+@pytest.mark.exercise("checkpoint.commit")
+def test_commit_is_rename_then_tracker(tmp_path):
+    for iteration in (2, 4, 4):  # a new checkpoint, a later one, the same iteration saved again
+        tmp = tmp_path / f"iter_{iteration:07d}.tmp"
+        tmp.mkdir()
+        (tmp / "common.pt").write_text(str(iteration))
+        final = ckpt.commit_checkpoint(tmp, tmp_path, iteration)
+        assert final == ckpt.checkpoint_dir(tmp_path, iteration) and (final / "common.pt").read_text() == str(iteration)
+        assert not tmp.exists() and ckpt.read_tracker(tmp_path) == iteration
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["iter_0000002", "iter_0000004", ckpt.TRACKER]

@@ -1,0 +1,168 @@
+"""Weight-decay groups, global-norm clipping and the LR schedule against PyTorch and independent formulas.
+
+(The distributed clipping — tp2·pp2 against torch.nn.utils.clip_grad_norm_ on one process — is
+checked by tests/test_training.py::test_tp2_pp2_matches_single_process, which compares the norms.)
+"""
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from megalab import optimizer as opt
+from megalab.config import TransformerConfig
+from megalab.model import GPTModel
+from megalab.training import masked_loss
+
+
+def _sgd(params=None):
+    return torch.optim.SGD(params or [nn.Parameter(torch.zeros(1))], lr=1.0)
+
+
+def _schedule(style, steps=30, **kw):
+    sched = opt.OptimizerParamScheduler(_sgd(), max_lr=1.0, min_lr=0.1, lr_warmup_steps=5, lr_decay_steps=25,
+                                        lr_decay_style=style, **kw)
+    lrs = [sched.get_lr()]
+    for _ in range(steps):
+        lrs.append(sched.step())
+    return lrs
+
+
+def _expected(step, style, wsd_steps=10, wsd_style="linear"):
+    """Megatron's schedule written out independently (warmup 5, decay until 25, max 1, min 0.1)."""
+    if step <= 5:
+        return step / 5
+    if style == "constant":
+        return 1.0
+    if step > 25:
+        return 0.1
+    r = (step - 5) / 20
+    if style == "linear":
+        return 0.1 + 0.9 * (1 - r)
+    if style == "cosine":
+        return 0.1 + 0.9 * (1 + math.cos(math.pi * r)) / 2
+    if step <= 25 - wsd_steps:
+        return 1.0
+    q = (step - (25 - wsd_steps)) / wsd_steps
+    c = {"linear": 1 - q, "cosine": (1 + math.cos(math.pi * q)) / 2, "exponential": 2 * 0.5**q - 1,
+         "minus_sqrt": 1 - math.sqrt(q)}[wsd_style]
+    return 0.1 + 0.9 * c
+
+
+@pytest.mark.exercise("optimizer.get_lr")
+@pytest.mark.parametrize("style", ["constant", "linear", "cosine"])
+def test_schedule_matches_formula(style):
+    assert _schedule(style) == pytest.approx([_expected(s, style) for s in range(31)], abs=1e-12)
+
+
+@pytest.mark.exercise("optimizer.get_lr")
+@pytest.mark.parametrize("wsd_style", ["linear", "cosine", "exponential", "minus_sqrt"])
+def test_wsd_schedule(wsd_style):
+    lrs = _schedule("WSD", wsd_decay_steps=10, lr_wsd_decay_style=wsd_style)
+    assert lrs == pytest.approx([_expected(s, "WSD", 10, wsd_style) for s in range(31)], abs=1e-12)
+    assert lrs[5:16] == [1.0] * 11 and lrs[25] == pytest.approx(0.1)  # stable phase, then down to min_lr
+
+
+@pytest.mark.exercise("optimizer.get_lr")
+def test_cosine_matches_torch_schedulers():
+    """No warmup, min_lr 0.1: Megatron's cosine is torch's CosineAnnealingLR(T_max, eta_min) step for step."""
+    ours = opt.OptimizerParamScheduler(_sgd(), 1.0, 0.1, 0, 20, "cosine")
+    torch_opt = _sgd()
+    torch_sched = torch.optim.lr_scheduler.CosineAnnealingLR(torch_opt, T_max=20, eta_min=0.1)
+    for _ in range(20):
+        torch_opt.step()
+        torch_sched.step()
+        assert ours.step() == pytest.approx(torch_opt.param_groups[0]["lr"], abs=1e-12)
+    # warmup then linear decay to 0: LambdaLR with the same rule written as a multiplier
+    ours = opt.OptimizerParamScheduler(_sgd(), 1.0, 0.0, 4, 12, "linear")
+    torch_opt = _sgd()
+    lam = torch.optim.lr_scheduler.LambdaLR(torch_opt, lambda s: s / 4 if s <= 4 else max(0.0, 1 - (s - 4) / 8))
+    for _ in range(14):
+        torch_opt.step()
+        lam.step()
+        assert ours.step() == pytest.approx(torch_opt.param_groups[0]["lr"], abs=1e-12)
+
+
+def test_scheduler_state_and_bad_input():
+    a = opt.OptimizerParamScheduler(_sgd(), 1.0, 0.1, 2, 10, "cosine")
+    for _ in range(6):
+        a.step()
+    b = opt.OptimizerParamScheduler(_sgd(), 1.0, 0.1, 2, 10, "cosine")
+    b.load_state_dict(a.state_dict())
+    assert b.num_steps == 6 and b.optimizer.param_groups[0]["lr"] == a.get_lr()
+    with pytest.raises(ValueError, match="same schedule"):
+        opt.OptimizerParamScheduler(_sgd(), 1.0, 0.1, 2, 20, "cosine").load_state_dict(a.state_dict())
+    with pytest.raises(ValueError, match="lr_decay_style"):
+        opt.OptimizerParamScheduler(_sgd(), 1.0, 0.1, 2, 10, "cosin")
+    with pytest.raises(ValueError, match="min_lr"):
+        opt.OptimizerParamScheduler(_sgd(), 0.1, 1.0, 2, 10)
+    with pytest.raises(ValueError, match="wsd_decay_steps"):
+        opt.OptimizerParamScheduler(_sgd(), 1.0, 0.1, 2, 10, "WSD")
+
+
+def test_param_groups_exclude_biases_and_norms():
+    model = GPTModel(TransformerConfig(num_layers=2, hidden_size=16, num_attention_heads=2, vocab_size=32,
+                                       seq_length=8))
+    decay, no_decay = opt.get_param_groups(model, 0.1)
+    names = {id(p): n for n, p in model.named_parameters()}
+    assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
+    assert all(p.ndim == 2 for p in decay["params"])
+    assert {names[id(p)] for p in no_decay["params"]} == {n for n, p in model.named_parameters() if p.ndim == 1}
+    assert any("layernorm" in names[id(p)] for p in no_decay["params"])
+    assert len(decay["params"]) + len(no_decay["params"]) == len(list(model.parameters()))
+
+
+def _grads(seed):
+    g = torch.Generator().manual_seed(seed)
+    params = [nn.Parameter(torch.zeros(n)) for n in (7, 3, 5)]
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=g) * 3
+    return params
+
+
+@pytest.mark.exercise("optimizer.grad_norm")
+def test_clip_grad_norm_matches_torch():
+    for max_norm in (0.5, 1e3):  # clipped, and untouched
+        ours, ref = _grads(0), _grads(0)
+        norm = opt.clip_grad_norm(ours, max_norm)
+        ref_norm = torch.nn.utils.clip_grad_norm_(ref, max_norm)
+        assert norm == pytest.approx(ref_norm.item(), rel=1e-6)
+        for a, b in zip(ours, ref):
+            torch.testing.assert_close(a.grad, b.grad)
+
+
+@pytest.mark.exercise("optimizer.grad_norm")
+def test_tp_duplicates_and_shared_params_counted_once():
+    """A replicated (not tensor_model_parallel) tensor counts on TP rank 0 only; a `shared` one never."""
+    split, replicated, shared = _grads(1)
+    split.tensor_model_parallel, shared.shared = True, True
+    expected = torch.cat([split.grad, replicated.grad]).norm().item()
+    assert opt.get_grad_norm_fp32([split, replicated, shared], tp_rank=0) == pytest.approx(expected, rel=1e-6)
+    assert opt.get_grad_norm_fp32([split, replicated, shared], tp_rank=1) == pytest.approx(split.grad.norm().item(),
+                                                                                           rel=1e-6)
+
+
+def test_clip_bad_input():
+    with pytest.raises(ValueError, match="max_norm"):
+        opt.clip_grad_norm(_grads(0), 0.0)
+    params = _grads(0)
+    params[0].grad[0] = float("nan")
+    with pytest.raises(FloatingPointError, match="diverged"):
+        opt.clip_grad_norm(params, 1.0)
+
+
+@pytest.mark.exercise("training.masked_loss")
+def test_masked_loss_is_the_token_mean_of_the_global_batch():
+    """Micro-batches with different numbers of unmasked tokens: the executor's (1/m)·(1/dp) of the
+    pre-scaled shares gives the mean over all tokens, not the mean of the micro-batch means."""
+    g = torch.Generator().manual_seed(0)
+    m, dp = 3, 2
+    losses = [torch.rand(2, 6, generator=g) for _ in range(m * dp)]
+    masks = [(torch.rand(2, 6, generator=g) < p).float() for p in (0.2, 0.9, 0.5, 0.7, 0.3, 1.0)]
+    n = float(sum(mask.sum() for mask in masks))
+    total = sum(masked_loss(loss, mask, n, m, dp) for loss, mask in zip(losses, masks)) / (m * dp)
+    token_mean = torch.cat([loss[mask.bool()] for loss, mask in zip(losses, masks)]).mean()
+    torch.testing.assert_close(total, token_mean)
+    mean_of_means = torch.stack([loss[mask.bool()].mean() for loss, mask in zip(losses, masks)]).mean()
+    assert not torch.allclose(token_mean, mean_of_means)
