@@ -13,7 +13,7 @@ Each rank builds the same model from the same seed, keeps its part and runs one 
 
 and the step must equal the single-process one: the same loss (the mean over every token of the
 global batch) and the same weights after the optimizer step, compared shard by shard
-(`full_shard_of`). Megatron: pretrain_gpt.py's model_provider + megatron/training/training.py
+(`tensor_parallel.full_shard_of`). Megatron: pretrain_gpt.py's model_provider + megatron/training/training.py
 train_step, which run exactly these pieces for every layout.
 """
 
@@ -43,16 +43,6 @@ class StepResult:
     reference_loss: float  # the single-process step's
     worst_weight_diff: float  # max |ours - single process| over this rank's parameters after the step
     num_params: int  # parameters this rank holds
-
-
-def full_shard_of(full: torch.Tensor, local: torch.Tensor, rank: int, stride: int = 1) -> torch.Tensor:
-    """The slice of a single-process tensor that `local` holds on tp rank `rank`: along the first dim
-    where their shapes differ; with stride k, the rank's slice of each of the k parts (fused [gate; up])."""
-    for dim, (a, b) in enumerate(zip(full.shape, local.shape)):
-        if a != b:
-            n = b // stride
-            return torch.cat([part.narrow(dim, rank * n, n) for part in full.chunk(stride, dim)], dim)
-    return full
 
 
 def global_batch(config: TransformerConfig, batch_size: int, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
@@ -158,7 +148,7 @@ def train_step(config: TransformerConfig, state: ps.ParallelState, batch_size: i
         chunk, _, stage_name = name.partition(".")
         ref = reference[_model_name(stage_name, stages, int(chunk), first_expert)]
         stride = 2 if config.gated_linear_unit and "linear_fc1" in name else 1
-        worst = max(worst, (param.detach() - full_shard_of(ref, param, tp_rank, stride)).abs().max().item())
+        worst = max(worst, (param.detach() - tp.full_shard_of(ref, param, tp_rank, stride)).abs().max().item())
     return StepResult(loss.item() / (dp * cp), reference_loss, worst, sum(p.numel() for p in full.values()))
 
 

@@ -310,6 +310,17 @@ def _split_master(master: torch.Tensor, dim: int, group, stride: int = 1) -> tor
     return torch.cat([part.narrow(dim, rank * size, size) for part in parts], dim).clone()
 
 
+def full_shard_of(full: torch.Tensor, local: torch.Tensor, rank: int, stride: int = 1) -> torch.Tensor:
+    """The slice of a single-device tensor that `local` holds on TP rank `rank` (to compare a
+    parallel run with one device): along the first dimension where their shapes differ; with
+    stride k, the rank's slice of each of the k parts (a fused [gate; up])."""
+    for dim, (a, b) in enumerate(zip(full.shape, local.shape)):
+        if a != b:
+            n = b // stride
+            return torch.cat([part.narrow(dim, rank * n, n) for part in full.chunk(stride, dim)], dim)
+    return full
+
+
 class ColumnParallelLinear(nn.Module):
     """Y = X A with A's columns split: this rank holds weight [out/t, in] and bias [out/t].
 

@@ -17,8 +17,8 @@ from megalab import parallel_state as ps
 from megalab.config import TransformerConfig
 from megalab.model import GPTModel, TransformerLayer
 from megalab.model.recompute import SavedTensorsMeter
-from megalab.tensor_parallel import tensor_parallel_layer_spec
-from tests.test_tensor_parallel import _diff, _shard
+from megalab.tensor_parallel import full_shard_of, tensor_parallel_layer_spec
+from tests.test_tensor_parallel import _diff
 
 TOL = 1e-5  # fp32, every output and gradient
 SMALL = dict(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=64, seq_length=16,
@@ -215,7 +215,7 @@ def _gpt(state):
             for pname, p in model.named_parameters():
                 q, stride = ref_params[pname], 2 if config.gated_linear_unit and "linear_fc1" in pname else 1
                 names.add(pname)
-                worst = max(worst, _diff(p.grad, _shard(q.grad, p, tp_rank, stride)))
+                worst = max(worst, _diff(p.grad, full_shard_of(q.grad, p, tp_rank, stride)))
             out[f"{name} {variant}"] = worst if names == set(ref_params) else float("inf")
     return out
 

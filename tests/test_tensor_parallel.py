@@ -33,16 +33,6 @@ def _rank_tensor(r, *shape):
     return torch.randn(*shape, generator=torch.Generator().manual_seed(100 + r))
 
 
-def _shard(full, local, rank, stride=1):
-    """The slice of `full` that `local` holds on this rank: the dimension where their shapes differ
-    (with stride k: the rank's slice of each of the k parts of that dimension)."""
-    for dim, (a, b) in enumerate(zip(full.shape, local.shape)):
-        if a != b:
-            n = b // stride
-            return torch.cat([part.narrow(dim, rank * n, n) for part in full.chunk(stride, dim)], dim)
-    return full
-
-
 def _diff(a, b):
     if a.shape != b.shape:
         return float("inf")
@@ -109,11 +99,11 @@ def _mlp(t, rank, group):
         y = row(F.gelu(col(x)))
         y.backward(dy[rank * s // t:(rank + 1) * s // t] if sp else dy)
         tp.allreduce_sequence_parallel_grads(row, group)
-        worst = max(_diff(y, _shard(y_ref, y, rank)), _diff(x.grad, _shard(x_full.grad, x.grad, rank)))
+        worst = max(_diff(y, tp.full_shard_of(y_ref, y, rank)), _diff(x.grad, tp.full_shard_of(x_full.grad, x.grad, rank)))
         for mine, ref in [(col, fc1), (row, fc2)]:
             for name in ("weight", "bias"):
                 p, q = getattr(mine, name), getattr(ref, name)
-                worst = max(worst, _diff(p, _shard(q, p, rank)), _diff(p.grad, _shard(q.grad, p, rank)))
+                worst = max(worst, _diff(p, tp.full_shard_of(q, p, rank)), _diff(p.grad, tp.full_shard_of(q.grad, p, rank)))
         out[f"mlp sp={sp}"] = worst
     # the other two modes, alone
     config = TransformerConfig(num_layers=1, hidden_size=h, num_attention_heads=2, vocab_size=8, seq_length=s)
@@ -149,7 +139,7 @@ def _embedding(t, rank, group):
     y.backward(dy)
     F.embedding(ids, master).backward(dy)
     return {"embedding": max(_diff(y, F.embedding(ids, master)),
-                             _diff(emb.weight.grad, _shard(master.grad, emb.weight, rank)))}
+                             _diff(emb.weight.grad, tp.full_shard_of(master.grad, emb.weight, rank)))}
 
 
 def _cross_entropy(t, rank, group):
@@ -161,11 +151,11 @@ def _cross_entropy(t, rank, group):
         full = logits.clone().requires_grad_()
         ref = F.cross_entropy(full.view(-1, V), target.view(-1), reduction="none", label_smoothing=smoothing)
         ref.backward(dl.view(-1))
-        local = _shard(logits, torch.empty(3, 10, V // t), rank).clone().requires_grad_()
+        local = tp.full_shard_of(logits, torch.empty(3, 10, V // t), rank).clone().requires_grad_()
         loss = tp.vocab_parallel_cross_entropy(local, target, label_smoothing=smoothing, group=group)
         loss.backward(dl)
         out[f"cross_entropy smoothing={smoothing}"] = max(_diff(loss, ref.view(3, 10)),
-                                                          _diff(local.grad, _shard(full.grad, local, rank)))
+                                                          _diff(local.grad, tp.full_shard_of(full.grad, local, rank)))
     return out
 
 
@@ -191,7 +181,7 @@ def _gpt(t, rank, group):
             for name, p in model.named_parameters():
                 q, stride = ref_params[name], 2 if config.gated_linear_unit and "linear_fc1" in name else 1
                 names.add(name)
-                worst = max(worst, _diff(p, _shard(q, p, rank, stride)), _diff(p.grad, _shard(q.grad, p, rank, stride)))
+                worst = max(worst, _diff(p, tp.full_shard_of(q, p, rank, stride)), _diff(p.grad, tp.full_shard_of(q.grad, p, rank, stride)))
             if names != set(ref_params):
                 worst = float("inf")
             out[f"gpt {variant} sp={sp}"] = worst
@@ -226,7 +216,7 @@ def _dtensor(t, rank, group):
         for mod, src in [(ref.fc1, fc1), (ref.fc2, fc2)]:
             for name in ("weight", "bias"):
                 local = getattr(mod, name).to_local()
-                local.copy_(_shard(getattr(src, name), local, rank))
+                local.copy_(tp.full_shard_of(getattr(src, name), local, rank))
     x = _rank_tensor(1, 8, 2, h)
     y_ref = ref(x)
     y_ref.sum().backward()
