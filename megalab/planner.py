@@ -330,13 +330,11 @@ def communication(model: ModelSpec, layout: Layout, train: Training, num_microba
 def crosses_nodes(layout: Layout, train: Training) -> dict[str, bool]:
     """Whether each kind's groups span nodes, with Megatron's order tp-cp-ep-dp-pp (tp fastest):
     a group of size n whose ranks are `stride` apart spans stride * n consecutive ranks."""
-    stride = {"tp": 1, "cp": layout.tp, "dp": layout.tp * layout.cp, "pp": layout.tp * layout.cp * layout.dp,
+    # "dp" is the dp-cp group the gradients are reduced over: cp and dp ranks together, tp apart
+    stride = {"tp": 1, "cp": layout.tp, "dp": layout.tp, "pp": layout.tp * layout.cp * layout.dp,
               "ep": layout.etp}  # expert layers: etp-ep-edp-pp
     size = {"tp": layout.tp, "cp": layout.cp, "dp": layout.dp * layout.cp, "pp": layout.pp, "ep": layout.ep}
-    size_dp_stride = layout.tp  # the dp-cp group (gradients) starts at the tp stride
-    spans = {k: stride[k] * size[k] > train.gpus_per_node for k in stride}
-    spans["dp"] = size_dp_stride * size["dp"] > train.gpus_per_node
-    return spans
+    return {k: stride[k] * size[k] > train.gpus_per_node for k in stride}
 
 
 def step_time(model: ModelSpec, layout: Layout, train: Training, bubble: float, comm: dict[str, float]) -> float:
