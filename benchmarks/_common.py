@@ -1,4 +1,5 @@
-"""Shared by the benchmarks: medians, a printed table, and JSON in benchmarks/results/."""
+"""Shared by the benchmarks: medians, a printed table, JSON in benchmarks/results/, and (inside
+the ranks) interleaved timed training steps."""
 
 from __future__ import annotations
 
@@ -6,6 +7,8 @@ import json
 import os
 import platform
 import statistics
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 RESULTS = Path(os.environ.get("MEGALAB_BENCH_RESULTS", Path(__file__).resolve().parent / "results"))
@@ -32,3 +35,25 @@ def report(name: str, header: list[str], rows: list[list], extra: dict | None = 
 
 def _fmt(v) -> str:
     return f"{v:.3f}" if isinstance(v, float) else str(v)
+
+
+def timed_steps(forward: dict[str, Callable], optimizers: dict[str, object], steps: int,
+                warmup: int = 2) -> dict[str, list[float]]:
+    """Inside every rank: SGD-style steps on loss = forward[name]().square().mean(), the variants
+    interleaved so they share the machine's state, each between two barriers (the slowest rank's
+    time). Returns the seconds of the last `steps` steps per variant."""
+    import torch.distributed as dist
+
+    times = {name: [] for name in forward}
+    for step in range(warmup + steps):
+        for name, fn in forward.items():
+            dist.barrier()
+            start = time.perf_counter()
+            loss = fn().square().mean()
+            optimizers[name].zero_grad()
+            loss.backward()
+            optimizers[name].step()
+            dist.barrier()
+            if step >= warmup:
+                times[name].append(time.perf_counter() - start)
+    return times

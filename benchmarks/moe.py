@@ -20,8 +20,8 @@ from _common import median, report  # noqa: E402
 from megalab import calc, launch  # noqa: E402
 
 CODE = """
-import time
 import torch
+from benchmarks._common import timed_steps
 from megalab import dist as mdist, moe, parallel_state as ps
 from megalab.config import TransformerConfig
 
@@ -38,18 +38,7 @@ for name in ("alltoall", "allgather"):
     layers[name] = moe.MoELayer(config)
     optimizers[name] = torch.optim.SGD(layers[name].parameters(), lr=1e-3)
 x = torch.randn(tokens, 1, h, generator=torch.Generator().manual_seed(100 + rank))
-times = dict(alltoall=[], allgather=[])
-for step in range(steps + 2):  # two warm-up steps
-    for name in ("alltoall", "allgather"):
-        torch.distributed.barrier()
-        start = time.perf_counter()
-        loss = layers[name](x).square().mean()
-        optimizers[name].zero_grad()
-        loss.backward()
-        optimizers[name].step()
-        torch.distributed.barrier()
-        if step >= 2:
-            times[name].append(time.perf_counter() - start)
+times = timed_steps({{name: (lambda name=name: layers[name](x)) for name in layers}}, optimizers, steps)
 mdist.publish("times", times)
 mdist.publish("a2a_bytes", layers["alltoall"].token_dispatcher.a2a_bytes)
 torch.distributed.barrier()

@@ -18,8 +18,8 @@ from _common import median, report  # noqa: E402
 from megalab import launch  # noqa: E402
 
 CODE = """
-import time
 import torch
+from benchmarks._common import timed_steps
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
@@ -52,18 +52,7 @@ theirs = parallelize_module(MLP(), init_device_mesh("cpu", (world,)), dict(fc1=C
 x = torch.randn(tokens, 1, h, generator=torch.Generator().manual_seed(1))
 forward = dict(ours=lambda: row(F.gelu(col(x))), dtensor=lambda: theirs(x))
 optimizers = dict(ours=torch.optim.SGD(ours.parameters(), lr=1e-3), dtensor=torch.optim.SGD(theirs.parameters(), lr=1e-3))
-times = dict(ours=[], dtensor=[])
-for step in range(steps + 2):  # two warm-up steps
-    for name in ("ours", "dtensor"):
-        torch.distributed.barrier()
-        start = time.perf_counter()
-        loss = forward[name]().square().mean()
-        optimizers[name].zero_grad()
-        loss.backward()
-        optimizers[name].step()
-        torch.distributed.barrier()
-        if step >= 2:
-            times[name].append(time.perf_counter() - start)
+times = timed_steps(forward, optimizers, steps)
 mdist.publish("times", times)
 torch.distributed.barrier()
 """
