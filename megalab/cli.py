@@ -1,4 +1,4 @@
-"""The `megalab` command: doctor, notebooks, and the exercise tools (exercises, student, grade, report)."""
+"""The `megalab` command: doctor, notebooks, timings, and the exercise tools (exercises, student, grade, report)."""
 
 from __future__ import annotations
 
@@ -18,6 +18,14 @@ def _notebooks(args: argparse.Namespace) -> int:
     from megalab.notebooks import execute_all
 
     return execute_all(args.paths, timeout=args.timeout)
+
+
+def _timings(args: argparse.Namespace) -> int:
+    from megalab.exercises import find_root
+    from megalab.notebooks import course_timings, timings_table
+
+    print(timings_table(course_timings(find_root() / "course")))
+    return 0
 
 
 def _exercises(args: argparse.Namespace) -> int:
@@ -107,6 +115,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("paths", nargs="*", default=["course"], help="notebooks or folders (default: course)")
     p.add_argument("--timeout", type=float, default=600, help="seconds per cell")
     p.set_defaults(func=_notebooks)
+
+    p = sub.add_parser("timings", help="per chapter: study time (the notebooks' headers) and recorded run time")
+    p.set_defaults(func=_timings)
 
     p = sub.add_parser("exercises", help="list the exercises (id, where, notebook, tests) and check their markers")
     p.set_defaults(func=_exercises)

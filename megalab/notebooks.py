@@ -6,6 +6,7 @@ budget check in tests/test_notebooks.py can report it without running anything.
 
 from __future__ import annotations
 
+import re
 import time
 from pathlib import Path
 
@@ -46,3 +47,39 @@ def execute_all(paths: list[str], timeout: float = 600) -> int:
         flag = "" if seconds <= BUDGET_SECONDS else f"  over the {BUDGET_SECONDS} s budget"
         print(f"ok      {path}  {seconds:6.1f} s{flag}")
     return status
+
+
+STUDY_TIME = re.compile(r"\*\*Time\.\*\*\s*(?:About\s+)?(\d+)\s+minutes", re.IGNORECASE)
+
+
+def study_minutes(nb) -> int | None:
+    """The reader's time a notebook declares in its header (`**Time.** About 40 minutes.`)."""
+    for cell in nb.cells[:4]:
+        if cell.cell_type == "markdown" and (match := STUDY_TIME.search(cell.source)):
+            return int(match.group(1))
+    return None
+
+
+def course_timings(course: Path) -> list[dict]:
+    """One row per chapter: notebooks, the readers' study time and the recorded run time on this machine."""
+    rows = {}
+    for path in find_notebooks([str(course)]):
+        nb = nbformat.read(path, as_version=4)
+        row = rows.setdefault(path.parent.name, {"chapter": path.parent.name, "notebooks": 0, "study_minutes": 0,
+                                                 "run_seconds": 0.0})
+        row["notebooks"] += 1
+        row["study_minutes"] += study_minutes(nb) or 0
+        row["run_seconds"] += nb.metadata.get("megalab", {}).get("run_seconds", 0.0)
+    return [rows[name] for name in sorted(rows)]
+
+
+def timings_table(rows: list[dict]) -> str:
+    """The README's course-timings table (markdown)."""
+    lines = ["| chapter | notebooks | study time | run time, 2 CPU cores |", "|---|---:|---:|---:|"]
+    for r in rows + [{"chapter": "**whole course**", "notebooks": sum(r["notebooks"] for r in rows),
+                      "study_minutes": sum(r["study_minutes"] for r in rows),
+                      "run_seconds": sum(r["run_seconds"] for r in rows)}]:
+        hours, minutes = divmod(r["study_minutes"], 60)
+        study = f"{hours} h {minutes:02d} min" if hours else f"{minutes} min"
+        lines.append(f"| {r['chapter']} | {r['notebooks']} | {study} | {r['run_seconds'] / 60:.1f} min |")
+    return "\n".join(lines)

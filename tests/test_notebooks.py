@@ -9,7 +9,7 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from megalab.notebooks import BUDGET_SECONDS, find_notebooks
+from megalab.notebooks import BUDGET_SECONDS, course_timings, find_notebooks, study_minutes, timings_table
 
 ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOKS = [p.relative_to(ROOT).as_posix() for p in find_notebooks([str(ROOT / "course")])]
@@ -87,3 +87,35 @@ def test_notebook_run_times_within_budget(capsys):
     if total > COURSE_BUDGET_SECONDS:
         bad.append(f"the course takes {total:.0f} s, over {COURSE_BUDGET_SECONDS} s")
     assert not bad, "\n".join(bad)
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS)
+def test_notebook_declares_study_time(path):
+    nb = nbformat.read(ROOT / path, as_version=4)
+    assert study_minutes(nb), f"{path}: its header needs a line like `**Time.** About 30 minutes.`"
+
+
+def test_study_time_is_parsed():
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_markdown_cell("# T\n**Goals.** x\n**Time.** About 45 minutes.")]
+    assert study_minutes(nb) == 45
+    nb.cells[0].source = "# T\nno time here"
+    assert study_minutes(nb) is None
+
+
+def test_readme_course_timings_are_current():
+    """README's timings table lists every chapter with its study time, and a run time close to the recorded one."""
+    readme = (ROOT / "README.md").read_text()
+    listed = {}
+    for line in readme.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 4 and cells[3].endswith(" min") and cells[1].isdigit():
+            listed[cells[0]] = cells
+    expected = timings_table(course_timings(ROOT / "course")).splitlines()[2:]
+    fix = "update README.md with the table `megalab timings` prints"
+    for line in expected:
+        chapter, count, study, run = (c.strip() for c in line.strip("|").split("|"))
+        assert chapter in listed, f"README's timings table lacks {chapter}: {fix}"
+        assert listed[chapter][1:3] == [count, study], f"README's timings for {chapter} are stale: {fix}"
+        recorded, shown = float(run.split()[0]), float(listed[chapter][3].split()[0])
+        assert abs(shown - recorded) <= max(0.5, 0.3 * recorded), f"README's run time for {chapter} is stale: {fix}"
