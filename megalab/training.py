@@ -1,14 +1,17 @@
 """The training loop in Megatron's shape: pretrain -> train_step -> forward_backward_func.
 
     pretrain(config, dataset)                        megatron/training/training.py
-      setup_model_and_optimizer                      TP model, PP stages, DDP over DP, AdamW groups, schedule
+      setup_model_and_optimizer                      TP model, PP stages, DDP over DP, AdamW groups
+                                                     (or the DistributedOptimizer: AdamW state
+                                                     sharded over DP), schedule
       [load_checkpoint]                              model, optimizer, scheduler, RNG, consumed_samples
       for iteration:
         train_step                                   one global batch = micro-batches x DP ranks
           ddp.zero_grad_buffer()
           forward_backward_pipelining(...)           chapter 03's executor; grads accumulate (no_sync)
-          ddp.finish_grad_sync()                     average over DP
-          clip_grad_norm(...)                        global norm over TP x PP
+          ddp.finish_grad_sync()                     average over DP (distributed optimizer:
+                                                     reduce-scatter, each rank keeps its shard)
+          clip_grad_norm(...)                        global norm over TP x PP (and DP when sharded)
           optimizer.step(); scheduler.step()
         training_log                                 loss, lr, grad norm, tokens/s, MFU
         [save_checkpoint]
@@ -39,7 +42,7 @@ from megalab import parallel_state
 from megalab.calc import flops_per_iteration
 from megalab.checkpoint import load_checkpoint, read_tracker, save_checkpoint
 from megalab.config import TransformerConfig
-from megalab.data_parallel import DistributedDataParallel
+from megalab.data_parallel import DistributedDataParallel, DistributedOptimizer
 from megalab.optimizer import OptimizerParamScheduler, clip_grad_norm, get_param_groups, mark_tensor_parallel_params
 from megalab.pipeline_parallel import build_gpt_stages, forward_backward_pipelining
 from megalab.tensor_parallel import TensorParallelGPTModel, vocab_parallel_cross_entropy
@@ -66,6 +69,7 @@ class TrainingConfig:
     adam_beta1: float = 0.9
     adam_beta2: float = 0.95
     clip_grad: float = 1.0
+    use_distributed_optimizer: bool = False  # ZeRO-1: AdamW state and the grads it reads sharded over DP
     seed: int = 1234
     log_interval: int = 1
     save: str | None = None
@@ -92,7 +96,7 @@ class TrainState:
     model: nn.Module  # the full (TP-split) model; this rank computes only `stages`
     stages: list[nn.Module]
     ddp: DistributedDataParallel
-    optimizer: torch.optim.Optimizer
+    optimizer: torch.optim.Optimizer | DistributedOptimizer
     scheduler: OptimizerParamScheduler
     ps: parallel_state.ParallelState
     iteration: int = 0
@@ -121,9 +125,14 @@ def setup_model_and_optimizer(config: TrainingConfig) -> TrainState:
     mark_tensor_parallel_params(model)
     stages = build_gpt_stages(model, ps.get_pipeline_model_parallel_world_size(),
                               ps.get_pipeline_model_parallel_rank())
-    ddp = DistributedDataParallel(nn.ModuleList(stages), group=ps.get_data_parallel_group())
-    optimizer = torch.optim.AdamW(get_param_groups(ddp.module, config.weight_decay), lr=config.lr,
-                                  betas=(config.adam_beta1, config.adam_beta2))
+    ddp = DistributedDataParallel(nn.ModuleList(stages), group=ps.get_data_parallel_group(),
+                                  zero_stage=1 if config.use_distributed_optimizer else 0)
+    groups = get_param_groups(ddp.module, config.weight_decay)
+    adam = dict(lr=config.lr, betas=(config.adam_beta1, config.adam_beta2))
+    if config.use_distributed_optimizer:
+        optimizer = DistributedOptimizer(ddp, torch.optim.AdamW, param_groups=groups, **adam)
+    else:
+        optimizer = torch.optim.AdamW(groups, **adam)
     scheduler = OptimizerParamScheduler(optimizer, config.lr, config.min_lr, config.lr_warmup_iters,
                                         config.lr_decay_iters or config.train_iters, config.lr_decay_style,
                                         wsd_decay_steps=config.lr_wsd_decay_iters,
@@ -194,8 +203,12 @@ def train_step(state: TrainState, config: TrainingConfig, dataset) -> dict:
     loss = torch.tensor(sum(result.losses) / (m * dp) if ps.is_pipeline_last_stage() else 0.0, dtype=torch.float64)
     dist.all_reduce(loss, group=ps.get_data_parallel_group())
     dist.broadcast(loss, ps.get_pipeline_model_parallel_last_rank(), group=ps.get_pipeline_model_parallel_group())
-    grad_norm = clip_grad_norm(state.params, config.clip_grad, ps.get_model_parallel_group(),
-                               ps.get_tensor_model_parallel_rank())
+    if config.use_distributed_optimizer:  # each rank holds 1/dp of the grads: the norm sums over every rank
+        grad_norm = clip_grad_norm(state.optimizer.main_params, config.clip_grad, dist.group.WORLD,
+                                   ps.get_tensor_model_parallel_rank())
+    else:
+        grad_norm = clip_grad_norm(state.params, config.clip_grad, ps.get_model_parallel_group(),
+                                   ps.get_tensor_model_parallel_rank())
     lr = state.optimizer.param_groups[0]["lr"]
     state.optimizer.step()
     state.scheduler.step()

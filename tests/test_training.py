@@ -52,6 +52,11 @@ def dataset():
 
 def reference_run(iters: int) -> list[tuple[float, float]]:
     """(loss, grad norm) per iteration of the same training on one process with PyTorch's own pieces."""
+    return reference_training(iters)[0]
+
+
+def reference_training(iters: int) -> tuple[list[tuple[float, float]], torch.nn.Module, torch.optim.Optimizer]:
+    """reference_run's records, and the trained model and its AdamW."""
     torch.manual_seed(TRAIN["seed"])
     model = GPTModel(TransformerConfig(**MODEL))
     decay = [p for n, p in model.named_parameters() if p.ndim > 1 and not n.endswith(".bias")]
@@ -79,7 +84,7 @@ def reference_run(iters: int) -> list[tuple[float, float]]:
         opt.step()
         sched.step()
         out.append((loss.item(), norm.item()))
-    return out
+    return out, model, opt
 
 
 def _train_worker(root: str):
