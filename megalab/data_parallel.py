@@ -233,6 +233,8 @@ class DistributedDataParallel(nn.Module):
                         pending=set(params))
         if self.zero_stage <= 1:
             bucket.grad_data = torch.zeros(numel, dtype=self.grad_dtype, device=param_data.device)
+            for p, (start, end) in ranges.items():  # Megatron's param.main_grad: where the gradient accumulates
+                p.main_grad = bucket.grad_data[start:end].view_as(p)
         else:
             bucket.grad_shard = torch.zeros(size, dtype=self.grad_dtype, device=param_data.device)
         if self.zero_stage == 3:

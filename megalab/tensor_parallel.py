@@ -513,8 +513,10 @@ def vocab_parallel_cross_entropy(vocab_parallel_logits: torch.Tensor, target: to
 def allreduce_sequence_parallel_grads(model: nn.Module, group=None) -> None:
     """Sum, across TP, the gradients of parameters marked `sequence_parallel` (norms, row biases):
     under SP each rank saw only its 1/t of the tokens. Megatron: _allreduce_layernorm_grads
-    in finalize_model_grads (megatron/core/distributed/finalize_model_grads.py)."""
-    grads = [p.grad for p in model.parameters() if getattr(p, "sequence_parallel", False) and p.grad is not None]
+    in finalize_model_grads (megatron/core/distributed/finalize_model_grads.py). Under DDP the
+    gradient is in its buffer, `param.main_grad` (reduced here before DDP's own reduction)."""
+    grads = [getattr(p, "main_grad", p.grad) for p in model.parameters() if getattr(p, "sequence_parallel", False)]
+    grads = [g for g in grads if g is not None]
     if not grads:
         return
     flat = torch.cat([g.reshape(-1) for g in grads])

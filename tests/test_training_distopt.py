@@ -91,7 +91,7 @@ def test_params_and_adam_state_match_single_process(results):
     _, final, reference = results
     for name in ("tp2dp2", "tp2dp2_ddp"):
         for key, ref in reference.items():
-            torch.testing.assert_close(final[name][key], ref, rtol=1e-4, atol=1e-6, msg=lambda m: f"{name} {key}: {m}")
+            torch.testing.assert_close(final[name][key], ref, rtol=1e-4, atol=1e-6, msg=f"{name} {key}")
     for key in reference:
         torch.testing.assert_close(final["tp2dp2"][key], final["tp2dp2_ddp"][key], rtol=1e-5, atol=1e-7)
 
