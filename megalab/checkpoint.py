@@ -2,7 +2,8 @@
 
 Every tensor is saved under its GLOBAL name and full shape, the way the unsplit model names it,
 so any tp/pp/dp layout can load it (Megatron's dist_checkpointing: a ShardedTensor knows its
-global key and offset). TP slices are gathered to the full tensor; DCP's planner then picks ONE
+global key and offset). TP slices are gathered to the full tensor (a gated linear_fc1 slice is
+[gate_r; up_r]: its `partition_stride` 2 says to reassemble [gate; up]); DCP's planner then picks ONE
 writer per key, so the pipeline stages (and DP replicas) write disjoint parts in parallel:
 
     tp2·pp2 save:  rank 0,1 (stage 0) -> layers 0-1 (+ embedding)    one file per rank, one
@@ -66,20 +67,26 @@ def read_tracker(load_dir: str | Path) -> int | None:
 
 
 # ------------------------------------------------------------------ TP slices <-> full tensors
-def _gather_tp(tensor: torch.Tensor, dim: int | None, tp_group) -> torch.Tensor:
-    """The full tensor from every TP rank's slice along `dim` (dim None: replicated, returned as is)."""
+def _gather_tp(tensor: torch.Tensor, dim: int | None, tp_group, stride: int = 1) -> torch.Tensor:
+    """The full tensor from every TP rank's slice along `dim` (dim None: replicated, returned as is).
+
+    stride k: the full tensor is k concatenated parts and each slice holds its share of every part
+    (a gated linear_fc1: rank r holds [gate_r; up_r], the full tensor is [gate; up]).
+    """
     if dim is None or tp_group is None or dist.get_world_size(tp_group) == 1:
         return tensor.detach()
-    parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size(tp_group))]
-    dist.all_gather(parts, tensor.detach().contiguous(), group=tp_group)
-    return torch.cat(parts, dim)
+    slices = [torch.empty_like(tensor) for _ in range(dist.get_world_size(tp_group))]
+    dist.all_gather(slices, tensor.detach().contiguous(), group=tp_group)
+    parts = zip(*(s.chunk(stride, dim) for s in slices))  # part k of every rank's slice
+    return torch.cat([torch.cat(part, dim) for part in parts], dim)
 
 
-def _tp_slice(full: torch.Tensor, dim: int | None, tp_group) -> torch.Tensor:
-    """This TP rank's slice of a full tensor along `dim`."""
+def _tp_slice(full: torch.Tensor, dim: int | None, tp_group, stride: int = 1) -> torch.Tensor:
+    """This TP rank's slice of a full tensor along `dim` (with stride k: its share of each of k parts)."""
     if dim is None or tp_group is None or dist.get_world_size(tp_group) == 1:
         return full
-    return full.chunk(dist.get_world_size(tp_group), dim)[dist.get_rank(tp_group)]
+    t, rank = dist.get_world_size(tp_group), dist.get_rank(tp_group)
+    return torch.cat([part.chunk(t, dim)[rank] for part in full.chunk(stride, dim)], dim)
 
 
 def _owned(model: nn.Module, params: list[nn.Parameter]) -> dict[str, nn.Parameter]:
@@ -111,10 +118,11 @@ def _global_state(model, params, opt_state, tp_group, full: bool) -> dict[str, t
         dim = dims.get(name)
         entries = {f"model.{name}": p}
         entries.update({f"optimizer.{name}.{k}": v for k, v in opt_state[p].items()})
+        stride = getattr(p, "partition_stride", 1)
         for key, t in entries.items():
             split = dim if t.ndim > 0 else None
             if full:
-                state[key] = _gather_tp(t, split, tp_group).clone()
+                state[key] = _gather_tp(t, split, tp_group, stride).clone()
             else:
                 shape = list(t.shape)
                 if split is not None:
@@ -224,9 +232,11 @@ def load_checkpoint(load_dir: str | Path, model: nn.Module, params: list[nn.Para
     dims = tensor_parallel_dims(model)
     with torch.no_grad():
         for name, p in _owned(model, params).items():
-            p.copy_(_tp_slice(state[f"model.{name}"], dims.get(name), tp_group))  # in place: DDP's buffers stay
+            stride = getattr(p, "partition_stride", 1)
+            p.copy_(_tp_slice(state[f"model.{name}"], dims.get(name), tp_group, stride))  # in place: DDP's buffers stay
             for k, v in opt_state[p].items():
-                v.copy_(_tp_slice(state[f"optimizer.{name}.{k}"], dims.get(name) if v.ndim else None, tp_group))
+                v.copy_(_tp_slice(state[f"optimizer.{name}.{k}"], dims.get(name) if v.ndim else None, tp_group,
+                                  stride))
     if isinstance(optimizer, DistributedOptimizer):
         optimizer.load_parameter_state(opt_state)
     if same_world:

@@ -345,6 +345,9 @@ class ColumnParallelLinear(nn.Module):
         master = Linear(input_size, output_size, config=config, init_method=init_method, bias=bias)
         self.weight = nn.Parameter(_split_master(master.weight, 0, self.tp_group, stride))  # [out/t, in]
         self.bias = nn.Parameter(_split_master(master.bias, 0, self.tp_group, stride)) if bias else None
+        for param in (self.weight, self.bias):  # Megatron's attribute: the slice is `stride` parts (checkpoints)
+            if param is not None:
+                param.partition_stride = stride
 
     def extra_repr(self) -> str:
         return (f"in={self.input_size}, out={self.output_size} (this rank: {self.output_size_per_partition}), "

@@ -97,8 +97,6 @@ class TrainingConfig:
             raise ValueError(f"sequence_parallel splits each rank's {self.model.seq_length} // "
                              f"{self.context_parallel_size} tokens over tp={self.tensor_model_parallel_size}: "
                              "make seq_length divisible by context_parallel_size x tensor_model_parallel_size")
-        if self.model.gated_linear_unit and self.tensor_model_parallel_size > 1:
-            raise ValueError("gated_linear_unit with tensor parallelism is not supported by the checkpoints here")
 
 
 @dataclass
