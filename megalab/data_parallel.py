@@ -436,6 +436,9 @@ class DistributedOptimizer:
         self.ddp = ddp
         param_groups = param_groups or [{"params": list(ddp.parameters())}]
         group_of = {p: k for k, group in enumerate(param_groups) for p in group["params"]}
+        if any(p not in group_of for b in ddp.buckets for p in b.params):
+            raise ValueError("param_groups must hold every parameter of ddp.module, and one is missing: build them "
+                             "from ddp.module (e.g. optimizer.get_param_groups(ddp.module, weight_decay))")
         self.shards, self.ranges = [], []  # the flat shard of every bucket; the parameter pieces in them
         for b in ddp.buckets:
             shard = b.param_shard if ddp.zero_stage == 3 else b.param_data[b.shard]
@@ -445,8 +448,6 @@ class DistributedOptimizer:
                 lo, hi = max(start, b.shard.start) - b.shard.start, min(end, b.shard.stop) - b.shard.start
                 if lo >= hi:
                     continue
-                if p not in group_of:
-                    raise ValueError("param_groups must hold every parameter of ddp.module; one is missing")
                 view = shard[lo:hi]
                 view.grad = grad[lo:hi]
                 view.tensor_model_parallel = getattr(p, "tensor_model_parallel", False)

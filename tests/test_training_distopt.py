@@ -44,6 +44,17 @@ def _distopt_worker(root: str):
     run("dp4", 1, 1, load=f"{root}/half")
     run("tp1pp4_adamw", 1, 4, distopt=False, load=f"{root}/half")
 
+    from torch import nn
+
+    from megalab.data_parallel import DistributedDataParallel, DistributedOptimizer
+
+    ddp = DistributedDataParallel(nn.Linear(4, 4), zero_stage=1)
+    try:
+        DistributedOptimizer(ddp, torch.optim.SGD, param_groups=[{"params": [ddp.module.weight]}], lr=0.1)
+        runs["missing_group"] = "no error"
+    except ValueError as e:
+        runs["missing_group"] = str(e)
+
     memory = {}
     for distopt in (False, True):
         config = training_config(use_distributed_optimizer=distopt)
@@ -108,3 +119,8 @@ def test_resume_with_sharded_state(results):
 def test_optimizer_state_per_rank_is_one_over_dp(results):
     _, memory = results[0][0]
     assert memory[True] == pytest.approx(memory[False] / 4, rel=0.01), memory
+
+
+def test_param_groups_must_cover_the_model(results):
+    runs, _ = results[0][0]
+    assert "param_groups must hold every parameter of ddp.module" in runs["missing_group"]

@@ -4,7 +4,8 @@ stages, and a SwiGLU MLP under TP through resharded checkpoints.
 One 4-rank launch runs each layout for 4 iterations; every one must give the losses and grad
 norms of test_training's single-process reference (GPTModel, torch AdamW, clip_grad_norm_, the
 token-mean loss) with the same model options. The SwiGLU run saves at tp2·pp2 after 2
-iterations (each rank's linear_fc1 holds [gate_r; up_r]) and resumes at tp2·pp2, tp1·pp4 and tp4.
+iterations (each rank's linear_fc1 holds [gate_r; up_r]) and resumes at tp2·pp2, tp1·pp4 and tp4;
+the tied run saves at pp4 and resumes at tp2·pp2 with the distributed optimizer.
 """
 
 import tempfile
@@ -49,6 +50,8 @@ def _layouts_worker(root: str):
     run("swiglu first half", SWIGLU, 2, 2, save=f"{root}/swiglu", save_interval=2, exit_interval=2)
     for name, (tp, pp) in SWIGLU_RESUMES.items():
         run(name, SWIGLU, tp, pp, load=f"{root}/swiglu")
+    run("tied first half", TIED, 1, 4, save=f"{root}/tied", save_interval=2, exit_interval=2)
+    run("tied resume tp2·pp2", TIED, 2, 2, load=f"{root}/tied", use_distributed_optimizer=True)
     torch.distributed.barrier()
     return out
 
@@ -76,6 +79,11 @@ def test_swiglu_checkpoint_reshards(runs):
     for name in SWIGLU_RESUMES:  # [gate_r; up_r] shards reassembled to [gate; up], then cut for tp1 / tp4
         ours = [x for record in runs[0][name] for x in record]
         assert ours == pytest.approx([x for record in full[2:] for x in record], rel=1e-5), (name, ours, full)
+
+
+def test_tied_embeddings_checkpoint_reshards(runs):
+    resumed, full = runs[0]["tied resume tp2·pp2"], runs[0]["tied pp4"]
+    assert [x for r in resumed for x in r] == pytest.approx([x for r in full[2:] for x in r], rel=1e-5)
 
 
 def test_bad_layouts_say_what_to_do():
