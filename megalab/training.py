@@ -68,7 +68,6 @@ class TrainingConfig:
     global_batch_size: int = 8
     tensor_model_parallel_size: int = 1
     pipeline_model_parallel_size: int = 1
-    context_parallel_size: int = 1  # CP: every sequence split over cp ranks (load-balanced chunks, ring attention)
     lr: float = 1e-3
     min_lr: float = 1e-4
     lr_warmup_iters: int = 2
@@ -80,7 +79,6 @@ class TrainingConfig:
     adam_beta1: float = 0.9
     adam_beta2: float = 0.95
     clip_grad: float = 1.0
-    use_distributed_optimizer: bool = False  # ZeRO-1: AdamW state and the grads it reads sharded over DP
     seed: int = 1234
     log_interval: int = 1
     save: str | None = None
@@ -88,6 +86,8 @@ class TrainingConfig:
     load: str | None = None
     exit_interval: int | None = None  # stop (after saving) once iteration % exit_interval == 0, as if interrupted
     peak_flops_per_rank: float | None = None  # for MFU; None: MFU not reported
+    context_parallel_size: int = 1  # CP: every sequence split over cp ranks (load-balanced chunks, ring attention)
+    use_distributed_optimizer: bool = False  # ZeRO-1: AdamW state and the grads it reads sharded over DP
 
     def __post_init__(self):
         if self.context_parallel_size > 1:
