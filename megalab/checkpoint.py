@@ -2,7 +2,8 @@
 
 Every tensor is saved under its GLOBAL name and full shape, the way the unsplit model names it,
 so any tp/pp/dp layout can load it (Megatron's dist_checkpointing: a ShardedTensor knows its
-global key and offset). TP slices are gathered to the full tensor; DCP's planner then picks ONE
+global key and offset). TP slices are gathered to the full tensor (a gated linear_fc1 slice is
+[gate_r; up_r]: its `partition_stride` 2 says to reassemble [gate; up]); DCP's planner then picks ONE
 writer per key, so the pipeline stages (and DP replicas) write disjoint parts in parallel:
 
     tp2·pp2 save:  rank 0,1 (stage 0) -> layers 0-1 (+ embedding)    one file per rank, one
@@ -15,6 +16,10 @@ On disk (Megatron's layout and tracker file):
     save_dir/iter_0000020/  __0_0.distcp ... .metadata  (DCP: model, optimizer, per-rank RNG)
                             common.pt                   (iteration, consumed samples, scheduler,
                                                          model config; torch.load(weights_only=True))
+
+The distributed optimizer's AdamW state is sharded over DP as flat ranges; it is gathered per
+parameter before the save and each rank keeps its range after the load (Megatron's
+"dp_zero_gather_scatter" format), so the optimizer state, too, loads at any dp (or into a plain AdamW).
 
 Atomic: every rank writes into iter_0000020.tmp; only when all finished does rank 0 rename it
 and then replace the tracker. A crash mid-save leaves a .tmp folder that loading never reads.
@@ -36,6 +41,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 
+from megalab.data_parallel import DistributedOptimizer
 from megalab.optimizer import tensor_parallel_dims
 
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -61,20 +67,26 @@ def read_tracker(load_dir: str | Path) -> int | None:
 
 
 # ------------------------------------------------------------------ TP slices <-> full tensors
-def _gather_tp(tensor: torch.Tensor, dim: int | None, tp_group) -> torch.Tensor:
-    """The full tensor from every TP rank's slice along `dim` (dim None: replicated, returned as is)."""
+def _gather_tp(tensor: torch.Tensor, dim: int | None, tp_group, stride: int = 1) -> torch.Tensor:
+    """The full tensor from every TP rank's slice along `dim` (dim None: replicated, returned as is).
+
+    stride k: the full tensor is k concatenated parts and each slice holds its share of every part
+    (a gated linear_fc1: rank r holds [gate_r; up_r], the full tensor is [gate; up]).
+    """
     if dim is None or tp_group is None or dist.get_world_size(tp_group) == 1:
         return tensor.detach()
-    parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size(tp_group))]
-    dist.all_gather(parts, tensor.detach().contiguous(), group=tp_group)
-    return torch.cat(parts, dim)
+    slices = [torch.empty_like(tensor) for _ in range(dist.get_world_size(tp_group))]
+    dist.all_gather(slices, tensor.detach().contiguous(), group=tp_group)
+    parts = zip(*(s.chunk(stride, dim) for s in slices))  # part k of every rank's slice
+    return torch.cat([torch.cat(part, dim) for part in parts], dim)
 
 
-def _tp_slice(full: torch.Tensor, dim: int | None, tp_group) -> torch.Tensor:
-    """This TP rank's slice of a full tensor along `dim`."""
+def _tp_slice(full: torch.Tensor, dim: int | None, tp_group, stride: int = 1) -> torch.Tensor:
+    """This TP rank's slice of a full tensor along `dim` (with stride k: its share of each of k parts)."""
     if dim is None or tp_group is None or dist.get_world_size(tp_group) == 1:
         return full
-    return full.chunk(dist.get_world_size(tp_group), dim)[dist.get_rank(tp_group)]
+    t, rank = dist.get_world_size(tp_group), dist.get_rank(tp_group)
+    return torch.cat([part.chunk(t, dim)[rank] for part in full.chunk(stride, dim)], dim)
 
 
 def _owned(model: nn.Module, params: list[nn.Parameter]) -> dict[str, nn.Parameter]:
@@ -83,10 +95,21 @@ def _owned(model: nn.Module, params: list[nn.Parameter]) -> dict[str, nn.Paramet
     return {name: p for name, p in model.named_parameters() if id(p) in ids}
 
 
-def _global_state(model, params, optimizer, tp_group, full: bool) -> dict[str, torch.Tensor]:
+def _parameter_state(optimizer, params: list[nn.Parameter]) -> dict[nn.Parameter, dict[str, torch.Tensor]]:
+    """Each parameter's optimizer state, shaped like the parameter (collective for a DistributedOptimizer:
+    its DP shards are gathered, Megatron's "dp_zero_gather_scatter" format, so any DP size can load it)."""
+    if isinstance(optimizer, DistributedOptimizer):
+        init_optimizer_state(optimizer.optimizer)
+        return optimizer.get_parameter_state()
+    init_optimizer_state(optimizer)
+    return {p: optimizer.state[p] for p in params}
+
+
+def _global_state(model, params, opt_state, tp_group, full: bool) -> dict[str, torch.Tensor]:
     """The DCP state dict of this rank: model.<name> and optimizer.<name>.<key>, full tensors.
 
-    full=True gathers the live values (save); full=False allocates empty full-shape tensors (load).
+    opt_state: _parameter_state's dict. full=True gathers the live values (save); full=False
+    allocates empty full-shape tensors (load).
     """
     dims = tensor_parallel_dims(model)
     tp = 1 if tp_group is None else dist.get_world_size(tp_group)
@@ -94,11 +117,12 @@ def _global_state(model, params, optimizer, tp_group, full: bool) -> dict[str, t
     for name, p in _owned(model, params).items():
         dim = dims.get(name)
         entries = {f"model.{name}": p}
-        entries.update({f"optimizer.{name}.{k}": v for k, v in optimizer.state[p].items()})
+        entries.update({f"optimizer.{name}.{k}": v for k, v in opt_state[p].items()})
+        stride = getattr(p, "partition_stride", 1)
         for key, t in entries.items():
             split = dim if t.ndim > 0 else None
             if full:
-                state[key] = _gather_tp(t, split, tp_group).clone()
+                state[key] = _gather_tp(t, split, tp_group, stride).clone()
             else:
                 shape = list(t.shape)
                 if split is not None:
@@ -144,8 +168,7 @@ def save_checkpoint(save_dir: str | Path, iteration: int, model: nn.Module, para
         shutil.rmtree(tmp, ignore_errors=True)  # a crashed earlier attempt
         tmp.mkdir(parents=True)
     dist.barrier()
-    init_optimizer_state(optimizer)
-    state = _global_state(model, params, optimizer, tp_group, full=True)
+    state = _global_state(model, params, _parameter_state(optimizer, params), tp_group, full=True)
     state[f"rng.rank{rank}"] = torch.get_rng_state()
     dcp.save(state, checkpoint_id=tmp)
     if rank == 0:
@@ -187,8 +210,8 @@ def load_checkpoint(load_dir: str | Path, model: nn.Module, params: list[nn.Para
     diff = {k: (saved.get(k), v) for k, v in ours.items() if saved.get(k) != v}
     if diff:
         raise CheckpointError(f"{path} was saved from another model: (saved, this run) differ in {diff}")
-    init_optimizer_state(optimizer)
-    state = _global_state(model, params, optimizer, tp_group, full=False)
+    opt_state = _parameter_state(optimizer, params)
+    state = _global_state(model, params, opt_state, tp_group, full=False)
     same_world = common["world_size"] == dist.get_world_size()
     if same_world:
         state[f"rng.rank{dist.get_rank()}"] = torch.get_rng_state()
@@ -209,9 +232,13 @@ def load_checkpoint(load_dir: str | Path, model: nn.Module, params: list[nn.Para
     dims = tensor_parallel_dims(model)
     with torch.no_grad():
         for name, p in _owned(model, params).items():
-            p.copy_(_tp_slice(state[f"model.{name}"], dims.get(name), tp_group))  # in place: DDP's buffers stay
-            for k, v in optimizer.state[p].items():
-                v.copy_(_tp_slice(state[f"optimizer.{name}.{k}"], dims.get(name) if v.ndim else None, tp_group))
+            stride = getattr(p, "partition_stride", 1)
+            p.copy_(_tp_slice(state[f"model.{name}"], dims.get(name), tp_group, stride))  # in place: DDP's buffers stay
+            for k, v in opt_state[p].items():
+                v.copy_(_tp_slice(state[f"optimizer.{name}.{k}"], dims.get(name) if v.ndim else None, tp_group,
+                                  stride))
+    if isinstance(optimizer, DistributedOptimizer):
+        optimizer.load_parameter_state(opt_state)
     if same_world:
         torch.set_rng_state(state[f"rng.rank{dist.get_rank()}"])
     scheduler.load_state_dict(common["scheduler"])

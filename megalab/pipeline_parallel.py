@@ -294,10 +294,16 @@ def build_gpt_stages(model: nn.Module, pp_size: int, pp_rank: int, num_model_chu
 
 
 def allreduce_word_embedding_grads(model: nn.Module, group: dist.ProcessGroup | None) -> None:
-    """Sum the tied word-embedding gradient of the first and last stage (Megatron: _allreduce_word_embedding_grads)."""
+    """Sum the tied word-embedding gradient of the first and last stage (Megatron: _allreduce_word_embedding_grads).
+
+    Under DDP the gradient is in its buffer, `weight.main_grad` (reduced here before DDP's own reduction).
+    """
     if group is None or not model.config.share_embeddings_and_output_weights:
         return
     weight = model.shared_embedding_or_output_weight()
+    if getattr(weight, "main_grad", None) is not None:
+        dist.all_reduce(weight.main_grad, group=group)
+        return
     if weight.grad is None:
         weight.grad = torch.zeros_like(weight)
     dist.all_reduce(weight.grad, group=group)

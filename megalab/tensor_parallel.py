@@ -345,6 +345,9 @@ class ColumnParallelLinear(nn.Module):
         master = Linear(input_size, output_size, config=config, init_method=init_method, bias=bias)
         self.weight = nn.Parameter(_split_master(master.weight, 0, self.tp_group, stride))  # [out/t, in]
         self.bias = nn.Parameter(_split_master(master.bias, 0, self.tp_group, stride)) if bias else None
+        for param in (self.weight, self.bias):  # Megatron's attribute: the slice is `stride` parts (checkpoints)
+            if param is not None:
+                param.partition_stride = stride
 
     def extra_repr(self) -> str:
         return (f"in={self.input_size}, out={self.output_size} (this rank: {self.output_size_per_partition}), "
@@ -513,8 +516,10 @@ def vocab_parallel_cross_entropy(vocab_parallel_logits: torch.Tensor, target: to
 def allreduce_sequence_parallel_grads(model: nn.Module, group=None) -> None:
     """Sum, across TP, the gradients of parameters marked `sequence_parallel` (norms, row biases):
     under SP each rank saw only its 1/t of the tokens. Megatron: _allreduce_layernorm_grads
-    in finalize_model_grads (megatron/core/distributed/finalize_model_grads.py)."""
-    grads = [p.grad for p in model.parameters() if getattr(p, "sequence_parallel", False) and p.grad is not None]
+    in finalize_model_grads (megatron/core/distributed/finalize_model_grads.py). Under DDP the
+    gradient is in its buffer, `param.main_grad` (reduced here before DDP's own reduction)."""
+    grads = [getattr(p, "main_grad", p.grad) for p in model.parameters() if getattr(p, "sequence_parallel", False)]
+    grads = [g for g in grads if g is not None]
     if not grads:
         return
     flat = torch.cat([g.reshape(-1) for g in grads])

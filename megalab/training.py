@@ -1,14 +1,19 @@
 """The training loop in Megatron's shape: pretrain -> train_step -> forward_backward_func.
 
     pretrain(config, dataset)                        megatron/training/training.py
-      setup_model_and_optimizer                      TP model, PP stages, DDP over DP, AdamW groups, schedule
+      setup_model_and_optimizer                      TP model, PP stages, DDP over DP, AdamW groups
+                                                     (or the DistributedOptimizer: AdamW state
+                                                     sharded over DP), schedule
       [load_checkpoint]                              model, optimizer, scheduler, RNG, consumed_samples
       for iteration:
         train_step                                   one global batch = micro-batches x DP ranks
           ddp.zero_grad_buffer()
           forward_backward_pipelining(...)           chapter 03's executor; grads accumulate (no_sync)
-          ddp.finish_grad_sync()                     average over DP
-          clip_grad_norm(...)                        global norm over TP x PP
+          finalize_model_grads(...)                  SP norms over TP, tied embeddings over the
+                                                     embedding group, then DDP: average over DP x CP
+                                                     (distributed optimizer: reduce-scatter, each
+                                                     rank keeps its shard)
+          clip_grad_norm(...)                        global norm over TP x PP (and DP when sharded)
           optimizer.step(); scheduler.step()
         training_log                                 loss, lr, grad norm, tokens/s, MFU
         [save_checkpoint]
@@ -22,7 +27,10 @@ pipeline executor and the 1/dp of DDP's gradient average:
 
 Data: iteration i reads the global batch of samples [consumed, consumed + B), micro-batch j of
 DP rank r = samples consumed + (j·dp + r)·b ... + b (Megatron's MegatronPretrainingSampler);
-`consumed_samples` is the data position a checkpoint stores.
+`consumed_samples` is the data position a checkpoint stores. With context parallelism the cp
+ranks of one DP rank share its samples, each keeping 2 of the 2·cp sequence chunks
+(get_batch_on_this_cp_rank); N is then all-reduced, and dp replaced by dp·cp, over the DP x CP
+group (Megatron's get_data_parallel_group(with_context_parallel=True)).
 """
 
 from __future__ import annotations
@@ -39,10 +47,15 @@ from megalab import parallel_state
 from megalab.calc import flops_per_iteration
 from megalab.checkpoint import load_checkpoint, read_tracker, save_checkpoint
 from megalab.config import TransformerConfig
-from megalab.data_parallel import DistributedDataParallel
+from megalab.context_parallel import ContextParallelGPTModel, check_seq_length, get_batch_on_this_cp_rank
+from megalab.data_parallel import DistributedDataParallel, DistributedOptimizer
 from megalab.optimizer import OptimizerParamScheduler, clip_grad_norm, get_param_groups, mark_tensor_parallel_params
-from megalab.pipeline_parallel import build_gpt_stages, forward_backward_pipelining
-from megalab.tensor_parallel import TensorParallelGPTModel, vocab_parallel_cross_entropy
+from megalab.pipeline_parallel import allreduce_word_embedding_grads, build_gpt_stages, forward_backward_pipelining
+from megalab.tensor_parallel import (
+    TensorParallelGPTModel,
+    allreduce_sequence_parallel_grads,
+    vocab_parallel_cross_entropy,
+)
 
 
 @dataclass
@@ -73,16 +86,17 @@ class TrainingConfig:
     load: str | None = None
     exit_interval: int | None = None  # stop (after saving) once iteration % exit_interval == 0, as if interrupted
     peak_flops_per_rank: float | None = None  # for MFU; None: MFU not reported
+    context_parallel_size: int = 1  # CP: every sequence split over cp ranks (load-balanced chunks, ring attention)
+    use_distributed_optimizer: bool = False  # ZeRO-1: AdamW state and the grads it reads sharded over DP
 
     def __post_init__(self):
-        if self.model.share_embeddings_and_output_weights:
-            raise ValueError("pretrain needs share_embeddings_and_output_weights=False (tied embeddings across "
-                             "pipeline stages are not wired here)")
-        if self.model.sequence_parallel:
-            raise ValueError("pretrain does not wire sequence parallelism (the pipeline stages skip its scatter); "
-                             "set sequence_parallel=False")
-        if self.model.gated_linear_unit and self.tensor_model_parallel_size > 1:
-            raise ValueError("gated_linear_unit with tensor parallelism is not supported by the checkpoints here")
+        if self.context_parallel_size > 1:
+            check_seq_length(self.model.seq_length, self.context_parallel_size)
+        if self.model.sequence_parallel and self.model.seq_length % (self.context_parallel_size
+                                                                    * self.tensor_model_parallel_size):
+            raise ValueError(f"sequence_parallel splits each rank's {self.model.seq_length} // "
+                             f"{self.context_parallel_size} tokens over tp={self.tensor_model_parallel_size}: "
+                             "make seq_length divisible by context_parallel_size x tensor_model_parallel_size")
 
 
 @dataclass
@@ -92,7 +106,7 @@ class TrainState:
     model: nn.Module  # the full (TP-split) model; this rank computes only `stages`
     stages: list[nn.Module]
     ddp: DistributedDataParallel
-    optimizer: torch.optim.Optimizer
+    optimizer: torch.optim.Optimizer | DistributedOptimizer
     scheduler: OptimizerParamScheduler
     ps: parallel_state.ParallelState
     iteration: int = 0
@@ -114,16 +128,30 @@ def num_microbatches(config: TrainingConfig, dp: int) -> int:
 def setup_model_and_optimizer(config: TrainingConfig) -> TrainState:
     """Collective: parallel groups, the model's stages on this rank, DDP, AdamW with decay groups, the schedule."""
     ps = parallel_state.initialize_model_parallel(config.tensor_model_parallel_size,
-                                                  config.pipeline_model_parallel_size)
+                                                  config.pipeline_model_parallel_size, config.context_parallel_size)
     num_microbatches(config, ps.get_data_parallel_world_size())
     torch.manual_seed(config.seed)  # every rank draws the same full model, then keeps its slices
-    model = TensorParallelGPTModel(config.model, ps.get_tensor_model_parallel_group())
+    if config.context_parallel_size > 1:
+        model = ContextParallelGPTModel(config.model, ps.get_tensor_model_parallel_group(),
+                                        ps.get_context_parallel_group())
+    else:
+        model = TensorParallelGPTModel(config.model, ps.get_tensor_model_parallel_group())
     mark_tensor_parallel_params(model)
     stages = build_gpt_stages(model, ps.get_pipeline_model_parallel_world_size(),
                               ps.get_pipeline_model_parallel_rank())
-    ddp = DistributedDataParallel(nn.ModuleList(stages), group=ps.get_data_parallel_group())
-    optimizer = torch.optim.AdamW(get_param_groups(ddp.module, config.weight_decay), lr=config.lr,
-                                  betas=(config.adam_beta1, config.adam_beta2))
+    if model.config.share_embeddings_and_output_weights and not ps.is_pipeline_first_stage():
+        # the last stage's copy of the tied embeddings: its grad is the first stage's after the
+        # embedding-group all-reduce, so the grad norm leaves it out (Megatron: weight.shared)
+        model.shared_embedding_or_output_weight().shared = True
+    # grads are averaged over DP x CP: CP ranks saw other tokens of the same sequences
+    ddp = DistributedDataParallel(nn.ModuleList(stages), group=ps.get_data_parallel_group(with_context_parallel=True),
+                                  zero_stage=1 if config.use_distributed_optimizer else 0)
+    groups = get_param_groups(ddp.module, config.weight_decay)
+    adam = dict(lr=config.lr, betas=(config.adam_beta1, config.adam_beta2))
+    if config.use_distributed_optimizer:
+        optimizer = DistributedOptimizer(ddp, torch.optim.AdamW, param_groups=groups, **adam)
+    else:
+        optimizer = torch.optim.AdamW(groups, **adam)
     scheduler = OptimizerParamScheduler(optimizer, config.lr, config.min_lr, config.lr_warmup_iters,
                                         config.lr_decay_iters or config.train_iters, config.lr_decay_style,
                                         wsd_decay_steps=config.lr_wsd_decay_iters,
@@ -171,31 +199,62 @@ def loss_func(output: torch.Tensor, target: tuple, tp_group) -> torch.Tensor:
     return masked_loss(losses, loss_mask, num_tokens, m, dp)
 
 
+def finalize_model_grads(state: TrainState) -> None:
+    """After the last micro-batch's backward: the reductions that complete every gradient.
+
+    Sequence parallelism: norms and row biases saw 1/t of the tokens, summed over TP. Tied
+    embeddings: the first and last stage each hold a copy, summed over the embedding group. Then
+    DDP averages over DP x CP. (Megatron's finalize_model_grads does DDP's first: all are sums,
+    so the order does not matter; here the first two work on the full buffers, param.main_grad.)
+    """
+    ps = state.ps
+    if state.model.config.sequence_parallel:
+        allreduce_sequence_parallel_grads(state.ddp.module, ps.get_tensor_model_parallel_group())
+    if ps.get_pipeline_model_parallel_world_size() > 1 and ps.is_rank_in_embedding_group():
+        allreduce_word_embedding_grads(state.model, ps.get_embedding_group())
+    state.ddp.finish_grad_sync()
+
+
 def train_step(state: TrainState, config: TrainingConfig, dataset) -> dict:
-    """One iteration on one global batch; returns the global token-mean loss (on every rank), grad norm, lr."""
+    """One iteration on one global batch; returns the global token-mean loss (on every rank), grad norm, lr.
+
+    Under CP the DP rank's samples are cut along the sequence (get_batch_on_this_cp_rank) and the
+    token count, the loss and the gradient are summed / averaged over the DP x CP group.
+    """
     ps = state.ps
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+    cp, cp_rank = ps.get_context_parallel_world_size(), ps.get_context_parallel_rank()
+    dp_cp_group = ps.get_data_parallel_group(with_context_parallel=True)
     b, m = config.micro_batch_size, num_microbatches(config, dp)
     batches = [get_batch(dataset, state.consumed_samples + (j * dp + dp_rank) * b, b) for j in range(m)]
+    if cp > 1:
+        batches = [get_batch_on_this_cp_rank(batch, cp, cp_rank) for batch in batches]  # [b, s/cp] each
     num_tokens = torch.tensor(float(sum(batch["loss_mask"].sum() for batch in batches)))
-    dist.all_reduce(num_tokens, group=ps.get_data_parallel_group())
+    dist.all_reduce(num_tokens, group=dp_cp_group)
     tp_group = ps.get_tensor_model_parallel_group()
+    s = config.model.seq_length // cp // (ps.get_tensor_model_parallel_world_size()
+                                          if config.model.sequence_parallel else 1)
 
     state.ddp.zero_grad_buffer()
     with state.ddp.no_sync():
         result = forward_backward_pipelining(
             state.stages, [batch["tokens"] for batch in batches],
-            [(batch["labels"], batch["loss_mask"], num_tokens.item(), m, dp) for batch in batches],
+            [(batch["labels"], batch["loss_mask"], num_tokens.item(), m, dp * cp) for batch in batches],
             lambda output, target: loss_func(output, target, tp_group),
-            tensor_shape=(config.model.seq_length, b, config.model.hidden_size),
+            tensor_shape=(s, b, config.model.hidden_size),  # what passes between stages: [s/cp(/t with SP), b, h]
             group=ps.get_pipeline_model_parallel_group())
-    state.ddp.finish_grad_sync()
-    # the loss: sum over micro-batches and DP of each micro-batch's share, on the last stage; sent to all
-    loss = torch.tensor(sum(result.losses) / (m * dp) if ps.is_pipeline_last_stage() else 0.0, dtype=torch.float64)
-    dist.all_reduce(loss, group=ps.get_data_parallel_group())
+    finalize_model_grads(state)
+    # the loss: sum over micro-batches and DP x CP of each micro-batch's share, on the last stage; sent to all
+    loss = torch.tensor(sum(result.losses) / (m * dp * cp) if ps.is_pipeline_last_stage() else 0.0,
+                        dtype=torch.float64)
+    dist.all_reduce(loss, group=dp_cp_group)
     dist.broadcast(loss, ps.get_pipeline_model_parallel_last_rank(), group=ps.get_pipeline_model_parallel_group())
-    grad_norm = clip_grad_norm(state.params, config.clip_grad, ps.get_model_parallel_group(),
-                               ps.get_tensor_model_parallel_rank())
+    if config.use_distributed_optimizer:  # each rank holds 1/dp of the grads: the norm sums over every rank
+        grad_norm = clip_grad_norm(state.optimizer.main_params, config.clip_grad, dist.group.WORLD,
+                                   ps.get_tensor_model_parallel_rank())
+    else:
+        grad_norm = clip_grad_norm(state.params, config.clip_grad, ps.get_model_parallel_group(),
+                                   ps.get_tensor_model_parallel_rank())
     lr = state.optimizer.param_groups[0]["lr"]
     state.optimizer.step()
     state.scheduler.step()
