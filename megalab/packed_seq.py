@@ -24,7 +24,7 @@ kernels); RoPE restarts per document in `_apply_rotary_pos_emb_thd` (rope_utils.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -58,6 +58,7 @@ class PackedSeqParams:
     max_seqlen_q: int | None = None
     max_seqlen_kv: int | None = None
     qkv_format: str = "thd"
+    _masks: dict = field(default_factory=dict, init=False, repr=False, compare=False)  # attention_mask's cache
 
     def __post_init__(self):
         if self.qkv_format not in QKV_FORMATS:
@@ -86,6 +87,16 @@ class PackedSeqParams:
         if not row_starts <= set(self.cu_seqlens_q.tolist()):
             raise ValueError(f"each of the {b} rows of {s} tokens must start a document: put {sorted(row_starts)} "
                              "in cu_seqlens, or pack the documents into one row [1, T]")
+
+    def attention_mask(self, b: int, s: int, device: torch.device) -> torch.Tensor:
+        """[b, 1, s, s] bool for SDPA: each row's document-causal mask (rows never see each other), built once
+        per batch and shared by every layer."""
+        key = (b, s, str(device))
+        if key not in self._masks:
+            bounds = self.cu_seqlens_q.tolist()
+            rows = [torch.tensor([c - r * s for c in bounds if r * s <= c <= (r + 1) * s]) for r in range(b)]
+            self._masks[key] = torch.stack([document_causal_mask(cu) for cu in rows])[:, None].to(device)
+        return self._masks[key]
 
     def position_ids(self, shape: torch.Size) -> torch.Tensor:
         """[b, s] positions restarting at 0 in every document."""
@@ -126,12 +137,6 @@ def document_causal_mask(cu_seqlens: torch.Tensor) -> torch.Tensor:
     causal = torch.ones(total, total, dtype=torch.bool, device=cu_seqlens.device).tril()
     return same & causal
     ### END SOLUTION
-
-
-def packed_attention_mask(params: PackedSeqParams, b: int, s: int) -> torch.Tensor:
-    """[b, 1, s, s] bool for SDPA: row r's block of the document-causal mask (rows never see each other)."""
-    mask = document_causal_mask(params.cu_seqlens_q)  # [b*s, b*s], block-diagonal over the rows too
-    return torch.stack([mask[r * s:(r + 1) * s, r * s:(r + 1) * s] for r in range(b)])[:, None]
 
 
 def document_slices(params: PackedSeqParams) -> list[slice]:

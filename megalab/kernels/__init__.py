@@ -85,8 +85,6 @@ def packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, params, 
     flash_attn: flash_attn_varlen_func on the [T, h, d] stream, which skips the blocks between documents
     (cost: the sum of the documents' squares). sdpa: the [b, 1, s, s] document-causal mask (cost: b s^2).
     """
-    from megalab.packed_seq import packed_attention_mask
-
     b, h, s, d = q.shape
     if backend == "flash_attn":
         from flash_attn import flash_attn_varlen_func
@@ -96,5 +94,5 @@ def packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, params, 
         out = flash_attn_varlen_func(*stream, cu_q, cu_kv, params.max_seqlen_q, params.max_seqlen_kv,
                                      dropout_p=dropout_p, causal=True)  # [T, h, d]
         return out.view(b, s, h, d).transpose(1, 2)
-    mask = packed_attention_mask(params, b, s).to(q.device)  # [b, 1, s, s]
+    mask = params.attention_mask(b, s, q.device)  # [b, 1, s, s]
     return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p)
