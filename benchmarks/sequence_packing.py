@@ -32,7 +32,7 @@ from megalab.config import TransformerConfig  # noqa: E402
 from megalab.data import DATA_DIR  # noqa: E402
 from megalab.data.tokenizer import Tokenizer  # noqa: E402
 from megalab.model import GPTModel  # noqa: E402
-from megalab.packed_seq import PackedSeqParams, pack_documents  # noqa: E402
+from megalab.packed_seq import PackedSeqParams, pack_batch  # noqa: E402
 
 
 def corpus_documents(seq_length: int, count: int) -> list[torch.Tensor]:
@@ -61,28 +61,15 @@ def padded_batches(docs, batch: int) -> list[dict]:
 
 
 def packed_batches(docs, batch: int, seq_length: int) -> list[dict]:
-    """Documents in order, greedily into rows of seq_length tokens; `batch` rows per step."""
-    rows, row = [], []
-    for d in docs:
-        if sum(len(x) - 1 for x in row) + len(d) - 1 > seq_length:
-            rows.append(row)
-            row = []
-        row.append(d)
-    rows.append(row)
+    """Documents in order, greedily packed into rows of seq_length tokens (pack_batch); `batch` rows per step."""
+    rows = pack_batch(docs, seq_length)
+    params = rows["packed_seq_params"].cu_seqlens_q
     out = []
-    for i in range(0, len(rows), batch):
-        inputs, labels, masks = [], [], []
-        for row in rows[i:i + batch]:
-            free = seq_length - sum(len(x) - 1 for x in row)
-            pad = [torch.zeros(free + 1, dtype=torch.long)] if free else []  # the row's tail: one padding document
-            inputs += [x[:-1] for x in row + pad]
-            labels += [x[1:] for x in row + pad]
-            masks += [torch.ones(len(x) - 1) for x in row] + [torch.zeros(free)] * bool(free)
-        tokens, _, cu_seqlens = pack_documents(inputs)
-        b = tokens.numel() // seq_length
-        out.append(dict(tokens=tokens.view(b, seq_length), labels=torch.cat(labels).view(b, seq_length),
-                        loss_mask=torch.cat(masks).view(b, seq_length),
-                        packed_seq_params=PackedSeqParams.from_cu_seqlens(cu_seqlens)))
+    for i in range(0, rows["tokens"].shape[0], batch):
+        start, stop = i * seq_length, min(i + batch, rows["tokens"].shape[0]) * seq_length
+        cu = params[(params >= start) & (params <= stop)] - start  # these rows' boundaries, from 0
+        out.append({key: rows[key][i:i + batch] for key in ("tokens", "labels", "loss_mask")}
+                   | dict(packed_seq_params=PackedSeqParams.from_cu_seqlens(cu)))
     return out
 
 

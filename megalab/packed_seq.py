@@ -126,6 +126,32 @@ def pack_documents(docs: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Te
     return torch.cat(list(docs))[None], position_ids_from_cu_seqlens(cu_seqlens)[None], cu_seqlens
 
 
+def pack_batch(docs: Sequence[torch.Tensor], row_length: int) -> dict:
+    """Training rows from documents of n + 1 tokens each (inputs, and labels shifted by one): the documents in
+    order, greedily into rows of row_length inputs; a row's unused tail is one padding document (loss_mask 0).
+
+    Returns {"tokens", "labels", "loss_mask", "position_ids"} [b, row_length] and "packed_seq_params"."""
+    if any(d.dim() != 1 or not 2 <= d.numel() <= row_length + 1 for d in docs):
+        raise ValueError(f"pack_batch needs 1-D documents of 2 .. row_length + 1 = {row_length + 1} tokens; cut longer ones")
+    rows, used = [[]], 0
+    for d in docs:
+        if used + d.numel() - 1 > row_length:
+            rows, used = rows + [[]], 0
+        rows[-1].append(d)
+        used += d.numel() - 1
+    inputs, labels, masks = [], [], []
+    for row in rows:
+        free = row_length - sum(d.numel() - 1 for d in row)
+        pieces = row + ([torch.zeros(free + 1, dtype=row[0].dtype)] if free else [])  # the padding document
+        inputs += [d[:-1] for d in pieces]
+        labels += [d[1:] for d in pieces]
+        masks += [torch.full((d.numel() - 1,), float(i < len(row))) for i, d in enumerate(pieces)]
+    tokens, position_ids, cu_seqlens = pack_documents(inputs)
+    shape = (len(rows), row_length)
+    return dict(tokens=tokens.view(shape), labels=torch.cat(labels).view(shape), loss_mask=torch.cat(masks).view(shape),
+                position_ids=position_ids.view(shape), packed_seq_params=PackedSeqParams.from_cu_seqlens(cu_seqlens))
+
+
 def document_causal_mask(cu_seqlens: torch.Tensor) -> torch.Tensor:
     """[T, T] bool, True where query i may attend key j: same document (by cu_seqlens) and j <= i."""
     total = int(cu_seqlens[-1])

@@ -32,6 +32,7 @@ from megalab.packed_seq import (
     PackedSeqParams,
     collate_packed,
     document_causal_mask,
+    pack_batch,
     pack_documents,
     packed_position_ids,
 )
@@ -182,6 +183,21 @@ def test_several_packed_rows_equal_one_row():
     one_row = model(inputs, labels=labels, packed_seq_params=PackedSeqParams.from_cu_seqlens(cu))
     two_rows = model(inputs.view(2, 7), labels=labels.view(2, 7), packed_seq_params=PackedSeqParams.from_cu_seqlens(cu))
     torch.testing.assert_close(two_rows.view(1, 14), one_row, atol=1e-6, rtol=1e-5)
+
+
+def test_pack_batch_rows_train_like_their_documents():
+    docs = _docs([5, 9, 3, 12, 7, 4, 6])  # rows of 16 inputs: [5 + 9 + pad 2], [3 + 12 + pad 1], [7 + 4 + pad 5], ...
+    rows = pack_batch(docs, 16)
+    assert rows["tokens"].shape == (4, 16) and rows["packed_seq_params"].cu_seqlens_q.tolist() == [
+        0, 5, 14, 16, 19, 31, 32, 39, 43, 48, 54, 64]
+    assert rows["loss_mask"].sum() == 46 and rows["loss_mask"][0].tolist() == [1.0] * 14 + [0.0] * 2
+    torch.manual_seed(0)
+    model = GPTModel(MODELS["llama-gqa"])
+    packed = model(rows["tokens"], labels=rows["labels"], packed_seq_params=rows["packed_seq_params"])
+    alone = torch.cat([model(d[None, :-1], labels=d[None, 1:])[0] for d in docs])
+    torch.testing.assert_close(packed[rows["loss_mask"].bool()], alone, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="cut longer ones"):
+        pack_batch([torch.arange(18)], 16)
 
 
 # ------------------------------------------------------------------ the dataset side
