@@ -110,7 +110,7 @@ def main() -> None:
     if args.quick:
         defaults, size = (128, 128, 2), dict(num_layers=2, hidden_size=64, num_attention_heads=4)
     else:
-        defaults, size = (256, 1024, 3), dict(num_layers=4, hidden_size=256, num_attention_heads=8)
+        defaults, size = (256, 512, 3), dict(num_layers=4, hidden_size=128, num_attention_heads=4)
     seq_length, count, reps = (a if a is not None else d for a, d in zip((args.seq_length, args.docs, args.reps), defaults))
     docs = corpus_documents(seq_length, count)
     config = TransformerConfig(**size, vocab_size=Tokenizer.from_file().vocab_size, seq_length=seq_length,

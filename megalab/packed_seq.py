@@ -100,7 +100,7 @@ class PackedSeqParams:
 
     def position_ids(self, shape: torch.Size) -> torch.Tensor:
         """[b, s] positions restarting at 0 in every document."""
-        return position_ids_from_cu_seqlens(self.cu_seqlens_q).view(shape).to(self.cu_seqlens_q.device)
+        return position_ids_from_cu_seqlens(self.cu_seqlens_q).view(shape)
 
 
 def packed_position_ids(input_ids: torch.Tensor, position_ids: torch.Tensor | None,
@@ -131,8 +131,9 @@ def pack_batch(docs: Sequence[torch.Tensor], row_length: int) -> dict:
     order, greedily into rows of row_length inputs; a row's unused tail is one padding document (loss_mask 0).
 
     Returns {"tokens", "labels", "loss_mask", "position_ids"} [b, row_length] and "packed_seq_params"."""
-    if any(d.dim() != 1 or not 2 <= d.numel() <= row_length + 1 for d in docs):
-        raise ValueError(f"pack_batch needs 1-D documents of 2 .. row_length + 1 = {row_length + 1} tokens; cut longer ones")
+    if not docs or any(d.dim() != 1 or not 2 <= d.numel() <= row_length + 1 for d in docs):
+        raise ValueError(f"pack_batch needs 1-D documents of 2 .. row_length + 1 = {row_length + 1} tokens; "
+                         "cut longer ones")
     rows, used = [[]], 0
     for d in docs:
         if used + d.numel() - 1 > row_length:

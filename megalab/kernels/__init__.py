@@ -65,6 +65,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: str = 
     within each document only."""
     backend = resolve_attention_backend(backend, q.device, q.dtype, dropout_p, packed=packed_seq_params is not None)
     if packed_seq_params is not None:
+        if not causal:
+            raise ValueError("packed documents are attended causally here (a decoder); pass causal=True")
         return packed_attention(q, k, v, packed_seq_params, backend, dropout_p)
     if backend == "triton":
         from megalab.kernels.flash_attention import flash_attention
