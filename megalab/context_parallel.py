@@ -328,6 +328,13 @@ def context_parallel_attention(q, k, v, group=None, zigzag=True, variant="p2p", 
 
 
 # ------------------------------------------------------------------ in the model
+def check_not_packed(packed_seq_params) -> None:
+    """Packed documents would need each document split across the CP ranks (Megatron: cu_seqlens_q_padded)."""
+    if packed_seq_params is not None:
+        raise ValueError("context parallelism here takes whole sequences, not packed documents (PackedSeqParams): "
+                         "use context_parallel_size=1 for packed batches, or pad the documents")
+
+
 class ContextParallelAttention(CoreAttention):
     """Core attention over the CP group, for LayerSpec.core_attention: the same [s, b, heads, hn]
     in, [s, b, np * hn] out as CoreAttention, but s is this rank's s/cp tokens. `work` accumulates
@@ -343,7 +350,8 @@ class ContextParallelAttention(CoreAttention):
     def extra_repr(self) -> str:
         return f"cp={dist.get_world_size(self.cp_group)}, zigzag={self.zigzag}, variant={self.variant!r}"
 
-    def forward(self, query, key, value):
+    def forward(self, query, key, value, packed_seq_params=None):
+        check_not_packed(packed_seq_params)
         s, b, np_, hn = query.shape
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, heads, s/cp, hn]
         context = context_parallel_attention(q, k, v, self.cp_group, self.zigzag, self.variant, self.work)
@@ -358,7 +366,8 @@ class ContextParallelRotaryEmbedding(RotaryEmbedding):
         super().__init__(kv_channels, rotary_percent, rotary_base)
         self.cp_group, self.zigzag = cp_group, zigzag
 
-    def forward(self, seq_length: int) -> torch.Tensor:
+    def forward(self, seq_length: int, packed_seq_params=None) -> torch.Tensor:
+        check_not_packed(packed_seq_params)
         cp = dist.get_world_size(self.cp_group)
         positions = cp_rank_positions(seq_length * cp, cp, dist.get_rank(self.cp_group), self.zigzag)
         return super().forward(seq_length * cp)[positions.to(self.inv_freq.device)]  # [s/cp, 1, 1, dim]
@@ -388,7 +397,8 @@ class ContextParallelGPTModel(TensorParallelGPTModel):
         return cp_rank_positions(input_ids.shape[1] * cp, cp, dist.get_rank(self.cp_group),
                                  self.zigzag).to(input_ids.device).expand(input_ids.shape[0], -1)
 
-    def forward(self, input_ids, position_ids=None, labels=None):
+    def forward(self, input_ids, position_ids=None, labels=None, packed_seq_params=None):
+        check_not_packed(packed_seq_params)
         if position_ids is None:
             position_ids = self.local_position_ids(input_ids)
         return super().forward(input_ids, position_ids, labels)

@@ -67,6 +67,8 @@ def _course_parts(f: dict) -> list[tuple[str, str]]:
          else "megalab.fp8 path: emulated (real fp8 rounding, not fp8 speed)"),
         ("FlashAttention in Triton", "compiled for the GPU" if n and f["triton"] != "not installed" else f"{cpu}: TRITON_INTERPRET=1, small sizes"),
         ("flash-attn library", f"flash-attn {f['flash_attn']}" if f["flash_attn"] else f"{cpu}: PyTorch SDPA"),
+        ("sequence packing (cu_seqlens)", "flash_attn_varlen_func" if n and f["flash_attn"]
+         else "PyTorch SDPA with the document-causal mask"),
     ]
 
 

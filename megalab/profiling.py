@@ -1,24 +1,17 @@
-"""Where a training step spends its time: profiler traces, and sequence packing.
+"""Where a training step spends its time: profiler traces, and communication/computation overlap.
 
     profile_step(step)  ──> torch.profiler trace ──> Chrome trace file (chrome://tracing, Perfetto)
                                                  └─> top_ops(): the ops that cost the most, as rows
 
-Sequence packing puts several documents back to back in one row instead of padding each to the
-longest, and keeps them apart with cumulative boundaries (`cu_seqlens`, the flash-attn varlen and
-Megatron `PackedSeqParams` convention):
-
-    docs   [a a a] [b b] [c c c c]        padded:  a a a _    packed:  a a a b b c c c c
-    cu_seqlens = [0, 3, 5, 9]                      b b _ _    position_ids 0 1 2 0 1 0 1 2 3
-                                                   c c c c    attention: block-diagonal, causal in each block
+Sequence packing, the other speed-up of chapter 06 · 04, lives in megalab/packed_seq.py.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile, schedule
 
 
@@ -47,39 +40,6 @@ def top_ops(prof: profile, n: int = 8) -> list[dict]:
     total = sum(self_us(e) for e in events) or 1.0
     events.sort(key=self_us, reverse=True)
     return [dict(name=e.key, calls=e.count, self_ms=self_us(e) / 1e3, share=self_us(e) / total) for e in events[:n]]
-
-
-def pack_documents(docs: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """1-D token tensors -> (tokens [1, T], position_ids [1, T] restarting at 0 per document, cu_seqlens [n+1])."""
-    if not docs or any(d.dim() != 1 or d.numel() == 0 for d in docs):
-        raise ValueError("pack_documents needs a non-empty list of non-empty 1-D token tensors")
-    lengths = torch.tensor([d.numel() for d in docs])
-    cu_seqlens = F.pad(lengths.cumsum(0), (1, 0))
-    position_ids = torch.cat([torch.arange(n) for n in lengths.tolist()])
-    return torch.cat(list(docs))[None], position_ids[None], cu_seqlens
-
-
-def document_causal_mask(cu_seqlens: torch.Tensor) -> torch.Tensor:
-    """[T, T] bool, True where query i may attend key j: same document (by cu_seqlens) and j <= i."""
-    total = int(cu_seqlens[-1])
-    # EXERCISE profiling.document_causal_mask: document id of every token, then same-document AND causal
-    ### BEGIN SOLUTION
-    doc = torch.bucketize(torch.arange(total), cu_seqlens[1:], right=True)  # [T] document index
-    same = doc[:, None] == doc[None, :]
-    causal = torch.ones(total, total, dtype=torch.bool).tril()
-    return same & causal
-    ### END SOLUTION
-
-
-def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
-    """Causal attention of packed documents, q, k, v [b, h, T, d] -> [b, h, T, d], one document at a time.
-
-    Like flash-attn's flash_attn_varlen_func, it never touches the masked-out blocks of the [T, T] scores:
-    the cost is the sum of the documents' squares, not the row's. Equal to SDPA with document_causal_mask.
-    """
-    bounds = cu_seqlens.tolist()
-    return torch.cat([F.scaled_dot_product_attention(q[..., a:b, :], k[..., a:b, :], v[..., a:b, :], is_causal=True)
-                      for a, b in zip(bounds[:-1], bounds[1:])], dim=2)
 
 
 def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:

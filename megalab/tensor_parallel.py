@@ -43,6 +43,7 @@ from megalab.model.attention import CoreAttention
 from megalab.model.gpt import GPTModel
 from megalab.model.layers import Linear
 from megalab.model.spec import LayerSpec
+from megalab.packed_seq import PackedSeqParams, packed_position_ids
 
 
 def _group(group):
@@ -558,13 +559,16 @@ class TensorParallelGPTModel(GPTModel):
             config.vocab_size, config.hidden_size, init_method=lambda w: w.copy_(full), tp_group=group)
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
-                labels: torch.Tensor | None = None) -> torch.Tensor:
+                labels: torch.Tensor | None = None, packed_seq_params: PackedSeqParams | None = None) -> torch.Tensor:
         sp, group = self.config.sequence_parallel, self.tp_group
+        if packed_seq_params is not None:  # packed documents: every rank holds all tokens, attention needs no change
+            position_ids = packed_position_ids(input_ids, position_ids, packed_seq_params)
         hidden_states = self.embedding(input_ids, position_ids)  # [s, b, h], summed over vocab slices
         if sp:
             hidden_states = scatter_to_sequence_parallel_region(hidden_states, group)  # [s/t, b, h]
-        rotary_pos_emb = self.rotary_pos_emb(input_ids.shape[1]) if self.rotary_pos_emb is not None else None
-        hidden_states = self.decoder(hidden_states, rotary_pos_emb)
+        rotary = self.rotary_pos_emb
+        rotary_pos_emb = rotary(input_ids.shape[1], packed_seq_params) if rotary is not None else None
+        hidden_states = self.decoder(hidden_states, rotary_pos_emb, packed_seq_params)
         if self.output_layer is None:
             logits = column_parallel_linear(hidden_states, self.shared_embedding_or_output_weight(), None, sp, group)
         else:

@@ -1,65 +1,13 @@
-"""megalab/profiling.py: profiler traces and their summary, comm/compute overlap read from a trace,
-sequence packing (cu_seqlens, document-causal mask, varlen attention == each document alone)."""
+"""megalab/profiling.py: profiler traces and their summary, comm/compute overlap read from a trace.
+(Sequence packing: tests/test_packed_seq.py.)"""
 
 import json
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from megalab import launch
-from megalab.profiling import (
-    document_causal_mask,
-    overlap_from_trace,
-    pack_documents,
-    profile_ddp_step,
-    profile_step,
-    top_ops,
-    varlen_attention,
-)
-
-DOC_LENGTHS = [(5,), (3, 1, 4), (1, 1), (7, 2, 6, 3)]
-
-
-def _mask_by_loops(lengths):
-    total = sum(lengths)
-    mask = torch.zeros(total, total, dtype=torch.bool)
-    start = 0
-    for n in lengths:
-        for i in range(n):
-            mask[start + i, start:start + i + 1] = True
-        start += n
-    return mask
-
-
-def test_pack_documents_positions_and_boundaries():
-    docs = [torch.arange(3) + 10, torch.arange(2) + 20, torch.arange(4) + 30]
-    tokens, position_ids, cu_seqlens = pack_documents(docs)
-    assert tokens.tolist() == [[10, 11, 12, 20, 21, 30, 31, 32, 33]]
-    assert position_ids.tolist() == [[0, 1, 2, 0, 1, 0, 1, 2, 3]]
-    assert cu_seqlens.tolist() == [0, 3, 5, 9]
-    with pytest.raises(ValueError, match="non-empty 1-D"):
-        pack_documents([torch.arange(3), torch.zeros(0)])
-
-
-@pytest.mark.exercise("profiling.document_causal_mask")
-@pytest.mark.parametrize("lengths", DOC_LENGTHS, ids=lambda ls: "-".join(map(str, ls)))
-def test_document_causal_mask_matches_per_document_loops(lengths):
-    _, _, cu_seqlens = pack_documents([torch.zeros(n, dtype=torch.long) for n in lengths])
-    assert torch.equal(document_causal_mask(cu_seqlens), _mask_by_loops(lengths))
-
-
-@pytest.mark.exercise("profiling.document_causal_mask")
-def test_document_mask_attention_equals_each_document_alone():
-    lengths = [4, 1, 6, 3]
-    _, _, cu_seqlens = pack_documents([torch.zeros(n, dtype=torch.long) for n in lengths])
-    g = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(2, 3, sum(lengths), 8, generator=g) for _ in range(3))
-    masked = F.scaled_dot_product_attention(q, k, v, attn_mask=document_causal_mask(cu_seqlens))
-    alone = [F.scaled_dot_product_attention(q[..., a:b, :], k[..., a:b, :], v[..., a:b, :], is_causal=True)
-             for a, b in zip(cu_seqlens[:-1].tolist(), cu_seqlens[1:].tolist())]
-    torch.testing.assert_close(masked, torch.cat(alone, dim=2))
-    torch.testing.assert_close(varlen_attention(q, k, v, cu_seqlens), masked)
+from megalab.profiling import overlap_from_trace, profile_ddp_step, profile_step, top_ops
 
 
 def test_overlap_from_trace_counts_merged_intervals():

@@ -12,8 +12,11 @@ Three small index arrays, built once from the document lengths, turn "sample i" 
 
     item i ─► j = shuffle_index[i] ─► sample_index[j], sample_index[j + 1] ─► tokens from 1-3 documents
           ─► {"tokens": text[:-1], "labels": text[1:], "loss_mask", "position_ids"}   each [seq_length]
+             (+ "cu_seqlens" [n + 1] with reset_attention_mask: where the sample's documents start)
 
-Samples run across document boundaries (the <|endoftext|> token between them tells the model); enough epochs are
+Samples run across document boundaries (the <|endoftext|> token between them tells the model, or, with Megatron's
+reset_position_ids / reset_attention_mask, positions restart and attention stops there: a packed sample,
+megalab/packed_seq.py; `collate_packed` batches them for GPTModel(..., packed_seq_params=)); enough epochs are
 visited to provide `num_samples`, and a short final epoch is shuffled on its own so its documents do not all
 crowd into the last few samples (`separate_final_epoch`). All shuffles come from one `numpy.random.RandomState(seed)`,
 so every rank builds identical indices.
@@ -27,6 +30,7 @@ import numpy as np
 import torch
 
 from megalab.data.indexed_dataset import IndexedDataset
+from megalab.packed_seq import position_ids_from_cu_seqlens
 
 _SEPARATE_FINAL_EPOCH_THRESHOLD = 0.80  # Megatron's: a final epoch with < 80% of an epoch's samples is shuffled apart
 
@@ -89,6 +93,17 @@ def build_shuffle_index(num_samples: int, total_size: int, rng: np.random.Random
     return np.concatenate((first, last))
 
 
+def cu_seqlens_from_eod(tokens: torch.Tensor, eod: int) -> torch.Tensor:
+    """[n + 1] int32: the sample's documents, each ending with (and including) an <|endoftext|> token.
+
+    Megatron's reset_attention_mask cuts the causal mask after every eod (attention_mask[i+1:, :i+1] = 0);
+    these are the same boundaries in the cu_seqlens form that PackedSeqParams and the varlen kernels take."""
+    seq_length = tokens.numel()
+    ends = (tokens == eod).nonzero().flatten() + 1
+    ends = ends[ends < seq_length]  # an eod at the very end closes the last document anyway
+    return torch.cat([torch.zeros(1, dtype=ends.dtype), ends, torch.tensor([seq_length])]).to(torch.int32)
+
+
 def get_ltor_masks_and_position_ids(tokens: torch.Tensor, eod: int, reset_position_ids: bool, eod_mask_loss: bool):
     """loss_mask [s] float (0 on <|endoftext|> inputs if eod_mask_loss), position_ids [s] (restart after each
     <|endoftext|> if reset_position_ids). The causal attention mask itself is implicit (Megatron's default)."""
@@ -96,29 +111,28 @@ def get_ltor_masks_and_position_ids(tokens: torch.Tensor, eod: int, reset_positi
     loss_mask = torch.ones(seq_length, dtype=torch.float)
     if eod_mask_loss:
         loss_mask[tokens == eod] = 0.0
-    position_ids = torch.arange(seq_length, dtype=torch.long)
     if reset_position_ids:
-        prev = 0
-        for i in (tokens == eod).nonzero().flatten().tolist():
-            position_ids[i + 1:] -= i + 1 - prev
-            prev = i + 1
-    return loss_mask, position_ids
+        return loss_mask, position_ids_from_cu_seqlens(cu_seqlens_from_eod(tokens, eod))
+    return loss_mask, torch.arange(seq_length, dtype=torch.long)
 
 
 class GPTDataset(torch.utils.data.Dataset):
     """`num_samples` samples of `seq_length` tokens from `indexed_dataset`; item i is a dict of [seq_length] tensors.
 
     documents: the document ids this split uses (all by default; see `get_split_ranges`).
-    eod: the end-of-document token id (`Tokenizer.eod`), for eod_mask_loss / reset_position_ids.
+    eod: the end-of-document token id (`Tokenizer.eod`), for eod_mask_loss / reset_position_ids / reset_attention_mask.
+    reset_attention_mask: items also carry "cu_seqlens", the sample's document boundaries (a packed sample).
     """
 
     def __init__(self, indexed_dataset: IndexedDataset, seq_length: int, num_samples: int, seed: int, eod: int,
-                 documents: np.ndarray | None = None, reset_position_ids: bool = False, eod_mask_loss: bool = False):
+                 documents: np.ndarray | None = None, reset_position_ids: bool = False, eod_mask_loss: bool = False,
+                 reset_attention_mask: bool = False):
         if not np.array_equal(indexed_dataset.document_indices, np.arange(len(indexed_dataset) + 1)):
             raise ValueError(f"{indexed_dataset.path_prefix}: GPTDataset needs one sequence per document; "
                              "preprocess without sentence splitting")
         self.dataset, self.seq_length, self.num_samples, self.seed, self.eod = indexed_dataset, seq_length, num_samples, seed, eod
         self.reset_position_ids, self.eod_mask_loss = reset_position_ids, eod_mask_loss
+        self.reset_attention_mask = reset_attention_mask
         self.documents = np.arange(len(indexed_dataset)) if documents is None else np.asarray(documents)
         if len(self.documents) == 0 or seq_length < 1 or num_samples < 1:
             raise ValueError(f"need documents, seq_length >= 1 and num_samples >= 1 (got {len(self.documents)} documents, "
@@ -166,7 +180,10 @@ class GPTDataset(torch.utils.data.Dataset):
         text = torch.from_numpy(self.get_text(idx).astype(np.int64))  # [seq_length + 1]
         tokens, labels = text[:-1].contiguous(), text[1:].contiguous()  # [seq_length] each
         loss_mask, position_ids = get_ltor_masks_and_position_ids(tokens, self.eod, self.reset_position_ids, self.eod_mask_loss)
-        return {"tokens": tokens, "labels": labels, "loss_mask": loss_mask, "position_ids": position_ids}
+        item = {"tokens": tokens, "labels": labels, "loss_mask": loss_mask, "position_ids": position_ids}
+        if self.reset_attention_mask:
+            item["cu_seqlens"] = cu_seqlens_from_eod(tokens, self.eod)  # [n + 1], varies per sample
+        return item
 
 
 def get_split_ranges(split: str, num_documents: int) -> list[tuple[int, int]]:

@@ -47,8 +47,11 @@ class CachedAttention(nn.Module):
         super().__init__()
         self.layer, self.cache, self.segments = layer, cache, segments
 
-    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                packed_seq_params=None) -> torch.Tensor:
         # query [T, 1, np, hn], key/value [T, 1, ng, hn] -> context [T, 1, np * hn]
+        if packed_seq_params is not None:
+            raise ValueError("KV-cache inference takes its requests as Segments, not PackedSeqParams")
         outputs, offset = [], 0
         for seg in self.segments:
             new = slice(offset, offset + seg.length)

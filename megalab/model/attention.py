@@ -11,6 +11,9 @@ MQA), hn = kv_channels. Megatron: Attention/SelfAttention (megatron/core/transfo
 and DotProductAttention (dot_product_attention.py), whose "unfused" math is written out below;
 the fused paths (PyTorch's F.scaled_dot_product_attention, our Triton FlashAttention, flash-attn,
 or "auto") are in megalab/kernels.
+
+With `packed_seq_params` (megalab/packed_seq.py) the rows hold packed documents: attention stays
+inside each document (the fused backends take the boundaries; "unfused" runs document by document).
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from megalab.kernels import attention as fused_attention
 from megalab.model.embeddings import apply_rotary_pos_emb
 from megalab.model.layers import init_method_normal, scaled_init_method_normal
 from megalab.model.recompute import checkpoint
+from megalab.packed_seq import PackedSeqParams, document_slices
 
 
 class CoreAttention(nn.Module):
@@ -39,7 +43,8 @@ class CoreAttention(nn.Module):
     def extra_repr(self) -> str:
         return f"backend={self.backend!r}, attention_dropout={self.attention_dropout}"
 
-    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                packed_seq_params: PackedSeqParams | None = None) -> torch.Tensor:
         # query [s, b, np, hn], key/value [s, b, ng, hn] -> context [s, b, np * hn]
         s, b, np_, hn = query.shape
         if key.shape[2] != np_:  # GQA: each key/value head serves np/ng query heads
@@ -48,8 +53,14 @@ class CoreAttention(nn.Module):
         dropout_p = self.attention_dropout if self.training else 0.0
         if self.backend != "unfused":  # sdpa, triton, flash_attn or auto (megalab/kernels picks)
             q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, np, s, hn]
-            context = fused_attention(q, k, v, self.backend, dropout_p=dropout_p, causal=True)
+            context = fused_attention(q, k, v, self.backend, dropout_p=dropout_p, causal=True,
+                                      packed_seq_params=packed_seq_params)
             return context.permute(2, 0, 1, 3).reshape(s, b, np_ * hn)
+        if packed_seq_params is not None:  # each document alone: flash-attn's varlen idea, one matmul per document
+            stream = [t.transpose(0, 1).reshape(b * s, 1, *t.shape[2:]) for t in (query, key, value)]  # [T, 1, np, hn]
+            context = torch.cat([self.unfused_attention(*(t[doc] for t in stream), dropout_p)
+                                 for doc in document_slices(packed_seq_params)])  # [T, 1, np * hn]
+            return context.view(b, s, np_ * hn).transpose(0, 1)
         return self.unfused_attention(query, key, value, dropout_p)
 
     @staticmethod
@@ -89,7 +100,8 @@ class SelfAttention(nn.Module):
         )
         self.checkpoint_core_attention = config.recompute_granularity == "selective"
 
-    def forward(self, hidden_states: torch.Tensor, rotary_pos_emb: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, hidden_states: torch.Tensor, rotary_pos_emb: torch.Tensor | None = None,
+                packed_seq_params: PackedSeqParams | None = None) -> torch.Tensor:
         mixed = self.linear_qkv(hidden_states)  # [s, b, ng * (np/ng + 2) * hn]
         s, b, _ = mixed.shape
         group_width = (self.heads_per_group + 2) * self.kv_channels
@@ -105,7 +117,7 @@ class SelfAttention(nn.Module):
             query = apply_rotary_pos_emb(query, rotary_pos_emb, interleaved)
             key = apply_rotary_pos_emb(key, rotary_pos_emb, interleaved)
         if self.checkpoint_core_attention and self.training:  # selective recomputation
-            context = checkpoint(self.core_attention, query, key, value)
+            context = checkpoint(self.core_attention, query, key, value, packed_seq_params)
         else:
-            context = self.core_attention(query, key, value)  # [s, b, np * hn]
+            context = self.core_attention(query, key, value, packed_seq_params)  # [s, b, np * hn]
         return self.linear_proj(context)

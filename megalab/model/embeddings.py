@@ -9,6 +9,10 @@ RoPE rotates each pair (x_i, x_{i+d/2}) of a query/key head by the angle pos * b
 q.k depends only on the distance between positions ("rotate half" layout, as Megatron's default).
 With rotary_interleaved the pairs are (x_{2i}, x_{2i+1}) instead (Meta's LLaMA code); rope.py
 explains both and converts weights between them.
+
+Packed documents (megalab/packed_seq.py) restart their positions at every document: the learned
+embedding reads the per-document position_ids, and RotaryEmbedding(s, packed_seq_params) gives
+every token the angle of its position in its own document (Megatron: `_apply_rotary_pos_emb_thd`).
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from torch import nn
 from megalab.config import TransformerConfig
 from megalab.model.layers import init_method_normal
 from megalab.model.rope import rotate_interleaved
+from megalab.packed_seq import PackedSeqParams
 
 
 class LanguageModelEmbedding(nn.Module):
@@ -37,8 +42,9 @@ class LanguageModelEmbedding(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
         b, s = input_ids.shape
-        if s > self.max_positions:
-            raise ValueError(f"sequence of {s} tokens is longer than config.seq_length={self.max_positions}")
+        longest = s if position_ids is None else int(position_ids.max()) + 1  # packed rows: the longest document
+        if longest > self.max_positions:
+            raise ValueError(f"sequence of {longest} tokens is longer than config.seq_length={self.max_positions}")
         embeddings = self.word_embeddings(input_ids)  # [b, s, h]
         if self.position_embeddings is not None:
             if position_ids is None:
@@ -49,7 +55,8 @@ class LanguageModelEmbedding(nn.Module):
 
 
 class RotaryEmbedding(nn.Module):
-    """The rotation angles for every position: forward(s) -> [s, 1, 1, rotary_dim]."""
+    """The rotation angles for every position: forward(s) -> [s, 1, 1, rotary_dim]; for a packed
+    batch [b, s], forward(s, packed_seq_params) -> [s, b, 1, rotary_dim], positions restarting per document."""
 
     def __init__(self, kv_channels: int, rotary_percent: float = 1.0, rotary_base: int = 10000,
                  rotary_interleaved: bool = False):
@@ -59,12 +66,15 @@ class RotaryEmbedding(nn.Module):
         inv_freq = 1.0 / (rotary_base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
-    def forward(self, seq_length: int) -> torch.Tensor:
-        positions = torch.arange(seq_length, device=self.inv_freq.device, dtype=torch.float32)
-        freqs = torch.outer(positions, self.inv_freq)  # [s, dim/2]
+    def forward(self, seq_length: int, packed_seq_params: PackedSeqParams | None = None) -> torch.Tensor:
+        if packed_seq_params is None:
+            positions = torch.arange(seq_length, device=self.inv_freq.device)[:, None]  # [s, 1]
+        else:  # [s, b]: each token's position in its own document
+            positions = packed_seq_params.position_ids((-1, seq_length)).t().to(self.inv_freq.device)
+        freqs = positions[..., None].float() * self.inv_freq  # [s, b, dim/2]
         if self.rotary_interleaved:  # angle i for channels 2i and 2i+1
-            return freqs.repeat_interleave(2, dim=-1)[:, None, None, :]  # [s, 1, 1, dim]
-        return torch.cat([freqs, freqs], dim=-1)[:, None, None, :]  # [s, 1, 1, dim]: angle i for i and i+dim/2
+            return freqs.repeat_interleave(2, dim=-1)[:, :, None, :]  # [s, b, 1, dim]
+        return torch.cat([freqs, freqs], dim=-1)[:, :, None, :]  # [s, b, 1, dim]: angle i for i and i+dim/2
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -8,6 +8,9 @@
 With RoPE the positions enter inside attention (rotary_pos_emb) instead of the embedding.
 Megatron: GPTModel (megatron/core/models/gpt/gpt_model.py); `decoder`, `embedding`,
 `rotary_pos_emb`, `output_layer` and `shared_embedding_or_output_weight` are its names.
+
+packed_seq_params (PackedSeqParams, megalab/packed_seq.py): the rows hold packed documents; the
+positions restart in each one (position_ids default to that) and attention stays inside each.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from megalab.model.embeddings import LanguageModelEmbedding, RotaryEmbedding
 from megalab.model.layers import init_method_normal
 from megalab.model.spec import LayerSpec
 from megalab.model.transformer import TransformerBlock
+from megalab.packed_seq import PackedSeqParams, packed_position_ids
 
 
 class GPTModel(nn.Module):
@@ -46,12 +50,15 @@ class GPTModel(nn.Module):
         return self.embedding.word_embeddings.weight
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
-                labels: torch.Tensor | None = None) -> torch.Tensor:
+                labels: torch.Tensor | None = None, packed_seq_params: PackedSeqParams | None = None) -> torch.Tensor:
+        if packed_seq_params is not None:  # checks the boundaries; positions restart in every document
+            position_ids = packed_position_ids(input_ids, position_ids, packed_seq_params)
         # EXERCISE model.gpt_forward: embed, (rotary angles), decoder, output layer (tied or not), logits or loss
         ### BEGIN SOLUTION
         hidden_states = self.embedding(input_ids, position_ids)  # [s, b, h]
-        rotary_pos_emb = self.rotary_pos_emb(input_ids.shape[1]) if self.rotary_pos_emb is not None else None
-        hidden_states = self.decoder(hidden_states, rotary_pos_emb)
+        rotary = self.rotary_pos_emb
+        rotary_pos_emb = rotary(input_ids.shape[1], packed_seq_params) if rotary is not None else None
+        hidden_states = self.decoder(hidden_states, rotary_pos_emb, packed_seq_params)
         if self.output_layer is None:
             logits = F.linear(hidden_states, self.shared_embedding_or_output_weight())  # [s, b, V]
         else:

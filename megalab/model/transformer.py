@@ -27,6 +27,7 @@ from megalab.model.mlp import MLP
 from megalab.model.norm import build_norm
 from megalab.model.recompute import checkpoint
 from megalab.model.spec import LayerSpec
+from megalab.packed_seq import PackedSeqParams
 
 
 class TransformerLayer(nn.Module):
@@ -45,12 +46,13 @@ class TransformerLayer(nn.Module):
             self.mlp = MoELayer(config, layer_number)
         self.hidden_dropout = config.hidden_dropout
 
-    def forward(self, hidden_states: torch.Tensor, rotary_pos_emb: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, hidden_states: torch.Tensor, rotary_pos_emb: torch.Tensor | None = None,
+                packed_seq_params: PackedSeqParams | None = None) -> torch.Tensor:
         # [s, b, h] -> [s, b, h]
         # EXERCISE model.layer_forward: norm, attention, dropout, residual add; norm, MLP, dropout, residual add
         ### BEGIN SOLUTION
         residual = hidden_states
-        attention_output = self.self_attention(self.input_layernorm(hidden_states), rotary_pos_emb)
+        attention_output = self.self_attention(self.input_layernorm(hidden_states), rotary_pos_emb, packed_seq_params)
         hidden_states = residual + F.dropout(attention_output, self.hidden_dropout, self.training)
         residual = hidden_states
         mlp_output = self.mlp(self.pre_mlp_layernorm(hidden_states))
@@ -65,30 +67,32 @@ class TransformerBlock(nn.Module):
         self.layers = nn.ModuleList(TransformerLayer(config, spec, i + 1) for i in range(config.num_layers))
         self.final_layernorm = build_norm(config)
 
-    def forward(self, hidden_states: torch.Tensor, rotary_pos_emb: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, hidden_states: torch.Tensor, rotary_pos_emb: torch.Tensor | None = None,
+                packed_seq_params: PackedSeqParams | None = None) -> torch.Tensor:
         if self.config.recompute_granularity == "full" and self.training:
-            hidden_states = self._checkpointed_forward(hidden_states, rotary_pos_emb)
+            hidden_states = self._checkpointed_forward(hidden_states, rotary_pos_emb, packed_seq_params)
         else:
             for layer in self.layers:
-                hidden_states = layer(hidden_states, rotary_pos_emb)
+                hidden_states = layer(hidden_states, rotary_pos_emb, packed_seq_params)
         return self.final_layernorm(hidden_states)
 
-    def _checkpointed_forward(self, hidden_states, rotary_pos_emb):
+    def _checkpointed_forward(self, hidden_states, rotary_pos_emb, packed_seq_params):
         n, layers = self.config.recompute_num_layers, self.layers
         if self.config.recompute_method == "uniform":  # only every chunk's input is kept
             for start in range(0, len(layers), n):
-                hidden_states = checkpoint(_run_layers(layers[start:start + n]), hidden_states, rotary_pos_emb)
+                hidden_states = checkpoint(_run_layers(layers[start:start + n]), hidden_states, rotary_pos_emb,
+                                           packed_seq_params)
         else:  # "block": the first n layers are recomputed, the others keep their activations
             for i, layer in enumerate(layers):
-                hidden_states = (checkpoint(layer, hidden_states, rotary_pos_emb) if i < n
-                                 else layer(hidden_states, rotary_pos_emb))
+                hidden_states = (checkpoint(layer, hidden_states, rotary_pos_emb, packed_seq_params) if i < n
+                                 else layer(hidden_states, rotary_pos_emb, packed_seq_params))
         return hidden_states
 
 
 def _run_layers(layers):
-    def run(hidden_states, rotary_pos_emb):
+    def run(hidden_states, rotary_pos_emb, packed_seq_params):
         for layer in layers:
-            hidden_states = layer(hidden_states, rotary_pos_emb)
+            hidden_states = layer(hidden_states, rotary_pos_emb, packed_seq_params)
         return hidden_states
 
     return run
