@@ -15,6 +15,7 @@ so turning the tp2·pp2 shards into one inference model is a DCP load at tp1·pp
 
 from __future__ import annotations
 
+import json
 import tempfile
 import warnings
 from pathlib import Path
@@ -32,6 +33,7 @@ TRAIN_ITERS, SAVE_INTERVAL = 12, 4
 GLOBAL_BATCH, MICRO_BATCH, SEQ_LENGTH = 16, 2, 64
 WORK_DIR = Path(tempfile.gettempdir()) / "megalab-07-projects"
 TRAINED = WORK_DIR / "trained"  # project 1's reference run: the model project 4 serves
+CURVE = "loss_curve.json"  # next to the checkpoints: the run's (iteration, loss) pairs
 
 
 # ------------------------------------------------------------------ project 1: the recipe
@@ -48,7 +50,7 @@ def recipe(vocab_size: int, tp: int = 2, pp: int = 2, **overrides) -> TrainingCo
     """
     fields = dict(model=small_gpt_config(vocab_size, SEQ_LENGTH), train_iters=TRAIN_ITERS, micro_batch_size=MICRO_BATCH,
                   global_batch_size=GLOBAL_BATCH, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                  lr=3e-3, lr_warmup_iters=2)
+                  lr=1e-2, lr_warmup_iters=2)
     return TrainingConfig(**{**fields, **overrides})
 
 
@@ -72,20 +74,33 @@ def curves_match(reference: list[tuple[int, float]], resumed: list[tuple[int, fl
     ### END SOLUTION
 
 
+def save_curve(save_dir: str | Path, curve: list[tuple[int, float]]) -> None:
+    (Path(save_dir) / CURVE).write_text(json.dumps(curve))  # JSON floats round-trip exactly
+
+
+def load_curve(save_dir: str | Path) -> list[tuple[int, float]]:
+    return [(it, loss) for it, loss in json.loads((Path(save_dir) / CURVE).read_text())]
+
+
 def train_reference(save: str | Path = TRAINED) -> list[tuple[int, float]]:
-    """Collective (8 ranks): the uninterrupted tp2·pp2·dp2 run, saving every SAVE_INTERVAL iterations."""
+    """Collective (8 ranks): the uninterrupted tp2·pp2·dp2 run, saving every SAVE_INTERVAL iterations and,
+    on rank 0, its loss curve."""
     from megalab import dist as mdist
     from megalab.training import pretrain
 
-    mdist.init()
+    rank, _ = mdist.init()
     dataset, tokenizer = build_dataset()
     config = recipe(tokenizer.vocab_size, save=str(save), save_interval=SAVE_INTERVAL)
-    return loss_curve(pretrain(config, dataset, on_log=None))
+    curve = loss_curve(pretrain(config, dataset, on_log=None))
+    if rank == 0:
+        save_curve(save, curve)
+    return curve
 
 
 def trained_checkpoint(save: str | Path = TRAINED) -> Path:
-    """Project 1's final checkpoint folder; trains the recipe on 8 ranks first if it is not there yet."""
-    if read_tracker(save) != TRAIN_ITERS:
+    """Project 1's checkpoint folder, complete (final iteration and loss curve); trains the recipe on 8 ranks
+    first if it is not."""
+    if read_tracker(save) != TRAIN_ITERS or not (Path(save) / CURVE).exists():
         from megalab import launch
 
         launch.run_function(train_reference, 8, str(save))
