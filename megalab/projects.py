@@ -24,10 +24,12 @@ import httpx
 import torch
 import torch.distributed.checkpoint as dcp
 
+from megalab import dist as mdist
+from megalab import launch
 from megalab.checkpoint import CheckpointError, _read_common, checkpoint_dir, read_tracker
 from megalab.config import TransformerConfig
 from megalab.model import GPTModel
-from megalab.training import TrainingConfig, build_train_dataset, small_gpt_config
+from megalab.training import TrainingConfig, build_train_dataset, pretrain, small_gpt_config
 
 TRAIN_ITERS, SAVE_INTERVAL = 12, 4
 GLOBAL_BATCH, MICRO_BATCH, SEQ_LENGTH = 16, 2, 64
@@ -85,9 +87,6 @@ def load_curve(save_dir: str | Path) -> list[tuple[int, float]]:
 def train_reference(save: str | Path = TRAINED) -> list[tuple[int, float]]:
     """Collective (8 ranks): the uninterrupted tp2·pp2·dp2 run, saving every SAVE_INTERVAL iterations and,
     on rank 0, its loss curve."""
-    from megalab import dist as mdist
-    from megalab.training import pretrain
-
     rank, _ = mdist.init()
     dataset, tokenizer = build_dataset()
     config = recipe(tokenizer.vocab_size, save=str(save), save_interval=SAVE_INTERVAL)
@@ -101,8 +100,6 @@ def trained_checkpoint(save: str | Path = TRAINED) -> Path:
     """Project 1's checkpoint folder, complete (final iteration and loss curve); trains the recipe on 8 ranks
     first if it is not."""
     if read_tracker(save) != TRAIN_ITERS or not (Path(save) / CURVE).exists():
-        from megalab import launch
-
         launch.run_function(train_reference, 8, str(save))
     return Path(save)
 

@@ -127,3 +127,16 @@ def test_bad_requests_get_clear_4xx_replies(server):
     assert all(400 <= status < 500 and message for status, message in replies.values()), replies
     assert replies["unknown model"][0] == 404 and "tiny" in replies["unknown model"][1]
     assert httpx.post(server.url + "/v1/completions", json={"prompt": "ok", "max_tokens": 2}).status_code == 200
+
+
+def test_trained_checkpoint_trains_only_when_project_1_is_missing(tmp_path, monkeypatch):
+    calls = []
+    monkeypatch.setattr(launch, "run_function", lambda fn, n, *args, **kw: calls.append((fn, n, args)))
+    assert projects.trained_checkpoint(tmp_path) == tmp_path
+    assert calls == [(projects.train_reference, 8, (str(tmp_path),))]  # nothing there: train the recipe on 8 ranks
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text(str(projects.TRAIN_ITERS))
+    curve = [(1, 9.010609388351440), (2, 0.1 + 0.2)]
+    projects.save_curve(tmp_path, curve)
+    assert projects.load_curve(tmp_path) == curve  # floats come back bit for bit
+    projects.trained_checkpoint(tmp_path)
+    assert len(calls) == 1  # complete: no new training
