@@ -25,7 +25,7 @@ import traceback
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import httpx
 import uvicorn
@@ -239,10 +239,20 @@ class LoadTestResult:
     latency_p50_s: float
     latency_p90_s: float
     latency_p99_s: float
+    latencies_s: list[float] = field(default_factory=list)  # every request's, in completion order
+    ttfts_s: list[float] = field(default_factory=list)  # streamed: time to each request's first token
 
     @property
     def tokens_per_s(self) -> float:
         return self.completion_tokens / self.wall_s
+
+    def summary(self) -> dict[str, float]:
+        """The serving metrics: throughput, error rate, latency and (streamed) time-to-first-token percentiles."""
+        row = {"requests/s": self.requests / self.wall_s, "tokens/s": self.tokens_per_s,
+               "error rate": self.errors / self.requests}
+        for name, xs in (("latency", self.latencies_s), ("TTFT", self.ttfts_s)):
+            row.update({f"{name} p{q} (s)": _percentile(xs, q) for q in (50, 95, 99) if xs})
+        return row
 
 
 def _percentile(xs: list[float], q: float) -> float:
@@ -257,38 +267,56 @@ def _is_loopback(host: str) -> bool:
 
 
 def load_test(url: str, prompts: list[str], concurrency: int = 64, requests_per_client: int = 1,
-              max_tokens: int = 16, timeout: float = 120.0, **body) -> LoadTestResult:
-    """`concurrency` clients send requests_per_client completions each, all at once (loopback only)."""
+              max_tokens: int = 16, timeout: float = 120.0, stream: bool = False, **body) -> LoadTestResult:
+    """`concurrency` clients send requests_per_client completions each, all at once (loopback only).
+
+    stream=True asks for server-sent events and also times each request's first token (TTFT).
+    """
     if not _is_loopback(httpx.URL(url).host):
         raise ValueError(f"load_test only targets this machine (127.0.0.1 / localhost), not {url!r}")
     if not 1 <= concurrency <= 256 or not 1 <= requests_per_client <= 100:
         raise ValueError("keep the load test bounded: 1..256 clients, 1..100 requests each")
 
+    async def streamed(client: httpx.AsyncClient, payload: dict, start: float) -> tuple[int, float]:
+        """(completion tokens, TTFT) of one streamed request: one event per token, then [DONE]."""
+        tokens, ttft = 0, None
+        async with client.stream("POST", "/v1/completions", json={**payload, "stream": True}) as response:
+            if response.status_code != 200:
+                raise httpx.HTTPStatusError("not 200", request=response.request, response=response)
+            async for line in response.aiter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    ttft = time.perf_counter() - start if ttft is None else ttft
+                    tokens += 1
+        return tokens, ttft
+
     async def run() -> LoadTestResult:
-        latencies, counts = [], {"errors": 0, "tokens": 0}
+        latencies, ttfts, counts = [], [], {"errors": 0, "tokens": 0}
         limits = httpx.Limits(max_connections=concurrency)
         async with httpx.AsyncClient(base_url=url, timeout=timeout, limits=limits) as client:
             async def one_client(i: int):
                 for j in range(requests_per_client):
-                    prompt = prompts[(i * requests_per_client + j) % len(prompts)]
+                    payload = {"prompt": prompts[(i * requests_per_client + j) % len(prompts)],
+                               "max_tokens": max_tokens, **body}
                     start = time.perf_counter()
                     try:
-                        response = await client.post("/v1/completions", json={
-                            "prompt": prompt, "max_tokens": max_tokens, **body})
-                        ok = response.status_code == 200
+                        if stream:
+                            tokens, ttft = await streamed(client, payload, start)
+                            ttfts.append(ttft)
+                        else:
+                            response = await client.post("/v1/completions", json=payload)
+                            response.raise_for_status()
+                            tokens = response.json()["usage"]["completion_tokens"]
+                        counts["tokens"] += tokens
                     except httpx.HTTPError:
-                        ok = False
-                    latencies.append(time.perf_counter() - start)
-                    if ok:
-                        counts["tokens"] += response.json()["usage"]["completion_tokens"]
-                    else:
                         counts["errors"] += 1
+                    latencies.append(time.perf_counter() - start)
 
             start = time.perf_counter()
             await asyncio.gather(*(one_client(i) for i in range(concurrency)))
             wall = time.perf_counter() - start
         return LoadTestResult(len(latencies), counts["errors"], wall, counts["tokens"],
-                              _percentile(latencies, 50), _percentile(latencies, 90), _percentile(latencies, 99))
+                              _percentile(latencies, 50), _percentile(latencies, 90), _percentile(latencies, 99),
+                              latencies, ttfts)
 
     with ThreadPoolExecutor(1) as pool:  # its own event loop, also inside Jupyter (whose loop is running)
         return pool.submit(asyncio.run, run()).result()

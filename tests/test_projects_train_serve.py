@@ -1,0 +1,142 @@
+"""Chapter 07 projects 1 and 4: the resume check rejects any curve that does not continue the reference,
+a tp2·pp2 training checkpoint becomes one GPTModel with the trained model's logits, and the load test
+times first tokens of streamed requests and counts every failure."""
+
+import shutil
+import tempfile
+
+import httpx
+import pytest
+import torch
+
+from megalab import launch, projects
+from megalab.checkpoint import CheckpointError
+from megalab.config import TransformerConfig
+from megalab.inference import InferenceEngine, PagedKVCache
+from megalab.inference.server import ServerThread, create_app, load_test
+from megalab.inference.tokenizer import ByteTokenizer
+from megalab.model import GPTModel
+
+REFERENCE = [(1, 9.01), (2, 8.9), (3, 8.7), (4, 8.41), (5, 8.3), (6, 8.2)]
+
+
+@pytest.mark.exercise("projects.curves_match")
+def test_curves_match_accepts_the_exact_continuation_only():
+    assert projects.curves_match(REFERENCE, REFERENCE[3:])
+    assert projects.curves_match(REFERENCE, REFERENCE)  # a resume from iteration 0
+    nudged = [(it, loss + 1e-12) for it, loss in REFERENCE[3:]]
+    assert not projects.curves_match(REFERENCE, nudged)  # rtol=0 means bit for bit
+    assert projects.curves_match(REFERENCE, nudged, rtol=1e-9)
+    assert not projects.curves_match(REFERENCE, [(it, loss * 1.001) for it, loss in REFERENCE[3:]], rtol=1e-5)
+
+
+@pytest.mark.exercise("projects.curves_match")
+def test_curves_match_rejects_wrong_iterations():
+    assert not projects.curves_match(REFERENCE, [])  # nothing resumed proves nothing
+    assert not projects.curves_match(REFERENCE, REFERENCE[3:5])  # stopped before the end
+    assert not projects.curves_match(REFERENCE, [REFERENCE[3], REFERENCE[5]])  # an iteration missing
+    assert not projects.curves_match(REFERENCE, [REFERENCE[4], REFERENCE[3], REFERENCE[5]])  # out of order
+    assert not projects.curves_match(REFERENCE, [(1, 8.41), (2, 8.3), (3, 8.2)])  # right losses, restarted count
+    assert not projects.curves_match(REFERENCE[:4], REFERENCE[3:])  # runs past the reference
+
+
+def test_curves_match_rejects_a_negative_tolerance():
+    with pytest.raises(ValueError, match="rtol"):
+        projects.curves_match(REFERENCE, REFERENCE, rtol=-1)
+
+
+def _train_and_reference_logits(root: str, tokens: torch.Tensor):
+    """4 ranks: 3 iterations at tp2·pp2 saving at 3; then load that checkpoint at tp2 (dp2) with the training
+    code's own loader and return the TP model's logits for `tokens` (gathered over the vocab)."""
+    from megalab import checkpoint as ckpt
+    from megalab import dist as mdist
+    from megalab import parallel_state
+    from megalab.training import pretrain, setup_model_and_optimizer
+
+    mdist.init()
+    dataset, tokenizer = projects.build_dataset()
+    pretrain(projects.recipe(tokenizer.vocab_size, train_iters=3, save=root, save_interval=3), dataset, on_log=None)
+    state = setup_model_and_optimizer(projects.recipe(tokenizer.vocab_size, tp=2, pp=1, train_iters=3))
+    try:
+        ckpt.load_checkpoint(root, state.model, state.params, state.optimizer, state.scheduler,
+                             state.ps.get_tensor_model_parallel_group())
+        with torch.no_grad():
+            return state.model.eval()(tokens)  # [b, s, V]
+    finally:
+        parallel_state.destroy_model_parallel()
+
+
+@pytest.mark.exercise("projects.load_inference_model")
+def test_a_tp2_pp2_checkpoint_becomes_one_model_with_the_trained_logits():
+    tokens = torch.randint(0, 8192, (2, 16), generator=torch.Generator().manual_seed(0))
+    root = tempfile.mkdtemp(prefix="megalab-test-projects-")
+    try:
+        expected = launch.run_function(_train_and_reference_logits, 4, root, tokens,
+                                       launch=dict(timeout=300)).returns[0]
+        model = projects.load_inference_model(root)
+        assert isinstance(model, GPTModel) and not model.training
+        with torch.no_grad():
+            torch.testing.assert_close(model(tokens), expected, rtol=1e-5, atol=1e-5)
+        untrained = GPTModel(model.config)
+        assert not torch.allclose(untrained.output_layer.weight, model.output_layer.weight)  # weights really loaded
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def test_load_inference_model_says_what_to_do_without_a_checkpoint(tmp_path):
+    with pytest.raises(CheckpointError, match="project 1"):
+        projects.load_inference_model(tmp_path)
+    with pytest.raises(CheckpointError, match="incomplete"):
+        (tmp_path / "iter_0000012").mkdir()
+        projects.load_inference_model(tmp_path, iteration=12)
+
+
+@pytest.fixture(scope="module")
+def server():
+    config = TransformerConfig(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=256, seq_length=96,
+                               hidden_dropout=0.0, attention_dropout=0.0)
+    torch.manual_seed(0)
+    engine = InferenceEngine(GPTModel(config), PagedKVCache(config, 256, 8), max_batch_size=32, max_tokens=512)
+    with ServerThread(create_app(engine, ByteTokenizer(), model_name="tiny")) as s:
+        yield s
+
+
+def test_streamed_load_test_times_the_first_token(server):
+    prompts = ["a", "the cat", "Once upon a time"]
+    plain = load_test(server.url, prompts, concurrency=12, max_tokens=6, temperature=0)
+    result = load_test(server.url, prompts, concurrency=12, max_tokens=6, temperature=0, stream=True)
+    assert result.requests == 12 and result.errors == 0 and result.completion_tokens == plain.completion_tokens == 72
+    assert len(result.ttfts_s) == len(result.latencies_s) == 12 and plain.ttfts_s == []
+    assert all(0 < t <= lat for t, lat in zip(sorted(result.ttfts_s), sorted(result.latencies_s)))
+    row = result.summary()
+    assert row["error rate"] == 0 and row["tokens/s"] == pytest.approx(72 / result.wall_s)
+    assert row["latency p50 (s)"] <= row["latency p95 (s)"] <= row["latency p99 (s)"] <= max(result.latencies_s)
+    assert row["TTFT p50 (s)"] <= row["TTFT p99 (s)"] and "TTFT p50 (s)" not in plain.summary()
+
+
+def test_load_test_counts_rejected_requests_as_errors(server):
+    for stream in (False, True):
+        result = load_test(server.url, ["hi"], concurrency=4, max_tokens=200, stream=stream)  # > seq_length: 400
+        assert result.errors == result.requests == 4 and result.completion_tokens == 0
+        assert result.summary()["error rate"] == 1.0
+
+
+def test_bad_requests_get_clear_4xx_replies(server):
+    replies = projects.bad_request_replies(server.url)
+    assert set(replies) == set(projects.BAD_REQUESTS)
+    assert all(400 <= status < 500 and message for status, message in replies.values()), replies
+    assert replies["unknown model"][0] == 404 and "tiny" in replies["unknown model"][1]
+    assert httpx.post(server.url + "/v1/completions", json={"prompt": "ok", "max_tokens": 2}).status_code == 200
+
+
+def test_trained_checkpoint_trains_only_when_project_1_is_missing(tmp_path, monkeypatch):
+    calls = []
+    monkeypatch.setattr(launch, "run_function", lambda fn, n, *args, **kw: calls.append((fn, n, args)))
+    assert projects.trained_checkpoint(tmp_path) == tmp_path
+    assert calls == [(projects.train_reference, 8, (str(tmp_path),))]  # nothing there: train the recipe on 8 ranks
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text(str(projects.TRAIN_ITERS))
+    curve = [(1, 9.010609388351440), (2, 0.1 + 0.2)]
+    projects.save_curve(tmp_path, curve)
+    assert projects.load_curve(tmp_path) == curve  # floats come back bit for bit
+    projects.trained_checkpoint(tmp_path)
+    assert len(calls) == 1  # complete: no new training
