@@ -39,7 +39,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from megalab.config import TransformerConfig
-from megalab.model.gqa import repeat_kv
 from megalab.model.spec import LayerSpec
 
 
@@ -107,8 +106,10 @@ class SlidingWindowAttention(nn.Module):
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
         s, b, np_, hn = query.shape
-        n_rep = np_ // key.shape[2]  # GQA: each key/value head serves n_rep query heads
-        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, repeat_kv(key, n_rep), repeat_kv(value, n_rep)))  # [b, np, s, hn]
+        if key.shape[2] != np_:  # GQA: each key/value head serves np/ng query heads (as in CoreAttention)
+            key = key.repeat_interleave(np_ // key.shape[2], dim=2)
+            value = value.repeat_interleave(np_ // value.shape[2], dim=2)
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, np, s, hn]
         dropout_p = self.attention_dropout if self.training else 0.0
         if dropout_p == 0.0 and s > 2 * self.window_size:
             context = blocked_sliding_window_attention(q, k, v, self.window_size)
