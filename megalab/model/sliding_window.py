@@ -84,8 +84,8 @@ def blocked_sliding_window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.
     band = (t > r) & (t <= r + window)  # key position - query position in (-W, 0]
     mask = band.expand(n, window, 2 * window).clone()
     mask[0, :, :window] = False  # block 0 has no previous block
-    q, k, v = (t.flatten(0, 1) for t in (q, with_previous_block(k), with_previous_block(v)))  # [b*h, n, ., d]: 4-D
-    context = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # [b*h, n, W, d]
+    q, k, v = (x.flatten(0, 1) for x in (q, with_previous_block(k), with_previous_block(v)))  # [b*h, n, W or 2W, d]
+    context = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # [b*h, n, W, d], mask [n, W, 2W] broadcast
     return context.reshape(b, h, n * window, d)[:, :, :s]
     ### END SOLUTION
 
