@@ -350,3 +350,17 @@ def test_packed_tensor_parallel_equals_single_device_and_cp_refuses():
         assert "context parallelism here takes whole sequences" in out.pop("cp"), (rank, out)
         for case, worst in out.items():
             assert isinstance(worst, float) and worst < 1e-5, (rank, case, worst)
+
+
+def test_custom_core_attention_without_packing_support_says_so():
+    from megalab.model.sliding_window import sliding_window_spec
+
+    config = TransformerConfig(num_layers=1, hidden_size=16, num_attention_heads=2, vocab_size=32, seq_length=8,
+                               hidden_dropout=0.0, attention_dropout=0.0)
+    torch.manual_seed(0)
+    model = GPTModel(config, spec=sliding_window_spec(4))
+    tokens = torch.randint(0, 32, (1, 8))
+    model(tokens)  # unpacked: the three-tensor signature is enough
+    packed = PackedSeqParams.from_cu_seqlens(torch.tensor([0, 3, 8], dtype=torch.int32))
+    with pytest.raises(ValueError, match="SlidingWindowAttention .* takes no packed_seq_params"):
+        model(tokens, packed_seq_params=packed)

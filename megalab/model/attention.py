@@ -18,6 +18,7 @@ inside each document (the fused backends take the boundaries; "unfused" runs doc
 
 from __future__ import annotations
 
+import inspect
 import math
 
 import torch
@@ -116,8 +117,15 @@ class SelfAttention(nn.Module):
             interleaved = self.config.rotary_interleaved
             query = apply_rotary_pos_emb(query, rotary_pos_emb, interleaved)
             key = apply_rotary_pos_emb(key, rotary_pos_emb, interleaved)
+        # a spec's core attention takes (query, key, value); packed_seq_params only when the batch is packed,
+        # so a custom core attention without packing support keeps the plain three-tensor signature
+        packed = () if packed_seq_params is None else (packed_seq_params,)
+        if packed and len(inspect.signature(self.core_attention.forward).parameters) < 4:
+            raise ValueError(f"{type(self.core_attention).__name__} (this layer spec's core attention) takes no "
+                             "packed_seq_params: run unpacked batches, or give its forward a packed_seq_params "
+                             "argument as CoreAttention has")
         if self.checkpoint_core_attention and self.training:  # selective recomputation
-            context = checkpoint(self.core_attention, query, key, value, packed_seq_params)
+            context = checkpoint(self.core_attention, query, key, value, *packed)
         else:
-            context = self.core_attention(query, key, value, packed_seq_params)  # [s, b, np * hn]
+            context = self.core_attention(query, key, value, *packed)  # [s, b, np * hn]
         return self.linear_proj(context)

@@ -6,6 +6,9 @@ specs. Here a spec names the two linear roles and the core attention:
 
     column_linear  linear_qkv, linear_fc1, output_layer   (ColumnParallelLinear in chapter 03)
     row_linear     linear_proj, linear_fc2                (RowParallelLinear in chapter 03)
+
+A core attention maps (query [s, b, np, hn], key, value [s, b, ng, hn]) -> context [s, b, np * hn];
+one that also takes `packed_seq_params` (as CoreAttention does) supports packed sequences.
 """
 
 from __future__ import annotations
