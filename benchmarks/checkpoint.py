@@ -44,7 +44,8 @@ def timed(key, fn):
     times[key].append(time.perf_counter() - start)
 
 def ref_save():
-    full = ckpt._global_state(state.model, state.params, state.optimizer, tp, full=True)
+    full = ckpt._global_state(state.model, state.params, ckpt._parameter_state(state.optimizer, state.params), tp,
+                              full=True)
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, full)
     if rank == 0:

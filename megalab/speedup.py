@@ -67,7 +67,7 @@ def slow_step_setup(**sizes) -> tuple[TransformerConfig, LayerSpec]:
 
 def remove_hotspots(config: TransformerConfig, spec: LayerSpec) -> tuple[TransformerConfig, LayerSpec]:
     """The same model without the two hotspots: chapter 02's fused core attention, and no recompute."""
-    # EXERCISE speedup.remove_hotspots: return (config without recompute, spec with CoreAttention on the "sdpa" backend)
+    # EXERCISE speedup.remove_hotspots: return (config without recompute, spec with CoreAttention on the sdpa backend)
     ### BEGIN SOLUTION
     config = replace(config, recompute_granularity=None, recompute_method=None, recompute_num_layers=None,
                      attention_backend="sdpa")
