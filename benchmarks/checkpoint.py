@@ -44,8 +44,7 @@ def timed(key, fn):
     times[key].append(time.perf_counter() - start)
 
 def ref_save():
-    full = ckpt._global_state(state.model, state.params, ckpt._parameter_state(state.optimizer, state.params), tp,
-                              full=True)
+    full = ckpt.full_state_dict(state.model, state.params, state.optimizer, tp)
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, full)
     if rank == 0:

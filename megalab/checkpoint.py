@@ -131,6 +131,12 @@ def _global_state(model, params, opt_state, tp_group, full: bool) -> dict[str, t
     return state
 
 
+def full_state_dict(model, params, optimizer, tp_group) -> dict[str, torch.Tensor]:
+    """Collective: this rank's model.<name> and optimizer.<name>.<key> entries as full (TP- and DP-gathered)
+    tensors, what save_checkpoint writes. Gathering them all onto one rank is the unsharded baseline."""
+    return _global_state(model, params, _parameter_state(optimizer, params), tp_group, full=True)
+
+
 def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
     """Create Adam's state (step, exp_avg, exp_avg_sq) before the first step, so a checkpoint can fill it."""
     for group in optimizer.param_groups:
@@ -168,7 +174,7 @@ def save_checkpoint(save_dir: str | Path, iteration: int, model: nn.Module, para
         shutil.rmtree(tmp, ignore_errors=True)  # a crashed earlier attempt
         tmp.mkdir(parents=True)
     dist.barrier()
-    state = _global_state(model, params, _parameter_state(optimizer, params), tp_group, full=True)
+    state = full_state_dict(model, params, optimizer, tp_group)
     state[f"rng.rank{rank}"] = torch.get_rng_state()
     dcp.save(state, checkpoint_id=tmp)
     if rank == 0:
