@@ -352,11 +352,29 @@ def _timeout_error(run_dir: Path, source: str, timeout: float, world: int) -> La
     return LaunchTimeoutError(summary, details, stacks)
 
 
+def _killed_ranks(torchrun_log: str) -> dict[int, int]:
+    """{rank: exit code} of the ranks torchrun's failure report lists as dead by a signal it did not send
+    itself (it stops the survivors with SIGTERM): SIGKILL (the OOM killer, kill -9), SIGSEGV, SIGABRT..."""
+    killed = {}
+    for m in re.finditer(r"^\s+rank\s*:\s*(\d+)[^\n]*\n\s+exitcode\s*:\s*(-?\d+)", torchrun_log, re.M):
+        rank, code = int(m.group(1)), int(m.group(2))
+        if code < 0 and -code not in (signal.SIGTERM, signal.SIGINT):
+            killed.setdefault(rank, code)
+    return killed
+
+
+def _how(code: int) -> str:
+    return f"killed by {signal.Signals(-code).name}" if code < 0 and -code in signal.valid_signals() else f"exit code {code}"
+
+
 def _failure_error(run_dir: Path, world: int, torchrun_log: str) -> Exception:
-    errors = [json.loads(path.read_text()) for path in _rank_files(run_dir, "error.json").values()]
-    if errors:
-        first = min(errors, key=lambda e: e["time"])  # the root cause; later ones are fallout
-        others = sorted(e["rank"] for e in errors if e is not first)
+    errors = {e["rank"]: e for e in (json.loads(p.read_text()) for p in _rank_files(run_dir, "error.json").values())}
+    # A rank that vanished without a Python error is the root cause: its peers' collectives then fail
+    # ("Connection reset by peer"), and those errors are fallout, however early they were written.
+    killed = {r: c for r, c in _killed_ranks(torchrun_log).items() if r not in errors}
+    if errors and not killed:
+        first = min(errors.values(), key=lambda e: e["time"])  # the root cause; later ones are fallout
+        others = sorted(r for r in errors if r != first["rank"])
         summary = f"rank {first['rank']} failed: {first['type']}"
         if first["message"]:
             summary += f": {first['message']}"
@@ -367,11 +385,14 @@ def _failure_error(run_dir: Path, world: int, torchrun_log: str) -> Exception:
     started = _rank_files(run_dir, "pid")
     if not started:
         return LaunchError(f"torchrun could not start the ranks:\n{torchrun_log[-3000:]}")
-    # No Python exception: a rank died (signal, os._exit). torchrun's report names the first one.
-    cause = re.search(r"Root Cause.*?rank\s*:\s*(\d+).*?exitcode\s*:\s*(-?\d+)", torchrun_log, re.S)
-    if cause:
+    # No Python exception from the culprit: a rank died (signal, os._exit).
+    cause = None
+    if killed:
+        rank, code = next(iter(killed.items()))
+        how = _how(code)
+    elif cause := re.search(r"Root Cause.*?rank\s*:\s*(\d+).*?exitcode\s*:\s*(-?\d+)", torchrun_log, re.S):
         rank, code = int(cause.group(1)), int(cause.group(2))
-        how = f"killed by {signal.Signals(-code).name}" if code < 0 and -code in signal.valid_signals() else f"exit code {code}"
+        how = _how(code)
     else:
         done = _rank_files(run_dir, "done")
         rank = min((r for r in range(world) if r not in done), default=0)
@@ -381,7 +402,10 @@ def _failure_error(run_dir: Path, world: int, torchrun_log: str) -> Exception:
         path = run_dir / f"rank{rank}.{kind}"
         if path.exists() and path.stat().st_size:
             tails.append(path.read_text(errors="replace")[-2000:])
-    details = "\n".join(tails) or (torchrun_log[-2000:] if not cause else "(the rank printed nothing to stderr)")
+    details = "\n".join(tails) or (torchrun_log[-2000:] if not (killed or cause) else "(the rank printed nothing to stderr)")
+    if errors:
+        fallout = "; ".join(f"rank {r}: {e['type']}" for r, e in sorted(errors.items()))
+        details += f"\n(ranks {sorted(errors)} failed after it, most likely because rank {rank} had stopped: {fallout})"
     return RankFailedError(rank, f"rank {rank} died before finishing ({how})", details)
 
 

@@ -94,6 +94,21 @@ def test_rank_killed_by_signal_is_reported():
     assert not _workers_alive()
 
 
+def test_killed_rank_is_blamed_not_the_peers_it_broke():
+    # rank 2 vanishes mid-all_reduce: its peers then raise "Connection reset by peer" first,
+    # but the report must name rank 2 and list the others as fallout.
+    code = (
+        "import os, signal, time, torch, torch.distributed as dist\nfrom megalab import dist as mdist\n"
+        "rank, _ = mdist.init()\nfor i in range(100):\n    if rank == 2 and i == 3:\n"
+        "        os.kill(os.getpid(), signal.SIGKILL)\n    dist.all_reduce(torch.ones(4)); time.sleep(0.02)\n"
+    )
+    with pytest.raises(RankFailedError, match=r"rank 2 died before finishing \(killed by SIGKILL\)") as info:
+        launch.run(code, 4, backend="gloo", timeout=60)
+    assert info.value.rank == 2
+    assert "because rank 2 had stopped" in info.value.details
+    assert not _workers_alive()
+
+
 def test_exit_codes():
     assert launch.run("import sys\nprint('bye')\nsys.exit(0)\n", 2).text() == "[rank 0] bye\n[rank 1] bye\n"
     with pytest.raises(RankFailedError, match="SystemExit: 3"):
