@@ -45,14 +45,15 @@ def build_dataset():
 
 
 def recipe(vocab_size: int, tp: int = 2, pp: int = 2, **overrides) -> TrainingConfig:
-    """The project's run: chapter 05's small GPT (4 layers, hidden 64), 12 iterations of 16 sequences of 64 tokens.
+    """The project's run: chapter 05's small GPT (4 layers, hidden 64), 12 iterations of 16 sequences of 64 tokens,
+    Adam's state sharded over DP by the distributed optimizer (Megatron's --use-distributed-optimizer).
 
     The data-parallel size is whatever the world size leaves: dp = world / (tp·pp).
     overrides: any TrainingConfig field (save, save_interval, load, train_iters, ...).
     """
     fields = dict(model=small_gpt_config(vocab_size, SEQ_LENGTH), train_iters=TRAIN_ITERS, micro_batch_size=MICRO_BATCH,
                   global_batch_size=GLOBAL_BATCH, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                  lr=1e-2, lr_warmup_iters=2)
+                  lr=1e-2, lr_warmup_iters=2, use_distributed_optimizer=True)
     return TrainingConfig(**{**fields, **overrides})
 
 
