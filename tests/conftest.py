@@ -1,5 +1,13 @@
+import os
+
 import pytest
 import torch
+
+# Triton's interpreter mode is fixed when triton is first imported, and some torch modules import
+# it (torch.utils.flop_counter, used by test_model, does): choose it before any test module loads,
+# as megalab.kernels would, so the kernel tests run interpreted on CPU whatever ran before them.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def pytest_collection_modifyitems(config, items):
