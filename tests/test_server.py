@@ -120,3 +120,23 @@ def test_a_failing_engine_step_fails_only_its_requests():
         assert failed.status_code == 500 and "engine failed" in failed.json()["error"]["message"]
         assert len(engine.cache.allocator.free_blocks) == 256  # its blocks came back
         assert httpx.post(s.url + "/v1/completions", json={"prompt": "ok", "max_tokens": 4}).status_code == 200
+
+
+@pytest.mark.timeout(90)
+def test_streamed_load_test_counts_engine_failures_as_errors():
+    engine = _engine()
+    step = engine.step
+
+    def failing_step():  # every request fails once it is in a step
+        if engine.waiting:
+            engine.active.append(engine.waiting.popleft())
+        raise RuntimeError("simulated failure inside a step")
+
+    engine.step = failing_step
+    with ServerThread(create_app(engine, ByteTokenizer())) as s:
+        result = load_test(s.url, ["a", "b"], concurrency=4, max_tokens=4, stream=True, timeout=20)
+        assert result.requests == 4 and result.errors == 4 and result.completion_tokens == 0
+        assert result.ttfts_s == []
+        engine.step = step  # the failures (before any cache block was taken) left the server serving
+        ok = httpx.post(s.url + "/v1/completions", json={"prompt": "ok", "max_tokens": 4}, timeout=20)
+        assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 4

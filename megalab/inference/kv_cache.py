@@ -67,7 +67,9 @@ class ContiguousKVCache:
         return self.key[layer, slot, :length], self.value[layer, slot, :length]  # [length, ng, hn] each
 
     def free(self, seq_id: int) -> None:
-        self.free_slots.append(self.slot_of.pop(seq_id))
+        """Give the sequence's slot back (nothing to do for one that never got a slot: a failed step)."""
+        if seq_id in self.slot_of:
+            self.free_slots.append(self.slot_of.pop(seq_id))
 
     def bytes_reserved(self) -> int:
         """Bytes held for the sequences now in the cache (a whole slot each)."""
@@ -137,7 +139,9 @@ class PagedKVCache:
         return self.key[layer, blocks, offsets], self.value[layer, blocks, offsets]  # [length, ng, hn] each
 
     def free(self, seq_id: int) -> None:
-        self.allocator.release(self.block_tables.pop(seq_id))
+        """Give the sequence's blocks back (nothing to do for one that never got any: a failed step)."""
+        if seq_id in self.block_tables:
+            self.allocator.release(self.block_tables.pop(seq_id))
 
     def bytes_reserved(self) -> int:
         """Bytes held for the sequences now in the cache (their blocks only)."""

@@ -278,15 +278,21 @@ def load_test(url: str, prompts: list[str], concurrency: int = 64, requests_per_
         raise ValueError("keep the load test bounded: 1..256 clients, 1..100 requests each")
 
     async def streamed(client: httpx.AsyncClient, payload: dict, start: float) -> tuple[int, float]:
-        """(completion tokens, TTFT) of one streamed request: one event per token, then [DONE]."""
-        tokens, ttft = 0, None
+        """(completion tokens, TTFT) of one streamed request: one event per token, then [DONE]. A stream
+        whose last event reports an engine error, or that stops before [DONE], is a failed request."""
+        tokens, ttft, done = 0, None, False
         async with client.stream("POST", "/v1/completions", json={**payload, "stream": True}) as response:
-            if response.status_code != 200:
-                raise httpx.HTTPStatusError("not 200", request=response.request, response=response)
+            response.raise_for_status()
             async for line in response.aiter_lines():
-                if line.startswith("data: ") and line != "data: [DONE]":
+                if line == "data: [DONE]":
+                    done = True
+                elif line.startswith("data: "):
+                    if json.loads(line[6:])["choices"][0]["finish_reason"] == "error":
+                        raise httpx.HTTPError("the engine failed while streaming this request")
                     ttft = time.perf_counter() - start if ttft is None else ttft
                     tokens += 1
+        if not done or ttft is None:
+            raise httpx.HTTPError("the stream ended before its tokens and [DONE]")
         return tokens, ttft
 
     async def run() -> LoadTestResult:
