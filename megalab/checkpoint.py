@@ -187,7 +187,8 @@ def save_checkpoint(save_dir: str | Path, iteration: int, model: nn.Module, para
 
 
 # ------------------------------------------------------------------ load
-def _read_common(path: Path) -> dict:
+def read_common(path: Path) -> dict:
+    """common.pt of a checkpoint folder (iteration, consumed_samples, scheduler, model_config, world_size)."""
     if not (path / ".metadata").exists() or not (path / "common.pt").exists():
         raise CheckpointError(f"{path} is incomplete (no .metadata or common.pt): it was not written to the end. "
                               f"Point {TRACKER} at an earlier iteration or delete the folder")
@@ -199,19 +200,44 @@ def _read_common(path: Path) -> dict:
                               "iteration") from e
 
 
+def find_checkpoint(load_dir: str | Path, iteration: int | None = None) -> Path:
+    """The folder of `iteration` in load_dir (default: the one the tracker names); a clear error if there is none."""
+    iteration = read_tracker(load_dir) if iteration is None else iteration
+    if iteration is None:
+        raise CheckpointError(f"no checkpoint in {load_dir} (no {TRACKER}); train from scratch or fix the path")
+    path = checkpoint_dir(load_dir, iteration)
+    if not path.is_dir():
+        raise CheckpointError(f"no checkpoint of iteration {iteration}: {path} does not exist (check {TRACKER} or the iteration asked for)")
+    return path
+
+
+def read_state(path: Path, state: dict[str, torch.Tensor], no_dist: bool = False) -> None:
+    """Fill `state`'s full-shape tensors from the checkpoint at path (collective unless no_dist), after checking
+    that it holds every key at that shape; a corrupt or truncated file is a CheckpointError."""
+    metadata = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    for key, t in state.items():
+        if key not in metadata:
+            raise CheckpointError(f"{path} lacks {key!r}: saved from a different model or optimizer")
+        if hasattr(metadata[key], "size") and tuple(metadata[key].size) != tuple(t.shape):
+            raise CheckpointError(f"{path}: {key} has shape {tuple(metadata[key].size)}, this model {tuple(t.shape)}")
+    try:
+        dcp.load(state, checkpoint_id=path, no_dist=no_dist)
+    except (Exception, CheckpointException) as e:  # DCP's exception is a BaseException, one failure per rank
+        cause = next(iter(e.failures.values())) if isinstance(e, CheckpointException) else e
+        cause = cause[0] if isinstance(cause, tuple) else cause  # (exception, traceback) from another rank
+        detail = (str(cause).strip().splitlines() or [""])[0][:200]
+        raise CheckpointError(f"{path} could not be read ({type(cause).__name__}: {detail}): a file is corrupt "
+                              "or truncated; load an earlier iteration") from e
+
+
 def load_checkpoint(load_dir: str | Path, model: nn.Module, params: list[nn.Parameter],
                     optimizer: torch.optim.Optimizer, scheduler, tp_group=None, iteration: int | None = None) -> dict:
     """Collective: restore what save_checkpoint wrote, into any tp/pp/dp layout; returns common.pt's dict.
 
     The RNG state comes back only if the world size is the one saved (otherwise ranks do not map).
     """
-    iteration = read_tracker(load_dir) if iteration is None else iteration
-    if iteration is None:
-        raise CheckpointError(f"no checkpoint in {load_dir} (no {TRACKER}); train from scratch or fix the path")
-    path = checkpoint_dir(load_dir, iteration)
-    if not path.is_dir():
-        raise CheckpointError(f"{TRACKER} names iteration {iteration} but {path} does not exist")
-    common = _read_common(path)
+    path = find_checkpoint(load_dir, iteration)
+    common = read_common(path)
     saved, ours = common["model_config"], dataclasses.asdict(model.config)
     diff = {k: (saved.get(k), v) for k, v in ours.items() if saved.get(k) != v}
     if diff:
@@ -221,20 +247,7 @@ def load_checkpoint(load_dir: str | Path, model: nn.Module, params: list[nn.Para
     same_world = common["world_size"] == dist.get_world_size()
     if same_world:
         state[f"rng.rank{dist.get_rank()}"] = torch.get_rng_state()
-    metadata = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
-    for key, t in state.items():
-        if key not in metadata:
-            raise CheckpointError(f"{path} lacks {key!r}: saved from a different model or optimizer")
-        if hasattr(metadata[key], "size") and tuple(metadata[key].size) != tuple(t.shape):
-            raise CheckpointError(f"{path}: {key} has shape {tuple(metadata[key].size)}, this model {tuple(t.shape)}")
-    try:
-        dcp.load(state, checkpoint_id=path)
-    except (Exception, CheckpointException) as e:  # DCP's exception is a BaseException, one failure per rank
-        cause = next(iter(e.failures.values())) if isinstance(e, CheckpointException) else e
-        cause = cause[0] if isinstance(cause, tuple) else cause  # (exception, traceback) from another rank
-        detail = (str(cause).strip().splitlines() or [""])[0][:200]
-        raise CheckpointError(f"{path} could not be read ({type(cause).__name__}: {detail}): a file is corrupt "
-                              "or truncated; load an earlier iteration") from e
+    read_state(path, state)
     dims = tensor_parallel_dims(model)
     with torch.no_grad():
         for name, p in _owned(model, params).items():

@@ -22,11 +22,10 @@ from pathlib import Path
 
 import httpx
 import torch
-import torch.distributed.checkpoint as dcp
 
 from megalab import dist as mdist
 from megalab import launch
-from megalab.checkpoint import CheckpointError, _read_common, checkpoint_dir, read_tracker
+from megalab.checkpoint import CheckpointError, find_checkpoint, read_common, read_state, read_tracker
 from megalab.config import TransformerConfig
 from megalab.model import GPTModel
 from megalab.training import TrainingConfig, build_train_dataset, pretrain, small_gpt_config
@@ -111,17 +110,16 @@ def load_inference_model(load_dir: str | Path, iteration: int | None = None) -> 
 
     No process group needed: DCP reads every shard it is asked for in this one process.
     """
-    iteration = read_tracker(load_dir) if iteration is None else iteration
-    if iteration is None:
+    if iteration is None and read_tracker(load_dir) is None:
         raise CheckpointError(f"no checkpoint in {load_dir}: run project 1 (or projects.trained_checkpoint()) first")
-    path = checkpoint_dir(load_dir, iteration)
-    model = GPTModel(TransformerConfig(**_read_common(path)["model_config"]))
-    # EXERCISE projects.load_inference_model: read every model.<name> tensor (full shape) with dcp.load, copy it in
+    path = find_checkpoint(load_dir, iteration)
+    model = GPTModel(TransformerConfig(**read_common(path)["model_config"]))
+    # EXERCISE projects.load_inference_model: read every model.<name> tensor (full shape) with read_state (DCP), copy it in
     ### BEGIN SOLUTION
     state = {f"model.{name}": torch.empty_like(p) for name, p in model.named_parameters()}  # full shapes
     with warnings.catch_warnings():  # DCP warns that it loads in a single process: that is the point here
         warnings.filterwarnings("ignore", "torch.distributed is disabled")
-        dcp.load(state, checkpoint_id=path, no_dist=True)  # picks each tensor out of whichever rank's file holds it
+        read_state(path, state, no_dist=True)  # picks each tensor out of whichever rank's file holds it
     with torch.no_grad():
         for name, p in model.named_parameters():
             p.copy_(state[f"model.{name}"])

@@ -125,12 +125,12 @@ def test_tracker_and_common_errors(tmp_path):
     (d / ".metadata").write_bytes(b"")
     torch.save({"iteration": 1, "config": Path("/")}, d / "common.pt")  # an object weights_only refuses
     with pytest.raises(ckpt.CheckpointError, match="weights_only=True"):
-        ckpt._read_common(d)
+        ckpt.read_common(d)
     (d / "common.pt").write_bytes(b"not a checkpoint")
     with pytest.raises(ckpt.CheckpointError, match="corrupt"):
-        ckpt._read_common(d)
+        ckpt.read_common(d)
     torch.save({"iteration": 1, "consumed_samples": 8}, d / "common.pt")
-    assert ckpt._read_common(d)["consumed_samples"] == 8
+    assert ckpt.read_common(d)["consumed_samples"] == 8
 
 
 @pytest.mark.exercise("checkpoint.commit")
