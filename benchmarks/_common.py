@@ -27,7 +27,8 @@ def report(name: str, header: list[str], rows: list[list], extra: dict | None = 
         print("  ".join(_fmt(v).ljust(w) for v, w in zip(r, widths)))
     RESULTS.mkdir(parents=True, exist_ok=True)
     path = RESULTS / f"{name}.json"
-    payload = {"benchmark": name, "machine": platform.node(), "header": header, "rows": rows, **(extra or {})}
+    payload = {"benchmark": name, "machine": platform.node(), "load_average": os.getloadavg(), "header": header,
+               "rows": rows, **(extra or {})}  # the load matters for every figure: record it with them
     path.write_text(json.dumps(payload, indent=2))
     print(f"wrote {path}")
     return path

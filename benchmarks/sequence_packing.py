@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -135,13 +135,12 @@ def main() -> None:
     best = {name: min(ts[1:]) for name, ts in seconds.items()}  # the least disturbed pass
     rows = [[name, len(variants[name]), positions[name], f"{1 - real / positions[name]:.0%}", 1e3 * best[name],
              real / best[name], best["padded"] / best[name]] for name in variants]
-    load = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
     print(f"{len(docs)} corpus documents, {real} real tokens, seq_length {seq_length}, batch {args.batch} rows, "
-          f"{size}, {device} {dtype}, attention {backend}; load: {load}")
+          f"{size}, {device} {dtype}, attention {backend}; load average {os.getloadavg()[0]:.1f}")
     print(f"loss before training, packed == padded: {same_loss} ({losses['packed']:.4f} vs {losses['padded']:.4f})")
     report("sequence_packing", ["batches", "steps", "positions", "padding", "ms per pass", "real tokens/s",
                                 "speed-up vs padded"], rows,
-           extra=dict(device=device, dtype=str(dtype), load=load, seq_length=seq_length, documents=len(docs),
+           extra=dict(device=device, dtype=str(dtype), seq_length=seq_length, documents=len(docs),
                       real_tokens=real, same_loss=same_loss, losses=losses, model=size))
     if not same_loss:
         raise SystemExit("packed and padded losses differ")
