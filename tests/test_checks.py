@@ -1,0 +1,40 @@
+"""megalab.checks: verdicts say which quantity is wrong and by how much; correct upcasts pass."""
+
+import torch
+
+from megalab.checks import RIGHT, all_of, close, equal, require
+
+
+def test_close_names_the_quantity_the_index_and_the_error():
+    x = torch.arange(32.0).reshape(4, 8)
+    y = x.clone()
+    y[3, 5] += 0.31
+    v = close(y, x, "the output")
+    assert not v and str(v).startswith("False (")
+    assert v.reason == ("the output: 1 of 32 elements differ, the largest by 0.31 at index (3, 5): got 29.31, "
+                        "expected 29 (allowed 4.77e-05)")
+    assert str(close(x, x, "the output")) == "True"
+
+
+def test_higher_precision_answers_pass_and_shapes_and_nans_are_caught():
+    x = torch.randn(16, 16)
+    assert close(x.double(), x, "an fp64 answer")  # values, not dtypes
+    assert close(x, x.bfloat16(), "vs bf16")  # the looser dtype's tolerance
+    assert "has shape (16, 16), expected (8, 16)" in close(x, x[:8], "x").reason
+    nan = torch.tensor([1.0, float("nan")])
+    assert "NaN" in close(nan, torch.tensor([1.0, 2.0]), "y").reason
+    assert close(nan, nan.clone(), "NaN where expected")
+    assert close(torch.tensor([float("inf")]), torch.tensor([float("inf")]), "inf")
+
+
+def test_equal_all_of_and_require():
+    assert equal((0, 3), (0, 3), "bounds") is RIGHT
+    v = equal((0, 3), (0, 4), "rank 0's [start, stop)")
+    assert v.reason == "rank 0's [start, stop) is (0, 3), expected (0, 4)"
+    assert all_of(RIGHT, v, equal(1, 2, "b")) is v
+    try:
+        require(v)
+    except AssertionError as exc:
+        assert str(exc) == v.reason
+    else:
+        raise AssertionError("require() let a wrong verdict pass")
