@@ -1,9 +1,11 @@
-"""The `megalab` command: doctor, notebooks, timings, and the exercise tools (exercises, student, grade, report)."""
+"""The `megalab` command: doctor, notebooks, timings; the learner's tools (workspace, grade, restore, update) and the
+instructor's (exercises, student, report)."""
 
 from __future__ import annotations
 
 import argparse
 import sys
+import time
 from pathlib import Path
 
 
@@ -71,7 +73,7 @@ def _grade(args: argparse.Namespace) -> int:
     from megalab.grading import grade
 
     try:
-        report = grade(find_root(), args.chapter, timeout=args.timeout, notebooks=not args.no_notebooks)
+        report = grade(find_root(), args.target, timeout=args.timeout, notebooks=not args.no_notebooks)
     except (ValueError, RuntimeError) as exc:  # ExerciseError is a ValueError
         print(f"megalab grade: {exc}", file=sys.stderr)
         return 2
@@ -84,6 +86,69 @@ def _grade(args: argparse.Namespace) -> int:
             json.dump(report.to_json(), f, indent=1, ensure_ascii=False)
         print(f"wrote {args.json}")
     return 0 if report.ok else 1
+
+
+def _workspace(args: argparse.Namespace) -> int:
+    from megalab.exercises import ExerciseError, find_root
+    from megalab.workspace import FIRST_NOTEBOOK, WorkspaceError, create
+
+    start = time.perf_counter()
+    try:
+        ws = create(find_root(), args.dir, force=args.force)
+    except (ExerciseError, WorkspaceError) as exc:
+        print(f"megalab workspace: {exc}", file=sys.stderr)
+        return 1
+    for warning in ws.warnings:
+        print(f"warning: {warning}", file=sys.stderr)
+    print(f"Your workspace is ready in {ws.dest} ({time.perf_counter() - start:.1f} s): {len(ws.blanked)} exercises "
+          f"to implement, in megalab/.\n\nNext:\n  cd {ws.dest}\n  make lab          # JupyterLab here, on "
+          f"{FIRST_NOTEBOOK}\n  megalab grade dist.shard_bounds   # check one exercise (or %grade ID in a notebook)")
+    return 0
+
+
+def _restore(args: argparse.Namespace) -> int:
+    from megalab.exercises import find_root
+    from megalab.workspace import WorkspaceError, open_workspace, restore
+
+    ws = open_workspace(find_root())
+    if ws is None:
+        print("megalab restore: this is not a workspace (no .megalab/workspace.json); in the reference repository "
+              "use `git checkout -- NOTEBOOK`", file=sys.stderr)
+        return 2
+    try:
+        for notebook in args.notebooks:
+            backup = restore(ws, notebook)
+            saved = f" (your copy is in {backup.relative_to(ws.root)})" if backup else ""
+            print(f"restored {notebook} with its expected outputs{saved}")
+    except WorkspaceError as exc:
+        print(f"megalab restore: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _update(args: argparse.Namespace) -> int:
+    from megalab.exercises import ExerciseError, find_root
+    from megalab.workspace import WorkspaceError, open_workspace, update
+
+    ws = open_workspace(find_root())
+    if ws is None:
+        print("megalab update: run it inside a workspace (made by `megalab workspace DIR`)", file=sys.stderr)
+        return 2
+    try:
+        result = update(ws)
+    except (ExerciseError, WorkspaceError) as exc:
+        print(f"megalab update: {exc}", file=sys.stderr)
+        return 2
+    for rel in result.merged:
+        print(f"  merged   {rel}: the new version, with the exercises you implemented carried over")
+    for rel in result.replaced:
+        print(f"  updated  {rel}")
+    for rel in result.kept:
+        print(f"  kept     {rel} (your edit; the course did not change it)")
+    if result.backups:
+        print(f"your previous copies of changed files are in {result.backups.relative_to(ws.root)}")
+    print(f"workspace up to date with {ws.source}: {len(result.replaced) + len(result.merged)} file(s) changed")
+    return 0
 
 
 def _report(args: argparse.Namespace) -> int:
@@ -122,13 +187,26 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("exercises", help="list the exercises (id, where, notebook, tests) and check their markers")
     p.set_defaults(func=_exercises)
 
-    p = sub.add_parser("student", help="write the student workspace: this repository with every exercise blanked")
+    p = sub.add_parser("student", help="instructors: a plain blank copy of this repository (learners: `workspace`)")
     p.add_argument("dir", help="an empty folder to create the workspace in")
     p.add_argument("--force", action="store_true", help="write into a non-empty folder (overwrites its files)")
     p.set_defaults(func=_student)
 
-    p = sub.add_parser("grade", help="run the exercises' tests and notebooks here; table per exercise")
-    p.add_argument("chapter", nargs="?", help="01 or 01_foundations (default: every chapter)")
+    p = sub.add_parser("workspace", help="learners start here: write your workspace (every exercise blank) in DIR")
+    p.add_argument("dir", help="an empty folder for the workspace, e.g. ~/megalab-work")
+    p.add_argument("--force", action="store_true", help="write into a non-empty folder (overwrites its files)")
+    p.set_defaults(func=_workspace)
+
+    p = sub.add_parser("restore", help="put a notebook's expected outputs back (your copy is kept in .megalab/backup)")
+    p.add_argument("notebooks", nargs="+", help="the notebook(s), e.g. course/01_foundations/01_setup_and_torchrun.ipynb")
+    p.set_defaults(func=_restore)
+
+    p = sub.add_parser("update", help="bring this workspace up to the course's current version, keeping your work")
+    p.set_defaults(func=_update)
+
+    p = sub.add_parser("grade", help="grade one exercise (in isolation, seconds), a chapter, or everything")
+    p.add_argument("target", nargs="?", help="an exercise id (dist.shard_bounds), a chapter (01 or 01_foundations); "
+                   "default: everything")
     p.add_argument("--json", metavar="FILE", help="also write the results as JSON (for instructors)")
     p.add_argument("--timeout", type=float, default=300, help="seconds per test and per notebook cell (default 300)")
     p.add_argument("--no-notebooks", action="store_true", help="run the exercise tests only")

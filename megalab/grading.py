@@ -1,32 +1,36 @@
-"""`megalab grade`: run the exercises' tests and the chapter's notebooks, report one row per exercise.
+"""`megalab grade`: one exercise in seconds and in isolation, or a chapter's table with its notebooks.
 
-pytest runs in the workspace (the current repository, reference or student) with this Python
-and PYTHONPATH=<workspace>, so the workspace's own `megalab` is what gets tested:
+    megalab grade dist.shard_bounds     one exercise: its tests, nothing else
+    megalab grade 03                    every exercise of chapter 03, then its notebooks
+    megalab grade                       the whole course
 
-    1. the tests marked @pytest.mark.exercise(...) of the selected exercises, with a per-test
-       timeout (pytest-timeout), so a deadlocked implementation fails instead of hanging;
-    2. the chapter's notebooks under strict nbval, with a per-cell timeout.
+In a learner's workspace (megalab/workspace.py) each exercise is graded **alone**: its tests run
+on an overlay where every other exercise is the reference's, so a failure always names the
+exercise at fault, whatever else is blank or wrong. A blank region is "not implemented" at once,
+without running anything. Notebooks are graded against the **expected** outputs the tool keeps
+(.megalab/reference/), never against what JupyterLab saved in your copy.
 
-Each failure is mapped to an exercise: a test belongs to the exercises it is marked with, a
-notebook cell failure to the exercise its error names (`exercise <id>: ...`, the message of the
-NotImplementedError the student workspace raises). Status per exercise:
+In the reference repository (and in an old-style student tree) the selected exercises' tests and
+the notebooks go in ONE pytest run, as before. Status per exercise:
 
-    passed            every test passed (and no notebook cell failed naming it)
-    not implemented   a failure is the NotImplementedError of its region (or of an earlier
-                      exercise its tests also need: "needs <id> first")
-    failed            anything else (wrong answer, crash, timeout)
+    passed            every test passed
+    not implemented   its region still raises its NotImplementedError
+    failed            anything else (wrong answer, crash, deadlock), with the test's own words
+    not graded        the machine was too loaded for a multi-rank check to finish: grade again
 
-Both go in ONE pytest run (tests first, then the notebooks). This module is also that run's
-plugin (`-p megalab.grading`): when MEGALAB_GRADE_OUT is set it keeps only the selected
-exercises' tests (and the notebook cells) and writes every outcome there as JSON.
+This module is also that run's pytest plugin (`-p megalab.grading`): when MEGALAB_GRADE_OUT is
+set it keeps only the selected exercises' tests (and the notebook cells) and writes every outcome
+there as JSON.
 """
 
 from __future__ import annotations
 
+import difflib
 import importlib.util
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -34,14 +38,16 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from megalab.exercises import COURSE_DIR, Exercise, load
+from megalab.exercises import COURSE_DIR, Exercise, ExerciseError, load
 from megalab.notebooks import find_notebooks
+from megalab.workspace import blank_message, graded_copy, open_workspace, overlay
 
 _OUT, _IDS = "MEGALAB_GRADE_OUT", "MEGALAB_GRADE_IDS"
 _NOT_IMPLEMENTED = re.compile(r"NotImplementedError: (exercise ([\w.]+): [^\n]*)")
 _MENTION = re.compile(r"exercise ([\w.]+):")
 _ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 DEFAULT_TIMEOUT = 300  # seconds per test and per notebook cell
+_OVERLOADED = "still computing"  # megalab.launch's words for a run that was not stuck, only slow
 
 
 @dataclass
@@ -144,18 +150,37 @@ def exercise_row(ex: Exercise, tests: dict[str, Outcome], cells: dict[str, Outco
     if not mine:
         return Row(ex.id, "failed", f'no test ran: mark its tests @pytest.mark.exercise("{ex.id}")')
     if failed:
-        stubbed = [o for o in failed if unimplemented(o.text)]
-        if not stubbed:
-            return Row(ex.id, "failed", failed[0].first_line, mine)
-        own = [o for o in stubbed if unimplemented(o.text) == ex.id]
+        own = [o for o in failed if unimplemented(o.text) == ex.id]
         if own:
             return Row(ex.id, "not implemented", own[0].first_line, mine)
-        needs = unimplemented(stubbed[0].text)  # its tests also run an earlier exercise's code
-        return Row(ex.id, "not implemented", f"needs {needs} first: {stubbed[0].first_line}", mine)
+        loaded = [o for o in failed if _OVERLOADED in o.text]
+        if loaded and len(loaded) == len(failed):
+            return Row(ex.id, "not graded", f"the machine was too busy to finish a multi-rank check "
+                       f"({loaded[0].first_line}); grade again when it is quieter", mine)
+        return Row(ex.id, "failed", failed[0].first_line, mine)
     passed = sum(o.outcome == "passed" for o in mine)
     if not passed:
         return Row(ex.id, "skipped", f"{len(mine)} skipped", mine)
     return Row(ex.id, "passed", f"{_n(passed, 'test')} passed", mine)
+
+
+def grade_alone(root: Path, ws, ex: Exercise, reference: dict[str, Exercise], timeout: float) -> Row:
+    """One exercise of a workspace, in isolation (every other exercise runs the reference)."""
+    message = blank_message(root, ex)
+    if message:
+        return Row(ex.id, "not implemented", f"NotImplementedError: {message}")
+    ref_ex = reference.get(ex.id)
+    if ref_ex is None:
+        return Row(ex.id, "failed", f"the reference has no exercise {ex.id}: run `megalab update`")
+    try:
+        tree = overlay(root, ws.reference, ref_ex, list(reference.values()))
+    except ExerciseError as exc:  # a syntax error in your module, or its function is gone
+        return Row(ex.id, "failed", exc.problems[0])
+    try:
+        outcomes = run_checks(tree, [ref_ex], timeout=timeout)
+    finally:
+        shutil.rmtree(tree, ignore_errors=True)
+    return exercise_row(ref_ex, outcomes, {})
 
 
 def notebook_rows(notebooks: list[str], cells: dict[str, Outcome]) -> list[Row]:
@@ -189,7 +214,20 @@ def chapter_folder(root: Path, chapter: str | None) -> str | None:
     for name in folders:
         if name == chapter or name.split("_")[0] == chapter:
             return name
-    raise ValueError(f"no chapter {chapter!r} under {COURSE_DIR}/; choose one of: {', '.join(folders) or '(none)'}")
+    raise ValueError(f"no chapter {chapter!r} under {COURSE_DIR}/; choose one of: {', '.join(folders) or '(none)'}"
+                     " (or an exercise id such as dist.shard_bounds: `megalab exercises` lists them)")
+
+
+def choose(registry, target: str | None) -> tuple[str | None, list[Exercise]]:
+    """`target` -> (chapter folder or None, the exercises to grade): an exercise id, a chapter, or all."""
+    if target and "." in target:
+        if target not in registry.exercises:
+            close = difflib.get_close_matches(target, list(registry.exercises), n=3)
+            hint = f"; did you mean {' or '.join(close)}?" if close else "; `megalab exercises` lists them"
+            raise ValueError(f"no exercise {target!r}{hint}")
+        return None, [registry.exercises[target]]
+    folder = chapter_folder(registry.root, target)
+    return folder, registry.select(folder)
 
 
 @dataclass
@@ -205,7 +243,20 @@ class Report:
     def ok(self) -> bool:
         return all(r.status in ("passed", "skipped") for r in self.exercises + self.notebooks)
 
+    def verdict(self) -> str:
+        """One exercise, said in full: status, the whole reason, where to work on it."""
+        [r] = self.exercises
+        lines = [f"{r.name}: {r.status}"]
+        if r.status != "passed":
+            lines += [f"  {line}" for line in r.detail.splitlines()]
+        else:
+            lines += [f"  {r.detail}"]
+        lines.append(f"  your code: {r.where}; taught in {r.notebook}  ({self.seconds:.1f} s)")
+        return "\n".join(lines)
+
     def table(self, width: int = 150) -> str:
+        if len(self.exercises) == 1 and not self.notebooks and self.exercises[0].where:
+            return self.verdict()
         rows = [(r.name, r.status, r.detail) for r in self.exercises]
         nb_rows = [(r.name, r.status, r.detail) for r in self.notebooks]
         w0 = max([len("exercise")] + [len(r[0]) for r in rows + nb_rows])
@@ -222,7 +273,7 @@ class Report:
             out += [fmt(*r) for r in nb_rows]
 
         def count(rs):
-            return ", ".join(f"{sum(r.status == s for r in rs)} {s}" for s in ("passed", "failed", "not implemented")
+            return ", ".join(f"{sum(r.status == s for r in rs)} {s}" for s in ("passed", "failed", "not implemented", "not graded")
                              if any(r.status == s for r in rs)) or "none"
 
         out += ["", f"{_n(len(rows), 'exercise')}: {count(self.exercises)}; {_n(len(nb_rows), 'notebook')}: "
@@ -242,26 +293,51 @@ class Report:
                 "exercises": [row(r) for r in self.exercises], "notebooks": [row(r) for r in self.notebooks]}
 
 
-def grade(root: str | Path = ".", chapter: str | None = None, timeout: float = DEFAULT_TIMEOUT,
+def grade(root: str | Path = ".", target: str | None = None, timeout: float = DEFAULT_TIMEOUT,
           notebooks: bool = True) -> Report:
-    """Grade the workspace at `root` (one chapter, or everything)."""
+    """Grade the workspace at `root`: one exercise (`target` an id: no notebooks), a chapter, or everything."""
     start = time.perf_counter()
     root = Path(root).resolve()
-    folder = chapter_folder(root, chapter)
     registry = load(root)
-    selected = registry.select(folder)
+    folder, selected = choose(registry, target)
+    single = bool(target and "." in target)
     course = root / COURSE_DIR / folder if folder else root / COURSE_DIR
     nb_paths = []
-    if notebooks and course.is_dir():
-        nb_paths = [p.relative_to(root).as_posix() for p in find_notebooks([str(course)])]
-    outcomes = run_checks(root, selected, nb_paths, timeout)
-    cells = {node: o for node, o in outcomes.items() if node.split("::")[0].endswith(".ipynb")}
-    tests = {node: o for node, o in outcomes.items() if node not in cells}
-    rows = [exercise_row(ex, tests, cells) for ex in selected]
+    if notebooks and not single and course.is_dir():
+        nb_paths = [p.relative_to(root).as_posix() for p in find_notebooks([str(course)])
+                    if not p.name.startswith(".")]
+    ws = open_workspace(root)
+    if ws is None:  # the reference: one pytest run for everything
+        outcomes = run_checks(root, selected, nb_paths, timeout)
+        cells = {node: o for node, o in outcomes.items() if node.split("::")[0].endswith(".ipynb")}
+        rows = [exercise_row(ex, {n: o for n, o in outcomes.items() if n not in cells}, cells) for ex in selected]
+    else:
+        reference = load(ws.reference).exercises
+        rows = [grade_alone(root, ws, ex, reference, timeout) for ex in selected]
+        cells = grade_notebooks(root, ws, nb_paths, timeout)
     for row, ex in zip(rows, selected):
         row.where, row.notebook = ex.where, ex.notebook
-    return Report(str(root), folder, time.perf_counter() - start, rows, notebook_rows(nb_paths, cells),
-                  registry.problems())
+    return Report(str(root), folder or (target if single else None), time.perf_counter() - start, rows,
+                  notebook_rows(nb_paths, cells), registry.problems())
+
+
+def grade_notebooks(root: Path, ws, notebooks: list[str], timeout: float) -> dict[str, Outcome]:
+    """The notebooks, as the reference wrote them, run against your megalab and compared with the
+    expected outputs (not with what your copy saved). Node ids name your notebooks."""
+    if not notebooks:
+        return {}
+    copies = {graded_copy(ws, root, rel).relative_to(root).as_posix(): rel for rel in notebooks}
+    try:
+        outcomes = run_checks(root, [], list(copies), timeout)
+    finally:
+        for copy in copies:
+            (root / copy).unlink(missing_ok=True)
+    renamed = {}
+    for node, o in outcomes.items():
+        path, _, cell = node.partition("::")
+        o.nodeid = f"{copies.get(path, path)}::{cell}" if cell else copies.get(path, path)
+        renamed[o.nodeid] = o
+    return renamed
 
 
 # --------------------------------------------------------------------------- the pytest plugin
