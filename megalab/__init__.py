@@ -1,6 +1,9 @@
 """megalab: learn how Megatron-LM trains and serves large language models by building it.
 
-`%load_ext megalab` in a notebook registers the `%%torchrun` cell magic (megalab/magic.py).
+`%load_ext megalab` in a notebook registers the `%%torchrun` cell magic and `%grade` (megalab/magic.py)
+and says which `megalab` the kernel runs: the one of the workspace the notebook lives in. If the
+kernel imported another (the reference's, from its editable install), it switches to the notebook's
+before anything else is imported, so the kernel and every rank run your code, never the solutions.
 Importing the package is cheap: torch is imported only by the modules that need it.
 """
 
@@ -8,6 +11,70 @@ __version__ = "0.1.0"
 
 
 def load_ipython_extension(ipython):
+    import sys
+    from pathlib import Path
+
+    here = Path(__file__).resolve().parent.parent
+    root = _tree_of(Path.cwd())
+    if root is not None and root != here:
+        loaded = sorted(name for name in sys.modules if name.startswith("megalab."))
+        if loaded:
+            raise ImportError(f"this kernel already imported megalab from {here} ({', '.join(loaded[:3])}), but the "
+                              f"notebook lives in {root}: restart the kernel (Kernel > Restart) and run this cell first")
+        _switch_to(root)
+        return sys.modules["megalab"].load_ipython_extension(ipython)
+
     from megalab.magic import TorchrunMagics
 
     ipython.register_magics(TorchrunMagics)
+    ipython.register_magic_function(grade_magic, "line", "grade")
+    print(banner(here))
+
+
+def grade_magic(line: str) -> None:
+    """`%grade ID`: grade one exercise of this notebook's workspace, in isolation (`megalab grade ID`)."""
+    import subprocess
+    import sys
+
+    args = line.split()
+    if not args:
+        print("usage: %grade EXERCISE_ID (e.g. %grade dist.shard_bounds), or %grade CHAPTER (e.g. %grade 01); "
+              "`megalab exercises` lists the ids")
+        return
+    proc = subprocess.run([sys.executable, "-m", "megalab.cli", "grade", *args], capture_output=True, text=True)
+    print(proc.stdout, end="")
+    if proc.stderr:
+        print(proc.stderr, end="", file=sys.stderr)
+
+
+def _tree_of(folder):
+    """The nearest folder at or above `folder` that holds a megalab package (a workspace or the reference)."""
+    for candidate in (folder, *folder.parents):
+        if (candidate / "megalab" / "__init__.py").is_file():
+            return candidate.resolve()
+    return None
+
+
+def _switch_to(root) -> None:
+    """Import megalab from `root` from now on, here and in every process started from here."""
+    import os
+    import sys
+
+    sys.path.insert(0, str(root))
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))
+    del sys.modules["megalab"]
+    import megalab  # noqa: F401  (now the workspace's)
+
+
+def banner(root) -> str:
+    """`megalab 0.1.0 · <which tree> · <progress>`: the line `%load_ext megalab` prints."""
+    from pathlib import Path
+
+    from megalab.workspace import open_workspace, progress
+
+    done, total = progress(root)
+    if open_workspace(root) is None and done == total:
+        return f"megalab {__version__} · the reference implementation ({root.name}/megalab): every exercise solved"
+    where = str(root).replace(str(Path.home()), "~", 1) if str(root).startswith(str(Path.home())) else str(root)
+    return (f"megalab {__version__} · your workspace {where}/megalab · {done} of {total} exercises implemented · "
+            "%grade ID checks one")

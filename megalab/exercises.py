@@ -32,8 +32,6 @@ import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import nbformat
-
 SOURCE_DIR, COURSE_DIR, TESTS_DIR = "megalab", "course", "tests"
 _EXERCISE = re.compile(r"^(?P<indent>[ \t]*)# EXERCISE (?P<id>[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)+): (?P<task>\S.*?)\s*$")
 _EXERCISE_LIKE = re.compile(r"^[ \t]*#\s*EXERCISE\b")
@@ -148,6 +146,8 @@ def _code_cells(nb) -> list[tuple[int, str]]:
 
 def scan_sources(root: Path) -> tuple[list[Exercise], list[str]]:
     """Every exercise in megalab/**/*.py and in course notebooks' code cells, with the problems found."""
+    import nbformat
+
     exercises, problems = [], []
     for path in _files(root, SOURCE_DIR, ".py"):
         rel = path.relative_to(root).as_posix()
@@ -173,6 +173,8 @@ def scan_sources(root: Path) -> tuple[list[Exercise], list[str]]:
 
 def notebook_mentions(root: Path) -> dict[str, tuple[set[str], set[str]]]:
     """notebook path -> (ids named as "Exercise `id`", ids named in backticks anywhere) in its markdown."""
+    import nbformat
+
     mentions = {}
     for path in _files(root, COURSE_DIR, ".ipynb"):
         nb = nbformat.read(path, as_version=4)
@@ -329,6 +331,8 @@ def write_student(root: str | Path, dest: str | Path, force: bool = False) -> St
     Refuses a non-empty `dest` unless `force` (then files are overwritten, others left alone).
     Broken markers raise ExerciseError; exercises without a test or notebook only warn.
     """
+    import nbformat
+
     root, dest = Path(root).resolve(), Path(dest).resolve()
     if dest == root or root.is_relative_to(dest):
         raise ExerciseError([f"{dest} holds the reference repository itself; choose another folder"])
