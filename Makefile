@@ -1,15 +1,24 @@
-# megalab — `make lab` to study, `make test` to grade/verify. Both set up .venv first.
+# megalab — learners: `make workspace` (then `make lab` in it); authors: `make lab`, `make test`.
 PYTHON ?= python3
 TORCH_VERSION ?= 2.13.0
 VENV ?= .venv
+# In a learner's workspace, `megalab workspace` writes this: the reference's environment, shared (no second install).
+-include .megalab/env.mk
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.megalab-setup
 PORT ?= 8888
 ROOT_FLAG := $(if $(filter 0,$(shell id -u)),--allow-root,)
+FIRST_NOTEBOOK := course/01_foundations/01_setup_and_torchrun.ipynb
+WORKSPACE_DIR ?= $(HOME)/megalab-workspace
 
-.PHONY: setup lab test unit nbval notebooks student grade bench lint clean
+.PHONY: setup lab workspace test unit nbval notebooks student grade bench lint clean
 
+ifdef WORKSPACE
+setup:
+	@test -x $(PY) || { echo "The Python environment $(VENV) of the course ($(REFERENCE)) is gone: run 'make setup' there."; exit 1; }
+else
 setup: $(STAMP)
+endif
 
 # Re-runs only when the package's metadata changes. torch is installed on its own first, pinned:
 # on a CPU machine pip takes the CPU wheel; on a GPU cluster the same line gets a CUDA build.
@@ -19,8 +28,15 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e ".[dev]"
 	@touch $(STAMP)
 
+# JupyterLab at the root of this tree (course/ and megalab/ side by side), on the first notebook; the kernel
+# and every rank import this tree's megalab (PYTHONPATH), `megalab` is on the terminal's PATH.
 lab: setup
-	$(VENV)/bin/jupyter lab --notebook-dir=course --ip=127.0.0.1 --port=$(PORT) $(ROOT_FLAG)
+	PYTHONPATH=$(CURDIR) PATH=$(abspath $(VENV))/bin:$$PATH $(VENV)/bin/jupyter lab --ServerApp.root_dir=. \
+		--LabApp.default_url=/lab/tree/$(FIRST_NOTEBOOK) --ip=127.0.0.1 --port=$(PORT) $(ROOT_FLAG)
+
+# Learners start here: your own copy of the course with every exercise blank, in seconds (DIR=... to choose).
+workspace: setup
+	$(VENV)/bin/megalab workspace $(or $(DIR),$(WORKSPACE_DIR))
 
 # Unit tests, then every notebook under strict nbval (outputs must match the committed ones).
 test: setup
@@ -38,9 +54,9 @@ notebooks: setup
 student: setup
 	$(VENV)/bin/megalab student $(or $(DIR),../megalab-student)
 
-# Per-exercise table for this workspace (reference or student); CHAPTER=01 for one chapter.
+# Per-exercise table for this tree (a workspace or the reference): ID=dist.shard_bounds, CHAPTER=01, or all.
 grade: setup
-	$(VENV)/bin/megalab grade $(CHAPTER)
+	$(VENV)/bin/megalab grade $(or $(ID),$(CHAPTER))
 
 bench: setup
 	@for b in benchmarks/[a-z]*.py; do echo "== $$b"; $(PY) $$b || exit 1; done

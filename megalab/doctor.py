@@ -7,6 +7,7 @@ import importlib.util
 import os
 import platform
 import sys
+from pathlib import Path
 
 
 def _version(dist: str) -> str:
@@ -72,9 +73,32 @@ def _course_parts(f: dict) -> list[tuple[str, str]]:
     ]
 
 
+def which_megalab(cwd: Path | None = None) -> list[tuple[str, str]]:
+    """Rows saying which megalab this Python imports and which tree the current folder belongs to."""
+    import megalab
+    from megalab import _tree_of
+    from megalab.workspace import open_workspace, progress
+
+    imported = Path(megalab.__file__).resolve().parent.parent
+    here = _tree_of((cwd or Path.cwd()).resolve())
+    rows = [("megalab", f"{megalab.__version__} from {imported / 'megalab'}")]
+    if here is None:
+        return rows + [("this folder", "not inside the course (no megalab/ here or above)")]
+    ws = open_workspace(here)
+    done, total = progress(here)
+    kind = f"a workspace made from {ws.source}" if ws else "the reference (every exercise solved)" if done == total \
+        else "a student tree"
+    rows.append(("this folder", f"{here}: {kind}, {done} of {total} exercises implemented"))
+    if here != imported:
+        rows.append(("  WARNING", f"Python imports megalab from {imported}, not from {here}: start JupyterLab with "
+                                  f"`make lab` in {here} (or set PYTHONPATH={here})"))
+    return rows
+
+
 def report() -> str:
     f = facts()
     rows = [
+        *which_megalab(),
         ("Python", f"{f['python']} ({sys.executable})"),
         ("Platform", f["platform"]),
         ("torch", f"{f['torch']} (CUDA build: {f['cuda_build'] or 'none, CPU-only'})"),

@@ -136,6 +136,8 @@ def create(reference: str | Path, dest: str | Path, force: bool = False):
               "commit": _git_commit(reference), "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "files": files}
     (dest / CONFIG).write_text(json.dumps(config, indent=1))
     (dest / STATE_DIR / ".gitignore").write_text("*\n")
+    (dest / STATE_DIR / "env.mk").write_text(  # read by the Makefile: `make lab` etc. use the shared environment
+        f"WORKSPACE := 1\nVENV := {sys.prefix}\nREFERENCE := {reference}\n")
     return written
 
 
