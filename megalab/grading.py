@@ -46,6 +46,7 @@ _OUT, _IDS = "MEGALAB_GRADE_OUT", "MEGALAB_GRADE_IDS"
 _NOT_IMPLEMENTED = re.compile(r"NotImplementedError: (exercise ([\w.]+): [^\n]*)")
 _MENTION = re.compile(r"exercise ([\w.]+):")
 _ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+_ERROR_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Interrupt|Exit)\b:?")
 DEFAULT_TIMEOUT = 300  # seconds per test and per notebook cell
 _OVERLOADED = "still computing"  # megalab.launch's words for a run that was not stuck, only slow
 
@@ -87,9 +88,17 @@ def failure_line(text: str) -> str:
             m = _NOT_IMPLEMENTED.search(line)
             if m:
                 return f"NotImplementedError: {m[1].strip()}"
+    if raised and raised[0].startswith('File "'):  # a syntax error: pytest shows where before what
+        kind = next((line for line in raised if _ERROR_LINE.match(line)), None)
+        where = re.match(r'File "([^"]+)", line (\d+)', raised[0])
+        if kind and where:
+            path = where[1][where[1].rfind("megalab/"):] if "megalab/" in where[1] else Path(where[1]).name
+            return f"{kind} ({path}, line {where[2]})"
+        if kind:
+            return kind
     if raised:
         return raised[0]
-    errors = [line for line in lines if re.match(r"^[A-Za-z_][\w.]*(Error|Exception|Interrupt|Exit)\b:?", line)]
+    errors = [line for line in lines if _ERROR_LINE.match(line)]
     cell = next((line for line in lines if re.match(r"Cell \d+: ", line)), None)  # nbval's report
     if cell:  # "Cell 3: Cell outputs differ" then, after "Traceback:", the exception or the mismatch
         after = lines[lines.index("Traceback:") + 1 :] if "Traceback:" in lines else []
@@ -218,16 +227,24 @@ def chapter_folder(root: Path, chapter: str | None) -> str | None:
                      " (or an exercise id such as dist.shard_bounds: `megalab exercises` lists them)")
 
 
-def choose(registry, target: str | None) -> tuple[str | None, list[Exercise]]:
-    """`target` -> (chapter folder or None, the exercises to grade): an exercise id, a chapter, or all."""
+def choose(registry, target: str | None) -> tuple[str | None, list[Exercise], list[str] | None]:
+    """`target` -> (label, the exercises, the notebooks or None for the chapter's): an exercise id,
+    a notebook (with the exercises it teaches), a chapter, or everything."""
+    root = registry.root
+    if target and target.endswith(".ipynb"):
+        path = Path(target).resolve()
+        rel = path.relative_to(root).as_posix() if path.is_relative_to(root) else target
+        if not (root / rel).is_file():
+            raise ValueError(f"no notebook {target} in {root}")
+        return rel, [ex for ex in registry.select(None) if ex.notebook == rel], [rel]
     if target and "." in target:
         if target not in registry.exercises:
             close = difflib.get_close_matches(target, list(registry.exercises), n=3)
             hint = f"; did you mean {' or '.join(close)}?" if close else "; `megalab exercises` lists them"
             raise ValueError(f"no exercise {target!r}{hint}")
-        return None, [registry.exercises[target]]
-    folder = chapter_folder(registry.root, target)
-    return folder, registry.select(folder)
+        return target, [registry.exercises[target]], []
+    folder = chapter_folder(root, target)
+    return folder, registry.select(folder), None
 
 
 @dataclass
@@ -295,17 +312,17 @@ class Report:
 
 def grade(root: str | Path = ".", target: str | None = None, timeout: float = DEFAULT_TIMEOUT,
           notebooks: bool = True) -> Report:
-    """Grade the workspace at `root`: one exercise (`target` an id: no notebooks), a chapter, or everything."""
+    """Grade the tree at `root`: one exercise (`target` an id: no notebooks), one notebook (and the exercises it
+    teaches), a chapter, or everything."""
     start = time.perf_counter()
     root = Path(root).resolve()
     registry = load(root)
-    folder, selected = choose(registry, target)
-    single = bool(target and "." in target)
-    course = root / COURSE_DIR / folder if folder else root / COURSE_DIR
-    nb_paths = []
-    if notebooks and not single and course.is_dir():
-        nb_paths = [p.relative_to(root).as_posix() for p in find_notebooks([str(course)])
-                    if not p.name.startswith(".")]
+    label, selected, nb_paths = choose(registry, target)
+    if nb_paths is None:  # a chapter or everything: its notebooks
+        course = root / COURSE_DIR / label if label else root / COURSE_DIR
+        nb_paths = [p.relative_to(root).as_posix() for p in find_notebooks([str(course)]) if not p.name.startswith(".")]
+    if not notebooks:
+        nb_paths = []
     ws = open_workspace(root)
     if ws is None:  # the reference: one pytest run for everything
         outcomes = run_checks(root, selected, nb_paths, timeout)
@@ -317,7 +334,7 @@ def grade(root: str | Path = ".", target: str | None = None, timeout: float = DE
         cells = grade_notebooks(root, ws, nb_paths, timeout)
     for row, ex in zip(rows, selected):
         row.where, row.notebook = ex.where, ex.notebook
-    return Report(str(root), folder or (target if single else None), time.perf_counter() - start, rows,
+    return Report(str(root), label, time.perf_counter() - start, rows,
                   notebook_rows(nb_paths, cells), registry.problems())
 
 
