@@ -174,22 +174,20 @@ def exercise_row(ex: Exercise, tests: dict[str, Outcome], cells: dict[str, Outco
 
 
 def grade_alone(root: Path, ws, ex: Exercise, reference: dict[str, Exercise], timeout: float) -> Row:
-    """One exercise of a workspace, in isolation (every other exercise runs the reference)."""
+    """One exercise (of the reference's registry) in the workspace at root, in isolation: every other
+    exercise runs the reference."""
     message = blank_message(root, ex)
     if message:
         return Row(ex.id, "not implemented", f"NotImplementedError: {message}")
-    ref_ex = reference.get(ex.id)
-    if ref_ex is None:
-        return Row(ex.id, "failed", f"the reference has no exercise {ex.id}: run `megalab update`")
     try:
-        tree = overlay(root, ws.reference, ref_ex, list(reference.values()))
+        tree = overlay(root, ws.reference, ex, list(reference.values()))
     except ExerciseError as exc:  # a syntax error in your module, or its function is gone
         return Row(ex.id, "failed", exc.problems[0])
     try:
-        outcomes = run_checks(tree, [ref_ex], timeout=timeout)
+        outcomes = run_checks(tree, [ex], timeout=timeout)
     finally:
         shutil.rmtree(tree, ignore_errors=True)
-    return exercise_row(ref_ex, outcomes, {})
+    return exercise_row(ex, outcomes, {})
 
 
 def notebook_rows(notebooks: list[str], cells: dict[str, Outcome]) -> list[Row]:
@@ -227,10 +225,9 @@ def chapter_folder(root: Path, chapter: str | None) -> str | None:
                      " (or an exercise id such as dist.shard_bounds: `megalab exercises` lists them)")
 
 
-def choose(registry, target: str | None) -> tuple[str | None, list[Exercise], list[str] | None]:
+def choose(registry, target: str | None, root: Path) -> tuple[str | None, list[Exercise], list[str] | None]:
     """`target` -> (label, the exercises, the notebooks or None for the chapter's): an exercise id,
-    a notebook (with the exercises it teaches), a chapter, or everything."""
-    root = registry.root
+    a notebook of the tree at `root` (with the exercises it teaches), a chapter, or everything."""
     if target and target.endswith(".ipynb"):
         path = Path(target).resolve()
         rel = path.relative_to(root).as_posix() if path.is_relative_to(root) else target
@@ -316,24 +313,26 @@ def grade(root: str | Path = ".", target: str | None = None, timeout: float = DE
     teaches), a chapter, or everything."""
     start = time.perf_counter()
     root = Path(root).resolve()
-    registry = load(root)
-    label, selected, nb_paths = choose(registry, target)
+    ws = open_workspace(root)
+    registry = load(root)  # in a workspace the exercises are the reference's: deleting a marker hides none
+    reference = load(ws.reference) if ws else registry
+    label, selected, nb_paths = choose(reference, target, root)
     if nb_paths is None:  # a chapter or everything: its notebooks
         course = root / COURSE_DIR / label if label else root / COURSE_DIR
         nb_paths = [p.relative_to(root).as_posix() for p in find_notebooks([str(course)]) if not p.name.startswith(".")]
     if not notebooks:
         nb_paths = []
-    ws = open_workspace(root)
     if ws is None:  # the reference: one pytest run for everything
         outcomes = run_checks(root, selected, nb_paths, timeout)
         cells = {node: o for node, o in outcomes.items() if node.split("::")[0].endswith(".ipynb")}
         rows = [exercise_row(ex, {n: o for n, o in outcomes.items() if n not in cells}, cells) for ex in selected]
     else:
-        reference = load(ws.reference).exercises
-        rows = [grade_alone(root, ws, ex, reference, timeout) for ex in selected]
+        rows = [grade_alone(root, ws, ex, reference.exercises, timeout) for ex in selected]
         cells = grade_notebooks(root, ws, nb_paths, timeout)
     for row, ex in zip(rows, selected):
-        row.where, row.notebook = ex.where, ex.notebook
+        mine = registry.exercises.get(ex.id)
+        row.where = mine.where if mine else f"{ex.path} (its `# EXERCISE {ex.id}:` line is gone: put it back)"
+        row.notebook = ex.notebook
     return Report(str(root), label, time.perf_counter() - start, rows,
                   notebook_rows(nb_paths, cells), registry.problems())
 

@@ -109,11 +109,12 @@ def progress(root: Path) -> tuple[int, int]:
 
 def blank_message(root: Path, ex: Exercise) -> str | None:
     """The NotImplementedError message if the region of `ex` is still blank in the tree at root."""
-    lines = (root / ex.path).read_text(encoding="utf-8").splitlines()
-    for line in lines[ex.line : ex.line + 1]:  # the line right under `# EXERCISE`
+    path = root / ex.path
+    lines = path.read_text(encoding="utf-8").splitlines() if path.is_file() else []
+    marker, prefix = f"# EXERCISE {ex.id}:", f'raise NotImplementedError("exercise {ex.id}:'
+    for above, line in zip(lines, lines[1:]):
         text = line.strip()
-        prefix = 'raise NotImplementedError("exercise '
-        if text.startswith(prefix + ex.id + ":") and text.endswith('")'):
+        if above.strip().startswith(marker) and text.startswith(prefix) and text.endswith('")'):
             return json.loads(text[len("raise NotImplementedError(") : -1])
     return None
 
@@ -227,6 +228,8 @@ def update(ws: Workspace) -> Update:
             if changed_by_you and rel in by_path:
                 text = carry_over(old.read_text(encoding="utf-8"), new.read_text(encoding="utf-8"),
                                   [ex for ex in by_path[rel] if ex.id in mine], rel)
+                if text == old.read_text(encoding="utf-8"):
+                    continue  # nothing new in it
                 _backup(ws, rel, stamp)
                 backed = True
                 old.write_text(text, encoding="utf-8")
@@ -352,7 +355,13 @@ def isolate(ws_root: Path, reference: Path, ex: Exercise, ref_exercises: list[Ex
             mine = _fill_blank(mine, ref_lines, other)  # entangled with yours: fill its blank, keep what you wrote
         else:
             swap.append(name)
-    return swap_functions(mine, ref, swap, rel) if swap else mine
+    mine = swap_functions(mine, ref, swap, rel) if swap else mine
+    have, ref_funcs = _functions(parse_module(mine, rel)), _functions(ref_tree)
+    for name in dict.fromkeys(swap):  # gone from your file: the reference's, appended
+        if name not in have and "." not in name:
+            first, last = _span(ref_funcs[name])
+            mine = mine.rstrip("\n") + "\n\n\n" + "\n".join(ref_lines[first : last + 1]) + "\n"
+    return mine
 
 
 def _fill_blank(text: str, ref_lines: list[str], ex: Exercise) -> str:

@@ -116,7 +116,7 @@ def _toy_tree(root: Path) -> Path:
     """A tiny repository: megalab/toy.py with two exercises, their tests and notebooks."""
     (root / "megalab").mkdir(parents=True)
     (root / "megalab" / "__init__.py").write_text("")
-    for module in ("exercises.py", "grading.py", "notebooks.py"):  # `megalab grade` loads its plugin from here
+    for module in ("exercises.py", "grading.py", "notebooks.py", "workspace.py"):  # `megalab grade` loads its plugin here
         shutil.copy(REPO / "megalab" / module, root / "megalab" / module)
     (root / "megalab" / "toy.py").write_text(SOURCE)
     (root / "tests").mkdir()
@@ -256,7 +256,12 @@ def test_failure_lines_and_mapping():
     tests["t::e"] = Outcome("t::e", "failed", ["e.f"], "report = {'x': 'NotImplementedError: exercise c.d: y'}\n"
                             "E   RankFailedError: rank 0 failed: NotImplementedError: exercise a.b: do it — see x\n")
     Ex.id, Ex.tests = "e.f", ["t::e"]
-    assert exercise_row(Ex, tests, {}).detail == "needs a.b first: NotImplementedError: exercise a.b: do it — see x"
+    row = exercise_row(Ex, tests, {})  # another exercise's stub is not this one's: failed, and the line says whose
+    assert (row.status, row.detail) == ("failed", "NotImplementedError: exercise a.b: do it — see x")
+    tests["t::o"] = Outcome("t::o", "failed", ["o.p"], "E   megalab.launch.LaunchTimeoutError: cell timed out after "
+                            "300 s on 4 ranks: the ranks were still computing (load average 9.1 on 2 cores)\n")
+    Ex.id, Ex.tests = "o.p", ["t::o"]
+    assert exercise_row(Ex, tests, {}).status == "not graded"  # overloaded is not a verdict on the code
     Ex.id, Ex.tests = "c.d", ["t::c"]
     assert (exercise_row(Ex, tests, {}).status, exercise_row(Ex, tests, {}).detail) == ("failed", "assert 1 == 2")
     [nb] = notebook_rows(["nb"], cells)
