@@ -74,7 +74,7 @@ def banner(root) -> str:
 
     done, total = progress(root)
     if open_workspace(root) is None and done == total:
-        return f"megalab {__version__} · the reference implementation ({root.name}/megalab): every exercise solved"
+        return f"megalab {__version__} · the reference implementation · every exercise solved"
     where = str(root).replace(str(Path.home()), "~", 1) if str(root).startswith(str(Path.home())) else str(root)
     return (f"megalab {__version__} · your workspace {where}/megalab · {done} of {total} exercises implemented · "
             "%grade ID checks one")

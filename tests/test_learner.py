@@ -24,9 +24,13 @@ WRONG = {  # a typical mistake for each exercise played here
     "dist.shard_bounds": ["base = length // world_size", "start = rank * base",
                           "stop = start + base if rank < world_size - 1 else length  # the last rank takes the rest",
                           "return start, stop"],
-    "comm.broadcast": ["if rank == src:", "    for other in range(world):", "        if other != src:",
-                       "            dist.send(tensor, group_dst=other, group=group)",
-                       "# (the other ranks never receive)"],
+    "comm.broadcast": ["me = (rank - src) % world", "step = 1", "while step < world:",
+                       "    if me < step and me + step < world:",
+                       "        dist.send(tensor, group_dst=(src + me + step) % world, group=group)",
+                       "    elif step <= me < 2 * step:",
+                       "        received = torch.empty_like(tensor)  # ... and never copied into `tensor`",
+                       "        dist.recv(received, group_src=(src + me - step) % world, group=group)",
+                       "    step *= 2"],
 }
 
 
