@@ -13,6 +13,26 @@
 
 This is what the `%%torchrun` cell magic calls (megalab/magic.py), and what tests and
 benchmarks call directly. Every process it starts is gone when `run` returns or raises.
+
+Timeouts: a slow machine is not a deadlock. `timeout` is when the launcher starts asking whether
+the run is stuck; the answer comes from the CPU time (utime + stime in /proc/PID/stat) that the
+ranks and their children use:
+
+    all waiting    no rank (nor child of one) used IDLE_CPU_SHARE of a core over the last
+                   `idle_window(timeout)` seconds (3 to 10 s), as ranks blocked in a recv or a
+                   collective do: stopped at `timeout`, LaunchTimeoutError kind "deadlock",
+                   with every rank's stack (a cell that sleeps past `timeout` counts as waiting);
+    computing      the run goes on past `timeout` (the progress line says so, with the load
+                   average) until `hard_timeout` (default HARD_TIMEOUT_FACTOR x timeout), then
+                   kind "overloaded": still computing, not deadlocked, with the machine's load;
+    not started    no rank is up yet: torchrun still starting them counts as computing (a
+                   loaded machine is slow to import torch), one that waits is stuck at the
+                   rendezvous (several nodes) or before starting them (one node): kind
+                   "not started".
+
+A deadlock is not called before `timeout`: a cell may sleep, wait for another node or for a
+file, and CPU time cannot tell that from a deadlock. On NCCL a rank waiting for a stuck GPU
+collective may spin on the CPU, so there a deadlock can look like "overloaded".
 """
 
 from __future__ import annotations
@@ -34,6 +54,10 @@ from pathlib import Path
 from typing import Any
 
 DEFAULT_TIMEOUT = 300.0
+HARD_TIMEOUT_FACTOR = 3.0  # ranks still computing are stopped at 3 x timeout unless told otherwise
+IDLE_CPU_SHARE = 0.05  # a process using less than 5% of a core is waiting (a blocked gloo rank: ~0.5%)
+SAMPLE_INTERVAL = 0.5  # seconds between CPU samples (and progress lines)
+_CLOCK_TICKS = os.sysconf("SC_CLK_TCK")  # the unit of CPU times in /proc/PID/stat
 FAILURE_GRACE = 3.0  # seconds torchrun gets to stop the other ranks after one fails
 # c10/glog-style native log lines ("[W1121 08:00:00.123 1234 file.cpp:12] ...", optionally
 # prefixed "[rank0]:"): timestamped noise, kept in the run dir but not printed on success.
@@ -67,11 +91,20 @@ class RankFailedError(_RankError):
 
 
 class LaunchTimeoutError(_RankError, TimeoutError):
-    """The ranks ran past the timeout; `stacks` holds each rank's Python stack when stopped."""
+    """The ranks ran past the timeout; `stacks` holds each rank's Python stack when stopped.
 
-    def __init__(self, summary: str, details: str, stacks: dict[int, str]):
+    `kind` says why (see the module docstring): "deadlock" (every rank waiting), "overloaded"
+    (still computing at the hard timeout) or "not started" (no rank came up).
+    """
+
+    KINDS = ("deadlock", "overloaded", "not started")
+
+    def __init__(self, summary: str, details: str, stacks: dict[int, str], kind: str = "deadlock"):
         super().__init__(summary, details)
+        if kind not in self.KINDS:
+            raise ValueError(f"kind must be one of {self.KINDS}, not {kind!r}")
         self.stacks = stacks
+        self.kind = kind
 
 
 @dataclass
@@ -241,21 +274,55 @@ def _alive_workers(run_dir: Path) -> dict[int, int]:
     return {r: p for r, p in _rank_pids(run_dir).items() if _is_our_worker(p, run_dir)}
 
 
+_Processes = dict[int, tuple[int, float, bytes]]  # pid -> (parent pid, CPU seconds, command line)
+
+
+def _processes() -> _Processes:
+    """Every process on this machine: pid -> (parent pid, CPU seconds, command line).
+
+    CPU seconds are utime + stime of the process and of the children it has reaped (fields
+    14-17 of /proc/PID/stat, after the command name, which may hold spaces and parentheses).
+    """
+    table = {}
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            try:
+                stat = Path(entry.path, "stat").read_bytes().rpartition(b")")[2].split()
+                cmdline = Path(entry.path, "cmdline").read_bytes()
+            except OSError:
+                continue
+            table[int(entry.name)] = (int(stat[1]), sum(int(v) for v in stat[11:15]) / _CLOCK_TICKS, cmdline)
+    return table
+
+
 def _run_processes(run_dir: Path) -> list[int]:
     """Every live process of this run, found by the run dir in its command line.
 
     Pid files are not enough: a rank still starting up when we stop the run has not written one.
     """
     marker = str(run_dir).encode()
-    pids = []
-    for entry in os.scandir("/proc"):
-        if entry.name.isdigit():
-            try:
-                if marker in Path(entry.path, "cmdline").read_bytes():
-                    pids.append(int(entry.name))
-            except OSError:
-                continue
-    return pids
+    return [pid for pid, (_, _, cmdline) in _processes().items() if marker in cmdline]
+
+
+def _run_tree(table: _Processes, launcher: int, run_dir: Path, with_launchers: bool) -> set[int]:
+    """The run's processes in `table`: the launcher (torchrun or srun), those with the run dir in
+    their command line (torchrun, the ranks) and all their descendants (a rank's DataLoader
+    workers, compile jobs). Without the launchers, unless asked: torchrun's monitoring loop uses
+    a little CPU all the time, which is no progress of the cell."""
+    children: dict[int, list[int]] = {}
+    for pid, (ppid, _, _) in table.items():
+        children.setdefault(ppid, []).append(pid)
+    marker = str(run_dir).encode()
+    todo = [launcher, *(pid for pid, (_, _, cmdline) in table.items() if marker in cmdline)]
+    tree: set[int] = set()
+    while todo:
+        pid = todo.pop()
+        if pid in table and pid not in tree:
+            tree.add(pid)
+            todo += children.get(pid, [])
+    if with_launchers:
+        return tree
+    return {pid for pid in tree if pid != launcher and b"torch.distributed.run" not in table[pid][2]}
 
 
 def _kill_all(proc: subprocess.Popen, run_dir: Path) -> None:
@@ -280,6 +347,118 @@ def _die_with_parent() -> None:  # runs in the child between fork and exec
         import ctypes
 
         ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+# --------------------------------------------------------------------------- progress
+
+
+def idle_window(timeout: float) -> float:
+    """Seconds of (almost) no CPU after which a run counts as waiting: timeout / 10, within 3..10 s."""
+    return min(10.0, max(3.0, timeout / 10))
+
+
+def machine_load(ranks: int) -> str:
+    """'4 ranks on 2 cores, load average 6.3': what a reader needs to judge an overloaded machine."""
+    cores = os.cpu_count() or 1
+    return f"{_count(ranks, 'rank')} on {_count(cores, 'core')}, load average {os.getloadavg()[0]:.1f}"
+
+
+def _count(n: int, thing: str) -> str:
+    return f"{n} {thing}{'s' if n != 1 else ''}"
+
+
+def _seconds(t: float) -> str:
+    return f"{t:.0f}" if t >= 10 else f"{t:.1f}"
+
+
+class _CpuMeter:
+    """The CPU time of a run's processes, sampled over the last window: computing ranks or waiting ones.
+
+    Judged per process: one rank computing while the others wait for it in a collective is
+    progress, however many are waiting (each waiting one still wakes up now and then).
+    """
+
+    def __init__(self, launcher: int, run_dir: Path, window: float):
+        self.launcher, self.run_dir, self.window = launcher, run_dir, window
+        self.samples: list[tuple[float, dict[int, float]]] = []  # (elapsed, pid -> CPU seconds)
+        self.with_launchers = True
+
+    def sample(self, elapsed: float, with_launchers: bool) -> None:
+        """Record each process's CPU time (torchrun's own only while no rank is up: importing torch
+        is the startup's progress). Once a rank is up, the history starts afresh: a rank born a
+        moment ago has used little CPU yet, while torchrun's CPU before it no longer counts."""
+        if with_launchers != self.with_launchers:
+            self.samples.clear()
+            self.with_launchers = with_launchers
+        table = _processes()
+        tree = _run_tree(table, self.launcher, self.run_dir, with_launchers)
+        self.samples.append((elapsed, {pid: table[pid][1] for pid in tree}))
+        while len(self.samples) > 2 and self.samples[1][0] <= elapsed - self.window:
+            del self.samples[0]  # keep one sample at or before the window's start
+
+    def used(self) -> tuple[float, float, float]:
+        """(CPU seconds of all processes, of the busiest one, over how many seconds) in the last
+        window, or in less history; a process that exited takes its CPU time along."""
+        (first, before), (last, after) = self.samples[0], self.samples[-1]
+        used = [max(0.0, cpu - before.get(pid, 0.0)) for pid, cpu in after.items()]
+        return sum(used), max(used, default=0.0), last - first
+
+    def busy(self) -> bool | None:
+        """Did a process compute in the last window? None until there is a window of history."""
+        _, busiest, span = self.used()
+        if span < self.window:
+            return None
+        return busiest >= IDLE_CPU_SHARE * span
+
+
+@dataclass
+class _Watch:
+    """When a run past its timeout stops, and what it says meanwhile (see the module docstring)."""
+
+    timeout: float
+    hard_timeout: float
+    local_ranks: int
+    world: int
+    multi_node: bool
+    meter: _CpuMeter
+
+    def verdict(self, elapsed: float, started: bool) -> str | None:
+        """None while the run may go on, else the LaunchTimeoutError kind to stop it with."""
+        busy = self.meter.busy()
+        if elapsed < self.timeout or (busy is not False and elapsed < self.hard_timeout):
+            return None
+        if not started:
+            return "not started"
+        return "deadlock" if busy is False else "overloaded"
+
+    def note(self, elapsed: float, started: bool) -> str:
+        """Past the timeout (the run computes, or it would have stopped): say so on the progress line."""
+        if elapsed < self.timeout:
+            return ""
+        doing = "still computing" if started else "still starting the ranks"
+        return (f"{doing} past the {self.timeout:g} s timeout, machine overloaded? "
+                f"({machine_load(self.local_ranks)}); stops at {self.hard_timeout:g} s")
+
+    def reason(self, kind: str, elapsed: float) -> str:
+        """The start of the LaunchTimeoutError's summary: what happened, in the reader's terms."""
+        cpu, _, span = self.meter.used()
+        load = machine_load(self.local_ranks)
+        if kind == "deadlock":
+            return (f"cell timed out after {self.timeout:g} s on {_count(self.world, 'rank')}, every rank waiting "
+                    f"(almost no CPU used in the last {span:.0f} s): a deadlock")
+        if kind == "overloaded":
+            return (f"cell still computing after {_seconds(elapsed)} s on {_count(self.world, 'rank')} "
+                    f"(timeout {self.timeout:g} s, "
+                    f"hard timeout {self.hard_timeout:g} s), not deadlocked: the ranks used {cpu:.1f} s of CPU in "
+                    f"the last {span:.0f} s; the machine is overloaded? ({load})")
+        if self.meter.busy() is not False:
+            return (f"no rank started within {_seconds(elapsed)} s: torchrun was still starting them, the machine is "
+                    f"overloaded ({load}); rerun with fewer ranks, on a quieter machine or with a larger hard timeout")
+        if self.multi_node:
+            return (f"no rank started within {self.timeout:g} s: torchrun is still waiting at the rendezvous. Are all "
+                    "nodes started (--nnodes, --node-rank), and can every node reach --rdzv-endpoint?")
+        return (f"no rank started within {self.timeout:g} s, and torchrun has stopped using CPU before starting "
+                f"them ({load}); its output is below")
 
 
 # --------------------------------------------------------------------------- diagnosis
@@ -315,16 +494,8 @@ def _stuck_line(stack: str) -> str:
     return "a line outside the cell"
 
 
-def _timeout_error(run_dir: Path, source: str, timeout: float, world: int) -> LaunchTimeoutError:
-    workers = _alive_workers(run_dir)
-    if not workers and not _rank_files(run_dir, "pid"):  # torchrun never got past the rendezvous
-        log = (run_dir / "torchrun.log").read_text(errors="replace")[-2000:]
-        return LaunchTimeoutError(
-            f"no rank started within {timeout:g} s: torchrun is still waiting at the rendezvous. Are all nodes "
-            "started (--nnodes, --node-rank), and can every node reach --rdzv-endpoint?",
-            log or "(torchrun printed nothing)",
-            {},
-        )
+def _rank_stacks(run_dir: Path, workers: dict[int, int], source: str) -> dict[int, str]:
+    """Each live rank's stack, dumped by faulthandler on SIGUSR1 (see megalab/worker.py)."""
     stacks_files = _rank_files(run_dir, "stack")
     sizes = {r: stacks_files[r].stat().st_size if r in stacks_files else 0 for r in workers}
     for pid in workers.values():
@@ -342,14 +513,23 @@ def _timeout_error(run_dir: Path, source: str, timeout: float, world: int) -> La
     for rank in sorted(workers):
         text = stacks_files[rank].read_text(errors="replace")[sizes[rank]:] if rank in stacks_files else ""
         stacks[rank] = _stack_of(text, lines)
+    return stacks
+
+
+def _timeout_error(run_dir: Path, source: str, kind: str, reason: str) -> LaunchTimeoutError:
+    """The error for a run stopped by the watch: `reason` says why, the ranks' stacks say where."""
+    workers = _alive_workers(run_dir)
+    if kind == "not started":
+        log = (run_dir / "torchrun.log").read_text(errors="replace")[-2000:]
+        return LaunchTimeoutError(reason, log or "(torchrun printed nothing)", {}, kind)
+    stacks = _rank_stacks(run_dir, workers, source)
+    where = "stuck" if kind == "deadlock" else "busy"
+    summary = f"{reason}; " + "; ".join(f"rank {r} {where} at {_stuck_line(s)}" for r, s in stacks.items())
     done = sorted(_rank_files(run_dir, "done"))
-    summary = f"cell timed out after {timeout:g} s on {world} ranks; " + "; ".join(
-        f"rank {r} stuck at {_stuck_line(s)}" for r, s in stacks.items()
-    )
     if done:
         summary += f" (ranks {done} had finished)"
     details = "\n".join(f"[rank {r}] stack when stopped (most recent call first):\n{s}" for r, s in stacks.items())
-    return LaunchTimeoutError(summary, details, stacks)
+    return LaunchTimeoutError(summary, details, stacks, kind)
 
 
 def _killed_ranks(torchrun_log: str) -> dict[int, int]:
@@ -412,12 +592,50 @@ def _failure_error(run_dir: Path, world: int, torchrun_log: str) -> Exception:
 # --------------------------------------------------------------------------- run
 
 
+def _finished(run_dir: Path, local_ranks: int) -> bool:
+    """Has every rank of this node finished the cell? Success: a rank that aborts in teardown after
+    that (the gloo destructor crash) does not fail it. Other nodes' ranks report on their nodes."""
+    started = set(_rank_files(run_dir, "pid"))
+    return len(started) >= local_ranks and started <= set(_rank_files(run_dir, "done"))
+
+
+def _wait(
+    proc: subprocess.Popen, run_dir: Path, code: str, watch: _Watch, start: float,
+    on_progress: Callable[[float, str], None] | None, shown: int,
+) -> LaunchTimeoutError | None:
+    """Wait for torchrun to end, or for the watch to stop the run; None when torchrun ended by itself
+    (or a rank failed and torchrun was slow to stop the others)."""
+    failed_at = None
+    next_sample = start
+    while proc.poll() is None:
+        now = time.monotonic()
+        if failed_at is None and _rank_files(run_dir, "error.json"):
+            failed_at = now
+        if failed_at is not None and now - failed_at > FAILURE_GRACE:
+            return None  # torchrun is slow to stop the others: we do it
+        if now >= next_sample:
+            elapsed, started = now - start, bool(_rank_files(run_dir, "pid"))
+            watch.meter.sample(elapsed, with_launchers=not started)
+            if _finished(run_dir, watch.local_ranks):  # torchrun is winding down, the ranks use no CPU
+                if elapsed >= watch.hard_timeout:
+                    return None  # the cell is done everywhere: only torchrun lingers
+            elif kind := watch.verdict(elapsed, started):
+                return _timeout_error(run_dir, code, kind, watch.reason(kind, elapsed))
+            if on_progress:
+                last = _last_line(run_dir / f"rank{shown}.err") or _last_line(run_dir / f"rank{shown}.out")
+                on_progress(elapsed, " · ".join(filter(None, [watch.note(elapsed, started), last])))
+            next_sample = now + SAMPLE_INTERVAL
+        time.sleep(0.05)
+    return None
+
+
 def run(
     code: str,
     nproc_per_node: int = 1,
     *,
     backend: str = "auto",
     timeout: float = DEFAULT_TIMEOUT,
+    hard_timeout: float | None = None,
     ranks: str | list[int] = "all",
     nnodes: int = 1,
     node_rank: int | None = None,
@@ -431,8 +649,10 @@ def run(
     """Run `code` (a Python script as text) on `nproc_per_node` ranks per node under torchrun.
 
     Returns a LaunchResult once every rank has finished the code; raises RankFailedError with
-    the first failing rank's traceback, LaunchTimeoutError (with every rank's stack) after
-    `timeout` seconds, and LaunchError for impossible requests. KeyboardInterrupt stops all ranks.
+    the first failing rank's traceback, LaunchError for impossible requests, and
+    LaunchTimeoutError (with every rank's stack and a `kind`): at `timeout` seconds if every
+    rank is waiting (a deadlock), at `hard_timeout` (default HARD_TIMEOUT_FACTOR x timeout, never
+    less than timeout) if they are still computing. KeyboardInterrupt stops all ranks.
     """
     if nproc_per_node < 1 or nnodes < 1:
         raise LaunchError("need at least one rank per node and one node")
@@ -472,23 +692,12 @@ def run(
             cmd, cwd=cwd, env=child_env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
             start_new_session=True, preexec_fn=_die_with_parent,
         )
-    error: BaseException | None = None
+    cap = max(timeout, HARD_TIMEOUT_FACTOR * timeout if hard_timeout is None else hard_timeout)
+    meter = _CpuMeter(proc.pid, run_dir, idle_window(timeout))
+    watch = _Watch(timeout, cap, nproc_per_node, world, nnodes > 1, meter)
+    error: BaseException | None
     try:
-        failed_at = None
-        next_progress = start + 0.5
-        while proc.poll() is None:
-            now = time.monotonic()
-            if now - start > timeout:
-                error = _timeout_error(run_dir, code, timeout, world)
-                break
-            if failed_at is None and _rank_files(run_dir, "error.json"):
-                failed_at = now
-            if failed_at is not None and now - failed_at > FAILURE_GRACE:
-                break  # torchrun is slow to stop the others: we do it
-            if on_progress and now >= next_progress:
-                on_progress(now - start, _last_line(run_dir / f"rank{shown[0]}.err") or _last_line(run_dir / f"rank{shown[0]}.out"))
-                next_progress = now + 0.5
-            time.sleep(0.05)
+        error = _wait(proc, run_dir, code, watch, start, on_progress, shown[0])
     except BaseException as exc:  # KeyboardInterrupt from the notebook: stop every rank
         error = exc
     finally:
@@ -496,12 +705,8 @@ def run(
     elapsed = time.monotonic() - start
 
     torchrun_log = log_path.read_text(errors="replace")
-    done = _rank_files(run_dir, "done")
     local_ranks = set(_rank_files(run_dir, "pid"))
-    # Success means every rank finished the cell: a rank that aborts in teardown after that
-    # (the gloo destructor crash) does not fail it. Other nodes' ranks report on their nodes.
-    finished = len(local_ranks) >= nproc_per_node and local_ranks <= set(done)
-    if error is None and not finished:
+    if error is None and not _finished(run_dir, nproc_per_node):
         error = _failure_error(run_dir, world, torchrun_log)
     if error is not None:
         if not keep_run_dir:

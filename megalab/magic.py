@@ -11,6 +11,11 @@
 
 Output is grouped by rank, in rank order, so notebooks compare it deterministically. While the
 cell runs, a status line shows the elapsed time and the latest line of the first shown rank.
+
+`--timeout` (300 s) is when a cell whose ranks all wait (a deadlock: no CPU used) is stopped,
+with each rank's stack. Ranks still computing then are not stopped: on a loaded machine they go
+on, the status line saying so, until `--hard-timeout` (3 x --timeout by default). The error's
+`kind` says which: "deadlock", "overloaded" or "not started" (see megalab.launch).
 """
 
 from __future__ import annotations
@@ -29,7 +34,11 @@ class TorchrunMagics(Magics):
     @magic_arguments()
     @argument("-n", "--nproc-per-node", type=int, default=1, help="ranks per node")
     @argument("--backend", default="auto", choices=["auto", "gloo", "nccl"], help="auto: NCCL when every local rank has a GPU, else gloo")
-    @argument("--timeout", type=float, default=launch.DEFAULT_TIMEOUT, help="seconds before every rank is stopped and its stack shown")
+    @argument("--timeout", type=float, default=launch.DEFAULT_TIMEOUT,
+              help="seconds after which ranks that all wait (a deadlock) are stopped and their stacks shown; "
+                   "ranks still computing go on until --hard-timeout")
+    @argument("--hard-timeout", type=float, default=None,
+              help=f"seconds after which ranks are stopped even if still computing (default {launch.HARD_TIMEOUT_FACTOR:g} x --timeout)")
     @argument("--ranks", default="all", help="whose output to show: all, 0, or 0,2")
     @argument("--nnodes", type=int, default=1, help="number of nodes")
     @argument("--node-rank", type=int, default=None, help="this node's index (static multi-node rendezvous)")
@@ -42,7 +51,7 @@ class TorchrunMagics(Magics):
         status = display({"text/plain": ""}, raw=True, display_id=True)
 
         def on_progress(elapsed: float, last: str) -> None:
-            shown = f" · {last[:120]}" if last else " · starting"
+            shown = f" · {last[:200]}" if last else " · starting"  # room for the overload note
             status.update({"text/plain": f"running on {args.nproc_per_node * args.nnodes} ranks, {elapsed:.0f} s{shown}"}, raw=True)
 
         try:
@@ -51,6 +60,7 @@ class TorchrunMagics(Magics):
                 args.nproc_per_node,
                 backend=args.backend,
                 timeout=args.timeout,
+                hard_timeout=args.hard_timeout,
                 ranks=args.ranks,
                 nnodes=args.nnodes,
                 node_rank=args.node_rank,

@@ -70,9 +70,8 @@ def _write_error(run_dir: Path, rank: int, exc: BaseException) -> None:
 
 def _teardown() -> None:
     """Orderly exit of the default process group, if the cell left one behind."""
-    try:
-        import torch.distributed as dist
-    except ImportError:
+    dist = sys.modules.get("torch.distributed")
+    if dist is None:  # the cell never imported it: no group, and importing torch now costs seconds
         return
     if dist.is_available() and dist.is_initialized():
         try:

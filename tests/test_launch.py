@@ -1,5 +1,6 @@
 """The launcher under real torchrun: output, results, crashes, deadlocks, interrupts, multi-node."""
 
+import contextlib
 import os
 import shutil
 import signal
@@ -128,9 +129,11 @@ def test_deadlock_timeout_shows_each_ranks_stuck_line():
     """)
     start = time.monotonic()
     with pytest.raises(LaunchTimeoutError) as info:
-        launch.run(code, 2, timeout=20)
+        launch.run(code, 2, timeout=4)  # ranks that all wait are stopped at the timeout, never at the hard timeout
     assert time.monotonic() - start < 40
     err = info.value
+    assert err.kind == "deadlock"
+    assert "every rank waiting" in str(err) and "a deadlock" in str(err)
     assert set(err.stacks) == {0, 1}
     assert "cell line 7, in <module>:  dist.recv(x, src=1)" in err.stacks[0]
     assert "cell line 9, in <module>:  dist.recv(x, src=0)" in err.stacks[1]
@@ -293,6 +296,7 @@ def test_missing_node_times_out_with_a_rendezvous_diagnosis():
     with pytest.raises(LaunchTimeoutError, match="no rank started within 8 s.*rendezvous") as info:
         launch.run(HELLO, 1, nnodes=2, node_rank=0, rdzv_endpoint=endpoint, timeout=8)
     assert info.value.stacks == {}
+    assert info.value.kind == "not started"
     assert not _workers_alive()
 
 
@@ -325,4 +329,72 @@ def test_interrupt_while_ranks_are_still_starting_leaves_none_behind():
         proc.kill()
     assert "interrupted" in out
     time.sleep(0.5)  # a rank caught between fork and exec shows up by now, if one escaped
+    assert not _workers_alive()
+
+
+@contextlib.contextmanager
+def _loaded_machine(hogs: int):
+    """`hogs` busy-loop processes for the duration of the block: a machine others are using too."""
+    procs = []
+    try:
+        for _ in range(hogs):
+            procs.append(subprocess.Popen([sys.executable, "-c", "while True: pass"]))
+        yield
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+
+
+def test_computing_cell_on_a_loaded_machine_outlives_its_timeout():
+    """Ranks still computing at the timeout go on (and say so) instead of failing like a deadlock."""
+    code = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.5:\n    pass\nprint('done')\n"
+    seen = []
+    with _loaded_machine(3):
+        start = time.monotonic()
+        res = launch.run(code, 2, timeout=2, hard_timeout=120, on_progress=lambda elapsed, line: seen.append(line))
+        elapsed = time.monotonic() - start
+    assert elapsed > 2  # it needed more than its timeout
+    assert res.text() == "[rank 0] done\n[rank 1] done\n"
+    assert any("still computing past the 2 s timeout, machine overloaded?" in line and "load average" in line for line in seen)
+    assert not _workers_alive()
+
+
+def test_busy_loop_stops_at_the_hard_timeout_as_overloaded_not_deadlock():
+    code = "x = 0\nwhile True:\n    x += 1\n"
+    start = time.monotonic()
+    with pytest.raises(LaunchTimeoutError) as info:
+        launch.run(code, 1, timeout=1, hard_timeout=6)
+    assert 6 <= time.monotonic() - start < 20
+    err = info.value
+    assert err.kind == "overloaded"
+    assert "cell still computing after" in str(err) and "not deadlocked" in str(err)
+    assert "deadlock:" not in str(err) and "a deadlock" not in str(err)
+    assert f"on {os.cpu_count()} cores, load average" in str(err)
+    assert "rank 0 busy at cell line" in str(err)
+    assert set(err.stacks) == {0} and "cell line" in err.stacks[0]
+    assert not _workers_alive()
+
+
+def test_ranks_not_started_on_one_node_never_suggest_multi_node_flags(tmp_path):
+    # still starting at the hard timeout: overloaded, said with the ranks, cores and load
+    with pytest.raises(LaunchTimeoutError) as info:
+        launch.run("pass", 2, timeout=0.1, hard_timeout=0.5)
+    err = info.value
+    assert err.kind == "not started" and err.stacks == {}
+    assert "torchrun was still starting them, the machine is overloaded (2 ranks on" in str(err)
+    assert "load average" in str(err)
+    # torchrun hangs without using CPU (here: asleep before it starts anything): stopped soon after the timeout
+    (tmp_path / "sitecustomize.py").write_text(
+        "import time\nif b'torch.distributed.run' in open('/proc/self/cmdline', 'rb').read():\n    time.sleep(60)\n"
+    )
+    start = time.monotonic()
+    with pytest.raises(LaunchTimeoutError) as info:
+        launch.run("pass", 2, timeout=1, env={"PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"})
+    assert time.monotonic() - start < 10
+    idle = info.value
+    assert idle.kind == "not started"
+    assert "no rank started within 1 s, and torchrun has stopped using CPU" in str(idle)
+    for message in (str(err), str(idle)):
+        assert "--nnodes" not in message and "--rdzv-endpoint" not in message and "rendezvous" not in message
     assert not _workers_alive()

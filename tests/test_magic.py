@@ -3,6 +3,7 @@
 import pytest
 from IPython.core.interactiveshell import InteractiveShell
 
+from megalab import launch
 from megalab.launch import RankFailedError
 
 
@@ -32,3 +33,16 @@ def test_rank_zero_only_and_errors(shell, capsys):
     assert "I am 0\n" in capsys.readouterr().out
     with pytest.raises(RankFailedError, match="rank 1 failed: ZeroDivisionError"):
         shell.run_cell_magic("torchrun", "-n 2", "import os\nif os.environ['RANK'] == '1':\n    1 / 0\n")
+
+
+def test_hard_timeout_flag_reaches_the_launcher(shell, monkeypatch):
+    seen = {}
+
+    def fake_run(code, nproc, **options):
+        seen.update(options)
+        raise launch.LaunchTimeoutError("stopped", "", {}, "overloaded")
+
+    monkeypatch.setattr(launch, "run", fake_run)
+    with pytest.raises(launch.LaunchTimeoutError) as info:
+        shell.run_cell_magic("torchrun", "-n 2 --timeout 30 --hard-timeout 45", "pass\n")
+    assert (seen["timeout"], seen["hard_timeout"]) == (30, 45) and info.value.kind == "overloaded"
