@@ -39,6 +39,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from megalab.exercises import COURSE_DIR, Exercise, ExerciseError, load
+from megalab.launch import HARD_TIMEOUT_FACTOR
 from megalab.notebooks import find_notebooks
 from megalab.workspace import blank_message, graded_copy, open_workspace, overlay
 
@@ -48,7 +49,9 @@ _MENTION = re.compile(r"exercise ([\w.]+):")
 _ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 _ERROR_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Interrupt|Exit)\b:?")
 DEFAULT_TIMEOUT = 300  # seconds per test and per notebook cell
-_OVERLOADED = "still computing"  # megalab.launch's words for a run that was not stuck, only slow
+# megalab.launch's words for a run that was not stuck, only slow (LaunchTimeoutError kinds "overloaded" and
+# "not started" on a busy machine): not a verdict on the code
+_OVERLOADED = re.compile(r"cell still computing after|torchrun was still starting them, the machine is overloaded")
 
 
 @dataclass
@@ -128,9 +131,11 @@ def run_checks(root: Path, exercises: list[Exercise], notebooks: list[str] = (),
         return {}
     if importlib.util.find_spec("pytest_timeout") is None:
         raise RuntimeError("grading needs pytest-timeout (a hanging test must fail, not hang): pip install -e '.[dev]'")
-    args = [f"--timeout={timeout:g}", *files, *notebooks]
+    # the last resort against a hang outside any launch; a launch itself stops at its own (hard) timeout
+    backstop = timeout * (HARD_TIMEOUT_FACTOR + 1)
+    args = [f"--timeout={backstop:g}", *files, *notebooks]
     if notebooks:
-        args += ["--nbval", "--nbval-current-env", f"--nbval-cell-timeout={timeout:g}"]
+        args += ["--nbval", "--nbval-current-env", f"--nbval-cell-timeout={backstop:g}"]
     else:  # no notebooks: skip loading nbval (and the addopts that configure it); saves seconds
         args += ["-p", "no:nbval", "-o", "addopts="]
     with tempfile.TemporaryDirectory(prefix="megalab-grade-") as tmp:
@@ -162,7 +167,7 @@ def exercise_row(ex: Exercise, tests: dict[str, Outcome], cells: dict[str, Outco
         own = [o for o in failed if unimplemented(o.text) == ex.id]
         if own:
             return Row(ex.id, "not implemented", own[0].first_line, mine)
-        loaded = [o for o in failed if _OVERLOADED in o.text]
+        loaded = [o for o in failed if _OVERLOADED.search(o.text)]
         if loaded and len(loaded) == len(failed):
             return Row(ex.id, "not graded", f"the machine was too busy to finish a multi-rank check "
                        f"({loaded[0].first_line}); grade again when it is quieter", mine)

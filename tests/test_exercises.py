@@ -259,7 +259,7 @@ def test_failure_lines_and_mapping():
     row = exercise_row(Ex, tests, {})  # another exercise's stub is not this one's: failed, and the line says whose
     assert (row.status, row.detail) == ("failed", "NotImplementedError: exercise a.b: do it — see x")
     tests["t::o"] = Outcome("t::o", "failed", ["o.p"], "E   megalab.launch.LaunchTimeoutError: cell timed out after "
-                            "300 s on 4 ranks: the ranks were still computing (load average 9.1 on 2 cores)\n")
+                            "300 s: cell still computing after 900 s on 4 ranks (timeout 300 s, hard timeout 900 s), not deadlocked\n")
     Ex.id, Ex.tests = "o.p", ["t::o"]
     assert exercise_row(Ex, tests, {}).status == "not graded"  # overloaded is not a verdict on the code
     Ex.id, Ex.tests = "c.d", ["t::c"]
