@@ -15,6 +15,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from contextlib import contextmanager
 from pathlib import Path
 
 import nbformat
@@ -43,14 +44,18 @@ def _missing() -> str | None:
 pytestmark = [pytest.mark.slow, pytest.mark.browser]
 
 
-@pytest.fixture(scope="module")
-def lab(tmp_path_factory):
-    """JupyterLab serving a copy of the notebooks (so nothing in the repository changes): (url, token)."""
+def _need_browser() -> None:
     missing = _missing()
     if missing:
         if os.environ.get("MEGALAB_REQUIRE_BROWSER") == "1":
             pytest.fail(f"browser test required but {missing}")
         pytest.skip(missing)
+
+
+@pytest.fixture(scope="module")
+def lab(tmp_path_factory):
+    """JupyterLab serving a copy of the notebooks (so nothing in the repository changes): (url, token)."""
+    _need_browser()
     root = tmp_path_factory.mktemp("lab")
     for name in NOTEBOOKS:  # copies without outputs, so every prompt starts empty ("[ ]:")
         nb = nbformat.read(REPO / "course" / name, as_version=4)
@@ -59,29 +64,48 @@ def lab(tmp_path_factory):
                 cell.outputs, cell.execution_count = [], None
         (root / name).parent.mkdir(parents=True, exist_ok=True)
         nbformat.write(nb, root / name)
-    # a "python3" kernel that is this interpreter (not one a user-level kernelspec points elsewhere)
-    spec = root / "jupyter" / "kernels" / "python3"
-    spec.mkdir(parents=True)
-    (spec / "kernel.json").write_text(json.dumps({
-        "argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
-        "display_name": "Python 3", "language": "python"}))
+    jupyter_path = _kernelspec(root)
     port, token = free_port(), "megalab-browser-test"
     command = [sys.executable, "-m", "jupyter", "lab", "--no-browser", "--ip=127.0.0.1", f"--port={port}",
                f"--ServerApp.root_dir={root}", f"--IdentityProvider.token={token}", "--ServerApp.open_browser=False"]
     if os.geteuid() == 0:
         command.append("--allow-root")
-    # render every cell (JupyterLab 4 only renders those near the viewport by default) and ask for no news
+    settings = _lab_settings(root)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+           "JUPYTER_PATH": str(jupyter_path), "JUPYTERLAB_SETTINGS_DIR": str(settings)}
+    url = f"http://127.0.0.1:{port}"
+    with _serving(command, root, env, url, token):
+        yield url, token, root
+
+
+def _lab_settings(root: Path) -> Path:
+    """JupyterLab settings for tests: render every cell (JupyterLab 4 only renders those near the
+    viewport by default) and ask for no news."""
     settings = root / "lab-settings"
     for plugin, values in {"notebook-extension/tracker": {"windowingMode": "none"},
                            "apputils-extension/notification": {"fetchNews": "false"}}.items():
         path = settings / "@jupyterlab" / f"{plugin}.jupyterlab-settings"
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(values))
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
-           "JUPYTER_PATH": str(root / "jupyter"), "JUPYTERLAB_SETTINGS_DIR": str(settings)}
-    log = open(root / "jupyterlab.log", "w")
-    server = subprocess.Popen(command, cwd=root, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
+    return settings
+
+
+def _kernelspec(root: Path) -> Path:
+    """A "python3" kernel that is this interpreter (not one a user-level kernelspec points elsewhere)."""
+    spec = root / "jupyter" / "kernels" / "python3"
+    spec.mkdir(parents=True)
+    (spec / "kernel.json").write_text(json.dumps({
+        "argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
+        "display_name": "Python 3", "language": "python"}))
+    return root / "jupyter"
+
+
+@contextmanager
+def _serving(command: list[str], cwd: Path, env: dict, url: str, token: str):
+    """Run a JupyterLab server until the block ends (server, kernels and their ranks stopped after)."""
+    log_path = Path(env["JUPYTER_PATH"]).parent / "jupyterlab.log"  # beside the test's kernelspec
+    log = open(log_path, "w")
+    server = subprocess.Popen(command, cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         deadline = time.monotonic() + 60
         while True:
@@ -91,9 +115,9 @@ def lab(tmp_path_factory):
                 break
             except OSError:
                 if server.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError("JupyterLab did not start:\n" + (root / "jupyterlab.log").read_text()[-3000:]) from None
+                    raise RuntimeError("JupyterLab did not start:\n" + log_path.read_text()[-3000:]) from None
                 time.sleep(0.5)
-        yield url, token, root
+        yield
     finally:
         os.killpg(server.pid, signal.SIGTERM)  # the server, its kernels and their torchrun ranks
         try:
@@ -166,5 +190,47 @@ def test_notebooks_run_in_jupyterlab_in_chromium(lab):
             assert panel.locator(".widget-dropdown").count() >= 1
             assert panel.locator(".jupyter-widgets .jp-RenderedImage img, .widget-output img").count() >= 1
             assert panel.locator(".jp-RenderedImage img").count() >= 2
+        finally:
+            browser.close()
+
+
+def test_make_lab_in_a_workspace_opens_it_on_the_first_notebook(tmp_path):
+    """A learner's `make workspace` then `make lab`: JupyterLab at the workspace root (course/ and megalab/
+    both in the file browser), on the first notebook, with a kernel that imports the workspace's megalab."""
+    from playwright.sync_api import sync_playwright
+
+    from megalab.workspace import FIRST_NOTEBOOK, create
+
+    _need_browser()
+    ws = create(REPO, tmp_path / "megalab-workspace").dest
+    port, token = free_port(), "megalab-browser-test"
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "MAKEFLAGS", "MAKELEVEL")}
+    env.update(JUPYTER_TOKEN=token, BROWSER="true", JUPYTER_PATH=str(_kernelspec(tmp_path)),
+               JUPYTERLAB_SETTINGS_DIR=str(_lab_settings(tmp_path)))
+    url = f"http://127.0.0.1:{port}"
+    with _serving(["make", "lab", f"PORT={port}"], ws, env, url, token), sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_FLAGS)
+        try:
+            page = browser.new_page(viewport={"width": 1400, "height": 1000})
+            page.goto(f"{url}/lab?token={token}")  # no path: JupyterLab's default page
+            tab = page.locator(".lm-TabBar-tab.jp-mod-current .lm-TabBar-tabLabel", has_text=Path(FIRST_NOTEBOOK).name)
+            tab.first.wait_for(timeout=60_000)
+            assert "/lab/tree/" + FIRST_NOTEBOOK in page.url
+            page.locator(".jp-BreadCrumbs-home").first.click()  # the file browser at the server's root
+            listing = page.locator(".jp-DirListing-itemText")
+            listing.filter(has_text="megalab").first.wait_for(timeout=30_000)
+            names = set(listing.all_inner_texts())
+            assert {"course", "megalab"} <= names, names
+            try:  # JupyterLab may ask which kernel to start
+                page.locator(".jp-Dialog .jp-mod-accept").click(timeout=10_000)
+            except Exception:  # noqa: BLE001 - no dialog
+                pass
+            page.get_by_text("Python 3 | Idle").wait_for(timeout=60_000)
+            first_code = page.locator(".jp-NotebookPanel:not(.lm-mod-hidden) .jp-CodeCell").first
+            first_code.locator(".jp-InputArea-editor").click()
+            page.keyboard.press("Shift+Enter")
+            banner = first_code.locator(".jp-OutputArea-output", has_text="your workspace")
+            banner.first.wait_for(timeout=60_000)
+            assert f"{ws}/megalab · 0 of 76 exercises implemented" in banner.first.inner_text()
         finally:
             browser.close()
