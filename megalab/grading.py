@@ -178,21 +178,42 @@ def exercise_row(ex: Exercise, tests: dict[str, Outcome], cells: dict[str, Outco
     return Row(ex.id, "passed", f"{_n(passed, 'test')} passed", mine)
 
 
-def grade_alone(root: Path, ws, ex: Exercise, reference: dict[str, Exercise], timeout: float) -> Row:
-    """One exercise (of the reference's registry) in the workspace at root, in isolation: every other
-    exercise runs the reference."""
-    message = blank_message(root, ex)
-    if message:
-        return Row(ex.id, "not implemented", f"NotImplementedError: {message}")
+def grade_in_workspace(root: Path, ws, selected: list[Exercise], reference: dict[str, Exercise],
+                       timeout: float) -> list[Row]:
+    """Exercises (of the reference's registry) in the workspace at root, each judged on its own: every
+    exercise not being graded runs the reference. The implemented ones run together first; those that
+    fail there are re-run alone, so a failure is only ever blamed on the exercise that causes it."""
+    rows: dict[str, Row] = {}
+    for ex in selected:
+        message = blank_message(root, ex)
+        if message:
+            rows[ex.id] = Row(ex.id, "not implemented", f"NotImplementedError: {message}")
+    todo = [ex for ex in selected if ex.id not in rows]
+    if len(todo) > 1:
+        together = _run_in_overlay(root, ws, todo, reference, timeout)
+        if isinstance(together, dict):
+            for ex in todo:
+                row = exercise_row(ex, together, {})
+                if row.status in ("passed", "skipped"):
+                    rows[ex.id] = row
+    for ex in todo:
+        if ex.id not in rows:
+            alone = _run_in_overlay(root, ws, [ex], reference, timeout)
+            rows[ex.id] = alone if isinstance(alone, Row) else exercise_row(ex, alone, {})
+    return [rows[ex.id] for ex in selected]
+
+
+def _run_in_overlay(root: Path, ws, yours: list[Exercise], reference: dict[str, Exercise],
+                    timeout: float) -> dict[str, Outcome] | Row:
+    """The tests of `yours` with only them taken from the workspace; a Row when the code cannot even be read."""
     try:
-        tree = overlay(root, ws.reference, ex, list(reference.values()))
-    except ExerciseError as exc:  # a syntax error in your module, or its function is gone
-        return Row(ex.id, "failed", exc.problems[0])
+        tree = overlay(root, ws.reference, yours, list(reference.values()))
+    except ExerciseError as exc:  # a syntax error in your module, or a function of an exercise is gone
+        return Row(yours[0].id, "failed", exc.problems[0])
     try:
-        outcomes = run_checks(tree, [ex], timeout=timeout)
+        return run_checks(tree, yours, timeout=timeout)
     finally:
         shutil.rmtree(tree, ignore_errors=True)
-    return exercise_row(ex, outcomes, {})
 
 
 def notebook_rows(notebooks: list[str], cells: dict[str, Outcome]) -> list[Row]:
@@ -332,7 +353,7 @@ def grade(root: str | Path = ".", target: str | None = None, timeout: float = DE
         cells = {node: o for node, o in outcomes.items() if node.split("::")[0].endswith(".ipynb")}
         rows = [exercise_row(ex, {n: o for n, o in outcomes.items() if n not in cells}, cells) for ex in selected]
     else:
-        rows = [grade_alone(root, ws, ex, reference.exercises, timeout) for ex in selected]
+        rows = grade_in_workspace(root, ws, selected, reference.exercises, timeout)
         cells = grade_notebooks(root, ws, nb_paths, timeout)
     for row, ex in zip(rows, selected):
         mine = registry.exercises.get(ex.id)

@@ -18,7 +18,8 @@ rank import *your* megalab.
 Grading one exercise in isolation (`megalab grade ID`, megalab/grading.py) runs its tests in an
 overlay: the reference package with only the module that holds ID taken from the workspace, in
 which every other exercise's function is the reference's. A failure therefore always names the
-exercise at fault, whatever state the rest of the workspace is in.
+exercise at fault, whatever state the rest of the workspace is in. (A chapter runs its exercises
+in one overlay first and re-runs alone only those that fail.)
 """
 
 from __future__ import annotations
@@ -335,23 +336,24 @@ def _exercise_line(lines: list[str], exercise_id: str) -> int:
 # --------------------------------------------------------------------------- grading overlay
 
 
-def isolate(ws_root: Path, reference: Path, ex: Exercise, ref_exercises: list[Exercise]) -> str:
-    """The module that holds `ex` as it should run when grading `ex` alone: your file, in which every
-    other exercise runs the reference (its function swapped in; for a region in the same function as
-    ex, or around or inside it, the reference solution pasted over its blank)."""
-    rel = ex.path
+def isolate(ws_root: Path, reference: Path, rel: str, yours: list[Exercise], ref_exercises: list[Exercise]) -> str:
+    """Module `rel` as it should run when grading the exercises `yours` (all in this module): your file,
+    in which every other exercise runs the reference (its function swapped in; for a region in the same
+    function as one of yours, or around or inside it, the reference solution pasted over its blank)."""
     mine = (ws_root / rel).read_text(encoding="utf-8")
     ref = (reference / rel).read_text(encoding="utf-8")
     mine_tree, ref_tree = parse_module(mine, rel), parse_module(ref, rel)
     ref_lines = ref.splitlines()
-    own = enclosing_function(ref_tree, _exercise_line(ref_lines, ex.id))
-    if own not in _functions(mine_tree):
-        raise ExerciseError([f"{rel}: the function {own} (which holds exercise {ex.id}) is missing; restore it "
-                             f"from {REFERENCE}/{rel} and write your solution in it again"])
+    own = {enclosing_function(ref_tree, _exercise_line(ref_lines, ex.id)): ex for ex in yours}
+    for name, ex in own.items():
+        if name not in _functions(mine_tree):
+            raise ExerciseError([f"{rel}: the function {name} (which holds exercise {ex.id}) is missing; restore it "
+                                 f"from {REFERENCE}/{rel} and write your solution in it again"])
+    ids = {ex.id for ex in yours}
     swap = []
-    for other in (e for e in ref_exercises if e.path == rel and e.id != ex.id):
+    for other in (e for e in ref_exercises if e.path == rel and e.id not in ids):
         name = enclosing_function(ref_tree, other.line)
-        if name == own or own.startswith(name + ".") or name.startswith(own + "."):
+        if any(name == o or o.startswith(name + ".") or name.startswith(o + ".") for o in own):
             mine = _fill_blank(mine, ref_lines, other)  # entangled with yours: fill its blank, keep what you wrote
         else:
             swap.append(name)
@@ -374,15 +376,19 @@ def _fill_blank(text: str, ref_lines: list[str], ex: Exercise) -> str:
     return "".join(lines)
 
 
-def overlay(ws_root: Path, reference: Path, ex: Exercise, ref_exercises: list[Exercise]) -> Path:
-    """A temporary tree to grade `ex` alone: the reference package with ex's module isolated from
-    your workspace, the reference tests, and links to the rest of the workspace (data, course).
-    The caller removes it."""
-    module = isolate(ws_root, reference, ex, ref_exercises)  # raises on a syntax error before anything is written
-    tmp = Path(tempfile.mkdtemp(prefix="megalab-grade-"))
+def overlay(ws_root: Path, reference: Path, yours: list[Exercise], ref_exercises: list[Exercise]) -> Path:
+    """A temporary tree to grade the exercises `yours` without the rest of your workspace: the reference
+    package with the modules that hold them isolated from your workspace, the reference tests, and links
+    to the rest of the workspace (data, course). The caller removes it."""
+    by_path: dict[str, list[Exercise]] = {}
+    for ex in yours:
+        by_path.setdefault(ex.path, []).append(ex)
+    modules = {rel: isolate(ws_root, reference, rel, exs, ref_exercises) for rel, exs in by_path.items()}
+    tmp = Path(tempfile.mkdtemp(prefix="megalab-grade-"))  # (a syntax error raised above, before this)
     shutil.copytree(reference / SOURCE_DIR, tmp / SOURCE_DIR, ignore=shutil.ignore_patterns("__pycache__"))
     shutil.copytree(reference / TESTS_DIR, tmp / TESTS_DIR, ignore=shutil.ignore_patterns("__pycache__"))
-    (tmp / ex.path).write_text(module, encoding="utf-8")
+    for rel, text in modules.items():
+        (tmp / rel).write_text(text, encoding="utf-8")
     for entry in ws_root.iterdir():
         if entry.name not in (SOURCE_DIR, TESTS_DIR, STATE_DIR, ".git", ".venv") and not (tmp / entry.name).exists():
             os.symlink(entry, tmp / entry.name)

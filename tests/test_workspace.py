@@ -123,6 +123,11 @@ def test_one_exercise_is_graded_alone(ws):
     _write(ws, "chain.first", "y = x + 1")  # its partner in the same function is still blank
     assert _verdict("chain.first")[0] == "passed"
     assert _verdict("chain.second")[0] == "not implemented"
+    # the chapter: run together first, the failing ones again alone: the same verdicts
+    report = grade(".", "01", timeout=60, notebooks=False)
+    assert {r.name: r.status for r in report.exercises} == {
+        "toy.double": "not implemented", "chain.double": "failed", "chain.quadruple": "passed",
+        "chain.first": "passed", "chain.second": "not implemented"}
 
 
 def test_a_syntax_error_is_named_with_its_type_and_place(ws):
