@@ -212,10 +212,10 @@ def test_make_lab_in_a_workspace_opens_it_on_the_first_notebook(tmp_path):
         browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_FLAGS)
         try:
             page = browser.new_page(viewport={"width": 1400, "height": 1000})
-            page.goto(f"{url}/lab?token={token}")  # no path: JupyterLab's default page
-            tab = page.locator(".lm-TabBar-tab.jp-mod-current .lm-TabBar-tabLabel", has_text=Path(FIRST_NOTEBOOK).name)
-            tab.first.wait_for(timeout=60_000)
+            page.goto(f"{url}/?token={token}")  # the address `make lab` opens the browser on
+            page.locator(".jp-NotebookPanel:not(.lm-mod-hidden) .jp-Cell").first.wait_for(timeout=60_000)
             assert "/lab/tree/" + FIRST_NOTEBOOK in page.url
+            assert page.locator(".lm-TabBar-tab.jp-mod-current", has_text=Path(FIRST_NOTEBOOK).name).count() >= 1
             page.locator(".jp-BreadCrumbs-home").first.click()  # the file browser at the server's root
             listing = page.locator(".jp-DirListing-itemText")
             listing.filter(has_text="megalab").first.wait_for(timeout=30_000)
@@ -233,4 +233,6 @@ def test_make_lab_in_a_workspace_opens_it_on_the_first_notebook(tmp_path):
             banner.first.wait_for(timeout=60_000)
             assert f"{ws}/megalab · 0 of 76 exercises implemented" in banner.first.inner_text()
         finally:
+            page.screenshot(path=str(tmp_path / "workspace.png"), full_page=True)
+            print(f"screenshot {tmp_path / 'workspace.png'}")
             browser.close()
