@@ -1,0 +1,70 @@
+"""Failure messages for the exercise tests: WHICH quantity is wrong, WHERE, and BY HOW MUCH.
+
+`megalab grade` shows the first `E` line of a failing test as the learner's feedback, so an
+assertion in an exercise test says in words what it compared, e.g.
+
+    tp=2, rank 0, the Column -> GeLU -> Row MLP with sequence parallelism: the output differs
+    from the single-device MLP's by up to 6.42 (tolerance 1e-05)
+
+never a bare tuple. Tensors compared in the test process go through megalab.checks (close /
+equal + require); the helpers here word the numbers that worker processes send back (their
+precomputed worst differences) and the errors they caught.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from megalab.checks import close, equal, require  # noqa: F401  (re-exported: one import for the tests)
+
+
+def fmt(x: float) -> str:
+    return f"{x:.3g}"
+
+
+def max_error(a: torch.Tensor | None, b: torch.Tensor | None) -> float | str:
+    """The largest absolute difference of two tensors, or a string saying why they cannot be compared
+    (for worker processes: a float or a short string pickles back cheaply)."""
+    if a is None or b is None:
+        return "is missing (None)" if a is None else f"is a {tuple(a.shape)} tensor, expected None"
+    if a.shape != b.shape:
+        return f"has shape {tuple(a.shape)}, expected {tuple(b.shape)}"
+    return (a.detach().double() - b.detach().double()).abs().max().item() if a.numel() else 0.0
+
+
+def too_large(errors: dict[str, float | str], tol: float, against: str | None = None) -> list[str]:
+    """The quantities of {quantity: max_error(...)} that are not within tol, each in words
+    ("<quantity> differs from <against> by up to <err>", or "<quantity> is off by up to <err>")."""
+    bad = []
+    for quantity, err in errors.items():
+        if isinstance(err, str):
+            bad.append(f"{quantity} {err}")
+        elif err is None or math.isnan(err):
+            bad.append(f"{quantity} is NaN (or missing)")
+        elif not err < tol:
+            bad.append(f"{quantity} differs from {against} by up to {fmt(err)}" if against
+                       else f"{quantity} is off by up to {fmt(err)}")
+    return bad
+
+
+def require_within(errors: dict[str, float | str], tol: float, *, where: str, against: str | None = None,
+                   shown: int = 3) -> None:
+    """AssertionError "<where>: <quantity> differs from <against> by up to <err>; ... (tolerance <tol>)",
+    the first `shown` failing quantities (in the order of `errors`: outputs before gradients) and a count of the rest."""
+    bad = too_large(errors, tol, against)
+    if bad:
+        more = f"; and {len(bad) - shown} more" if len(bad) > shown else ""
+        raise AssertionError(f"{where}: {'; '.join(bad[:shown])}{more} (tolerance {tol:g})")
+
+
+def last_line(text: str) -> str:
+    lines = [line.strip() for line in str(text).strip().splitlines() if line.strip()]
+    return lines[-1] if lines else "(no message)"
+
+
+def require_no_error(where: str, error: str | None) -> None:
+    """A worker's caught traceback as an AssertionError that starts with where and the exception."""
+    if error:
+        raise AssertionError(f"{where} raised {last_line(error)}\n{error}")
