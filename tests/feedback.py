@@ -34,29 +34,34 @@ def max_error(a: torch.Tensor | None, b: torch.Tensor | None) -> float | str:
     return (a.detach().double() - b.detach().double()).abs().max().item() if a.numel() else 0.0
 
 
-def too_large(errors: dict[str, float | str], tol: float, against: str | None = None) -> list[str]:
-    """The quantities of {quantity: max_error(...)} that are not within tol, each in words
-    ("<quantity> differs from <against> by up to <err>", or "<quantity> is off by up to <err>")."""
-    bad = []
-    for quantity, err in errors.items():
-        if isinstance(err, str):
-            bad.append(f"{quantity} {err}")
-        elif err is None or math.isnan(err):
-            bad.append(f"{quantity} is NaN (or missing)")
-        elif not err < tol:
-            bad.append(f"{quantity} differs from {against} by up to {fmt(err)}" if against
-                       else f"{quantity} is off by up to {fmt(err)}")
-    return bad
+def too_large(errors: dict[str, float | str], tol: float) -> list[tuple[str, float | str]]:
+    """The (quantity, error) pairs of {quantity: max_error(...)} that are not within tol, in order."""
+    return [(q, e) for q, e in errors.items() if isinstance(e, str) or e is None or math.isnan(e) or not e < tol]
+
+
+def _words(quantity: str, err: float | str, against: str | None, first: bool) -> str:
+    if isinstance(err, str):
+        return f"{quantity} {err}"
+    if err is None or math.isnan(err):
+        return f"{quantity} is NaN (or missing)"
+    if not first:
+        return f"{quantity} (by {fmt(err)})"
+    return f"{quantity} differs from {against} by up to {fmt(err)}" if against else f"{quantity} is off by up to {fmt(err)}"
 
 
 def require_within(errors: dict[str, float | str], tol: float, *, where: str, against: str | None = None,
                    shown: int = 3) -> None:
-    """AssertionError "<where>: <quantity> differs from <against> by up to <err>; ... (tolerance <tol>)",
-    the first `shown` failing quantities (in the order of `errors`: outputs before gradients) and a count of the rest."""
-    bad = too_large(errors, tol, against)
-    if bad:
-        more = f"; and {len(bad) - shown} more" if len(bad) > shown else ""
-        raise AssertionError(f"{where}: {'; '.join(bad[:shown])}{more} (tolerance {tol:g})")
+    """AssertionError "<where>: <quantity> differs from <against> by up to <err>; also <q2> (by <e2>), ...
+    and N more (tolerance <tol>)": the first `shown` failing quantities in the order of `errors`
+    (outputs before gradients), a count of the rest. Without `against`: "<quantity> is off by up to <err>"."""
+    bad = too_large(errors, tol)
+    if not bad:
+        return
+    first = _words(*bad[0], against, True)
+    rest = [_words(q, e, against, False) for q, e in bad[1:shown]]
+    more = f" and {len(bad) - shown} more" if len(bad) > shown else ""
+    also = f"; also {', '.join(rest)}{more}" if rest else ""
+    raise AssertionError(f"{where}: {first}{also} (tolerance {tol:g})")
 
 
 def last_line(text: str) -> str:
