@@ -64,6 +64,25 @@ def require_within(errors: dict[str, float | str], tol: float, *, where: str, ag
     raise AssertionError(f"{where}: {first}{also} (tolerance {tol:g})")
 
 
+def equal_lists(actual: list, expected: list, what: str, item: str = "item"):
+    """equal() for long lists: the first differing item and how many differ, not both lists whole."""
+    from megalab.checks import RIGHT, wrong
+
+    actual, expected = list(actual), list(expected)
+    if actual == expected:
+        return RIGHT
+    if len(actual) != len(expected):
+        return wrong(f"{what} has {len(actual)} {item}s, expected {len(expected)}: "
+                     f"{_short(actual)} vs expected {_short(expected)}")
+    bad = [i for i, (a, e) in enumerate(zip(actual, expected)) if a != e]
+    return wrong(f"{what}: {len(bad)} of {len(expected)} {item}s differ; {item} {bad[0]} is {actual[bad[0]]!r}, "
+                 f"expected {expected[bad[0]]!r}")
+
+
+def _short(items: list, n: int = 4) -> str:
+    return repr(items) if len(items) <= n else f"[{', '.join(map(repr, items[:n]))}, ...]"
+
+
 def last_line(text: str) -> str:
     lines = [line.strip() for line in str(text).strip().splitlines() if line.strip()]
     return lines[-1] if lines else "(no message)"
