@@ -349,9 +349,11 @@ def test_realised_mix_matches_the_weights_in_every_prefix(weights):
 def test_blended_gpt_dataset_on_the_corpus(tmp_path, tokenizer):
     prefixes = prepare_corpus(("shakespeare", "milton"), out_dir=tmp_path)
     stamp = [os.stat(f"{p}.bin").st_mtime_ns for p in prefixes]
-    assert prepare_corpus(("shakespeare", "milton"), out_dir=tmp_path) == prefixes  # built once, then reused
-    assert [os.stat(f"{p}.bin").st_mtime_ns for p in prefixes] == stamp
-    assert len(IndexedDataset(prefixes[1])) == sum(1 for _ in open(DATA_DIR / "milton.jsonl"))
+    assert prepare_corpus(("shakespeare", "milton"), out_dir=tmp_path) == prefixes, (  # built once, then reused
+        "prepare_corpus returned other prefixes the second time")
+    assert [os.stat(f"{p}.bin").st_mtime_ns for p in prefixes] == stamp, "prepare_corpus rebuilt existing files"
+    assert len(IndexedDataset(prefixes[1])) == sum(1 for _ in open(DATA_DIR / "milton.jsonl")), (
+        "the milton dataset should hold one sequence per line of milton.jsonl")
     blend = build_blended_gpt_dataset(prefixes, [3, 1], seq_length=32, num_samples=400, seed=1, eod=tokenizer.eod)
     ids = np.array([blend[i]["dataset_id"] for i in range(400)])
     require(equal([int((ids == 0).sum()), int((ids == 1).sum())], [300, 100],

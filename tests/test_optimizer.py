@@ -191,4 +191,4 @@ def test_masked_loss_is_the_token_mean_of_the_global_batch():
                                      "vs the mean loss over every unmasked token of the global batch (sum / n * m * dp "
                                      "per micro-batch)"))
     mean_of_means = torch.stack([loss[mask.bool()].mean() for loss, mask in zip(losses, masks)]).mean()
-    assert not torch.allclose(token_mean, mean_of_means)
+    assert not torch.allclose(token_mean, mean_of_means), "test data: the token mean should differ from the mean of means"
