@@ -140,6 +140,17 @@ def test_commit_is_rename_then_tracker(tmp_path):
         tmp.mkdir()
         (tmp / "common.pt").write_text(str(iteration))
         final = ckpt.commit_checkpoint(tmp, tmp_path, iteration)
-        assert final == ckpt.checkpoint_dir(tmp_path, iteration) and (final / "common.pt").read_text() == str(iteration)
-        assert not tmp.exists() and ckpt.read_tracker(tmp_path) == iteration
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["iter_0000002", "iter_0000004", ckpt.TRACKER]
+        where = f"commit_checkpoint({tmp.name}, iteration {iteration})"
+        assert final == ckpt.checkpoint_dir(tmp_path, iteration), (
+            f"{where} returned {final}, expected {ckpt.checkpoint_dir(tmp_path, iteration)} (the final directory)")
+        content = (final / "common.pt").read_text() if (final / "common.pt").exists() else "(missing)"
+        assert content == str(iteration), (
+            f"{where}: {final.name}/common.pt holds {content!r}, expected {str(iteration)!r} (the new checkpoint "
+            "should replace an older one of the same iteration)")
+        assert not tmp.exists(), f"{where}: {tmp.name} still exists; rename it to {final.name}"
+        tracker = ckpt.read_tracker(tmp_path)
+        assert tracker == iteration, f"{where}: the tracker says iteration {tracker}, expected {iteration}"
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert names == ["iter_0000002", "iter_0000004", ckpt.TRACKER], (
+        f"after committing iterations 2, 4 and 4 again, the directory holds {names}; expected only "
+        f"{['iter_0000002', 'iter_0000004', ckpt.TRACKER]} (no .tmp directories or leftover files)")

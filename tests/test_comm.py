@@ -28,12 +28,23 @@ def _data(length: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
     return torch.randint(-1000, 1000, (length,), generator=g, dtype=dtype)
 
 
-def _same(ours: torch.Tensor, ref: torch.Tensor) -> bool:
-    if ours.shape != ref.shape or ours.dtype != ref.dtype:
-        return False
+def _mismatch(ours: torch.Tensor, ref: torch.Tensor) -> str | None:
+    """None if ours is torch.distributed's result (floats within 1e-5), else what differs, in words."""
+    if not isinstance(ours, torch.Tensor):
+        return f"returned {type(ours).__name__}, not a tensor"
+    if ours.shape != ref.shape:
+        return f"the result has shape {tuple(ours.shape)}, expected {tuple(ref.shape)}"
+    if ours.dtype != ref.dtype:
+        return f"the result is {ours.dtype}, expected {ref.dtype} (the input's)"
     if ours.dtype.is_floating_point:  # a ring adds in another order than gloo does
-        return torch.allclose(ours, ref, rtol=1e-5, atol=1e-5)
-    return torch.equal(ours, ref)
+        bad = ~torch.isclose(ours, ref, rtol=1e-5, atol=1e-5)
+    else:
+        bad = ours != ref
+    if not bad.any():
+        return None
+    i = tuple(int(j) for j in bad.nonzero()[0])
+    return (f"{int(bad.sum())} of {ref.numel()} elements differ from torch.distributed's, the first at index "
+            f"{i[0] if len(i) == 1 else i}: got {ours[i].item():.6g}, expected {ref[i].item():.6g}")
 
 
 def _padded_chunks(flat: torch.Tensor, world: int) -> torch.Tensor:
@@ -55,11 +66,11 @@ def _check_broadcast(rank, world, group, global_rank):
                 ref = data.clone()
                 dist.broadcast(ref, src=global_rank(src), group=group)
                 ours = comm.broadcast(data, src=src, group=group)
-                if not _same(ours, ref):
-                    bad.append(f"length {length} {dtype} src {src}")
+                if why := _mismatch(ours, ref):
+                    bad.append(f"length {length}, {dtype}, src {src}: {why}")
     matrix = torch.arange(12.0).reshape(3, 4) * (rank == 0)  # any contiguous shape
-    if not _same(comm.broadcast(matrix, src=0, group=group), torch.arange(12.0).reshape(3, 4)):
-        bad.append("3x4 matrix")
+    if why := _mismatch(comm.broadcast(matrix, src=0, group=group), torch.arange(12.0).reshape(3, 4)):
+        bad.append(f"a 3x4 matrix from src 0: {why}")
     return bad
 
 
@@ -77,8 +88,8 @@ def _check_all_gather(rank, world, group, global_rank):
             ref = torch.cat([gathered[r * width : r * width + b - a] for r, (a, b) in
                              enumerate(shard_bounds(length, world, r) for r in range(world))])
             ours = comm.all_gather(torch.full((length,), -7, dtype=dtype), shard, group=group)
-            if not _same(ours, ref):
-                bad.append(f"length {length} {dtype}")
+            if why := _mismatch(ours, ref):
+                bad.append(f"length {length}, {dtype}: {why}")
     try:
         comm.all_gather(torch.zeros(10), torch.zeros(11), group=group)
         bad.append("a wrongly sized shard was accepted")
@@ -98,10 +109,10 @@ def _check_reduce_scatter(rank, world, group, global_rank):
             reduced = data.new_zeros(padded.numel() // world)
             REDUCE_SCATTER_SINGLE(reduced, padded, group=group)
             ours = comm.reduce_scatter(data.new_zeros(stop - start), data, group=group)
-            if not _same(ours, reduced[: stop - start]):
-                bad.append(f"length {length} {dtype}")
+            if why := _mismatch(ours, reduced[: stop - start]):
+                bad.append(f"length {length}, {dtype}: {why}")
             if not torch.equal(data, kept):
-                bad.append(f"length {length} {dtype}: the input was modified")
+                bad.append(f"length {length}, {dtype}: the input was modified (work on a copy)")
     return bad
 
 
@@ -112,11 +123,11 @@ def _check_ring_all_reduce(rank, world, group, global_rank):
             data = _data(length, dtype, seed=1000 * length + rank)
             ref = data.clone()
             dist.all_reduce(ref, group=group)
-            if not _same(comm.ring_all_reduce(data, group=group), ref):
-                bad.append(f"length {length} {dtype}")
+            if why := _mismatch(comm.ring_all_reduce(data, group=group), ref):
+                bad.append(f"length {length}, {dtype}: {why}")
     matrix = torch.full((3, 5), float(rank + 1))
-    if not _same(comm.ring_all_reduce(matrix, group=group), torch.full((3, 5), float(sum(range(1, world + 1))))):
-        bad.append("3x5 matrix")
+    if why := _mismatch(comm.ring_all_reduce(matrix, group=group), torch.full((3, 5), float(sum(range(1, world + 1))))):
+        bad.append(f"a 3x5 matrix: {why}")
     return bad
 
 
@@ -147,9 +158,10 @@ def _collectives_worker() -> dict[str, list[str]]:
             try:
                 problems += [f"{name} group: {p}" for p in check(dist.get_rank(group), dist.get_world_size(group), group, global_rank)]
             except Exception as exc:  # e.g. the exercise's NotImplementedError: report it, go on
-                problems.append(f"{type(exc).__name__}: {exc}")
+                problems.append(f"{name} group: raised {type(exc).__name__}: {exc}")
                 break
         report[exercise] = problems
+    report["world"] = world
     return report
 
 
@@ -161,7 +173,10 @@ def collectives_report(request):
 
 def _assert_ok(report, exercise):
     problems = {rank: r[exercise] for rank, r in report.items() if r[exercise]}
-    assert not problems, "\n".join(f"rank {rank}: {len(p)} problem(s), first: {p[0]}" for rank, p in problems.items())
+    name = exercise.removeprefix("comm.")
+    assert not problems, "\n".join(
+        f"{report[rank]['world']} ranks, rank {rank}: comm.{name} is wrong in {len(p)} case(s); first, on the {p[0]}"
+        for rank, p in problems.items())
 
 
 @pytest.mark.exercise("comm.broadcast")
@@ -189,33 +204,47 @@ def test_ring_all_reduce_matches_dist(collectives_report):
 ALPHA, BETA = 1e-5, 1e-9  # 10 µs per message, 1 GB/s
 
 
+def _approx(got, expected, what, rel=None):
+    assert got == pytest.approx(expected, rel=rel), f"{what} is {got:.6g}, expected {expected:.6g}"
+
+
 @pytest.mark.exercise("comm.all_reduce_time")
 def test_all_reduce_time_formulas():
     m = 1e6
+    call = "all_reduce_time(n={}, m=1e6 bytes, alpha=1e-5, beta=1e-9, {!r})"
     # n = 4: ring 2*3*alpha + 2*3/4*m*beta; naive 2*3*(alpha + m*beta); tree 2*log2(4)*(alpha + m*beta)
-    assert comm.all_reduce_time(4, m, ALPHA, BETA, "ring") == pytest.approx(6e-5 + 1.5e-3)
-    assert comm.all_reduce_time(4, m, ALPHA, BETA, "naive") == pytest.approx(6 * 1.01e-3)
-    assert comm.all_reduce_time(4, m, ALPHA, BETA, "tree") == pytest.approx(4 * 1.01e-3)
-    assert comm.all_reduce_time(5, m, ALPHA, BETA, "tree") == pytest.approx(6 * 1.01e-3)  # ceil(log2 5) = 3
-    assert comm.all_reduce_time(1024, m, ALPHA, BETA, "ring") == pytest.approx(2046e-5 + 2 * 1023 / 1024 * 1e-3)
+    _approx(comm.all_reduce_time(4, m, ALPHA, BETA, "ring"), 6e-5 + 1.5e-3,
+            call.format(4, "ring") + " (2(n-1) alpha + 2(n-1)/n m beta)")
+    _approx(comm.all_reduce_time(4, m, ALPHA, BETA, "naive"), 6 * 1.01e-3,
+            call.format(4, "naive") + " (2(n-1) (alpha + m beta))")
+    _approx(comm.all_reduce_time(4, m, ALPHA, BETA, "tree"), 4 * 1.01e-3,
+            call.format(4, "tree") + " (2 ceil(log2 n) (alpha + m beta))")
+    _approx(comm.all_reduce_time(5, m, ALPHA, BETA, "tree"), 6 * 1.01e-3,
+            call.format(5, "tree") + " (ceil(log2 5) = 3)")
+    _approx(comm.all_reduce_time(1024, m, ALPHA, BETA, "ring"), 2046e-5 + 2 * 1023 / 1024 * 1e-3,
+            call.format(1024, "ring"))
     for algorithm in comm.ALL_REDUCE_ALGORITHMS:
-        assert comm.all_reduce_time(1, m, ALPHA, BETA, algorithm) == 0
+        _approx(comm.all_reduce_time(1, m, ALPHA, BETA, algorithm), 0, call.format(1, algorithm) + " (one rank: no "
+                                                                                          "communication)")
     with pytest.raises(ValueError, match="ring"):
         comm.all_reduce_time(4, m, ALPHA, BETA, "butterfly")
 
 
 @pytest.mark.exercise("comm.busbw")
 def test_busbw_factors():
-    assert comm.algbw(1e9, 0.1) == pytest.approx(1e10)
-    assert comm.busbw(1e9, 0.1, 8, "all_reduce") == pytest.approx(1e10 * 14 / 8)
-    assert comm.busbw(1e9, 0.1, 8, "all_gather") == pytest.approx(1e10 * 7 / 8)
-    assert comm.busbw(1e9, 0.1, 8, "reduce_scatter") == pytest.approx(1e10 * 7 / 8)
-    assert comm.busbw(1e9, 0.1, 8, "broadcast") == pytest.approx(1e10)
-    assert comm.busbw(1e9, 0.1, 2, "all_reduce") == pytest.approx(1e10)  # 2(n-1)/n = 1 on 2 ranks
+    _approx(comm.algbw(1e9, 0.1), 1e10, "algbw(1e9 bytes, 0.1 s)")
+    call = "busbw(1e9 bytes, 0.1 s, n={}, {!r})"
+    _approx(comm.busbw(1e9, 0.1, 8, "all_reduce"), 1e10 * 14 / 8, call.format(8, "all_reduce") + " (algbw x 2(n-1)/n)")
+    _approx(comm.busbw(1e9, 0.1, 8, "all_gather"), 1e10 * 7 / 8, call.format(8, "all_gather") + " (algbw x (n-1)/n)")
+    _approx(comm.busbw(1e9, 0.1, 8, "reduce_scatter"), 1e10 * 7 / 8,
+            call.format(8, "reduce_scatter") + " (algbw x (n-1)/n)")
+    _approx(comm.busbw(1e9, 0.1, 8, "broadcast"), 1e10, call.format(8, "broadcast") + " (algbw x 1)")
+    _approx(comm.busbw(1e9, 0.1, 2, "all_reduce"), 1e10, call.format(2, "all_reduce") + " (2(n-1)/n = 1 on 2 ranks)")
     # a ring all-reduce in the model runs at busbw = 1/beta for large messages, whatever n is
     for n in (2, 8, 64):
         t = 2 * (n - 1) / n * 1e12 * BETA  # the ring's bandwidth term
-        assert comm.busbw(1e12, t, n) == pytest.approx(1 / BETA)
+        _approx(comm.busbw(1e12, t, n), 1 / BETA, f"busbw(1e12 bytes, the ring's time {t:.4g} s, n={n}) (the link's "
+                                                  "bandwidth 1/beta, whatever n)")
     with pytest.raises(ValueError, match="all_reduce"):
         comm.busbw(1e9, 0.1, 8, "all_to_all")
 
@@ -224,11 +253,15 @@ def test_busbw_factors():
 def test_fit_alpha_beta_recovers_parameters():
     sizes = [2.0**k for k in range(2, 26, 2)]
     exact = [ALPHA + s * BETA for s in sizes]
-    assert comm.fit_alpha_beta(sizes, exact) == pytest.approx((ALPHA, BETA), rel=1e-9)
+    alpha, beta = comm.fit_alpha_beta(sizes, exact)
+    _approx(alpha, ALPHA, "fit_alpha_beta on exact times alpha + m beta: alpha", rel=1e-9)
+    _approx(beta, BETA, "fit_alpha_beta on exact times alpha + m beta: beta", rel=1e-9)
     # a ring all-reduce on 4 ranks: t = 6 alpha + 1.5 beta m; 3% multiplicative noise
     noise = torch.Generator().manual_seed(0)
     measured = [(6 * ALPHA + 1.5 * s * BETA) * math.exp(0.03 * torch.randn(1, generator=noise).item()) for s in sizes]
     alpha, beta = comm.fit_alpha_beta(sizes, measured, latency_steps=6, bytes_factor=1.5)
-    assert alpha == pytest.approx(ALPHA, rel=0.1) and beta == pytest.approx(BETA, rel=0.1)
+    where = "fit_alpha_beta(latency_steps=6, bytes_factor=1.5) on 4-rank ring times with 3% noise"
+    _approx(alpha, ALPHA, f"{where}: alpha (within 10%)", rel=0.1)
+    _approx(beta, BETA, f"{where}: beta (within 10%)", rel=0.1)
     with pytest.raises(ValueError, match="at least two"):
         comm.fit_alpha_beta([1.0], [1.0])

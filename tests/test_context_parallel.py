@@ -18,7 +18,7 @@ from megalab.config import TransformerConfig
 from megalab.model import GPTModel, TransformerLayer
 from megalab.model.recompute import SavedTensorsMeter
 from megalab.tensor_parallel import full_shard_of, tensor_parallel_layer_spec
-from tests.test_tensor_parallel import _diff
+from tests.feedback import close, equal, max_error, require, require_no_error, require_within
 
 TOL = 1e-5  # fp32, every output and gradient
 SMALL = dict(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=64, seq_length=16,
@@ -46,20 +46,28 @@ def _qkv(s, seed=0):
 # ------------------------------------------------------------------ single process
 @pytest.mark.exercise("cp.zigzag_split")
 def test_zigzag_split_balances_causal_work():
-    assert cpm.cp_rank_positions(8, 2, 0).tolist() == [0, 1, 6, 7]
-    assert cpm.cp_rank_positions(8, 2, 1).tolist() == [2, 3, 4, 5]
-    assert cpm.cp_rank_positions(8, 2, 1, zigzag=False).tolist() == [4, 5, 6, 7]
+    require(equal(cpm.cp_rank_positions(8, 2, 0).tolist(), [0, 1, 6, 7],
+                  "cp_rank_positions(s=8, cp=2, rank 0) (zigzag: chunks 0 and 3 of 4)"))
+    require(equal(cpm.cp_rank_positions(8, 2, 1).tolist(), [2, 3, 4, 5],
+                  "cp_rank_positions(s=8, cp=2, rank 1) (zigzag: chunks 1 and 2 of 4)"))
+    require(equal(cpm.cp_rank_positions(8, 2, 1, zigzag=False).tolist(), [4, 5, 6, 7],
+                  "cp_rank_positions(s=8, cp=2, rank 1, zigzag=False) (the second half)"))
     for cp in (1, 2, 3, 4):
         s = 4 * cp
         for zigzag in (True, False):
             positions = [cpm.cp_rank_positions(s, cp, r, zigzag) for r in range(cp)]
-            assert sorted(torch.cat(positions).tolist()) == list(range(s))  # a partition of the sequence
+            where = f"cp_rank_positions(s={s}, cp={cp}, rank, zigzag={zigzag}) for ranks 0..{cp - 1}"
+            require(equal(sorted(torch.cat(positions).tolist()), list(range(s)),
+                          f"{where}, all positions sorted (each of 0..{s - 1} exactly once)"))
             # causal work of a rank = number of (query, key) pairs with key <= query, counted densely
             work = [int((p + 1).sum()) for p in positions]
             if zigzag:
-                assert len(set(work)) == 1, (cp, work)
+                assert len(set(work)) == 1, (f"{where}: the causal (query, key) pairs per rank are {work}; the zigzag "
+                                             "split should give every rank the same number")
             elif cp > 1:
-                assert work == sorted(work) and work[0] < work[-1]
+                assert work == sorted(work) and work[0] < work[-1], (
+                    f"{where}: the causal (query, key) pairs per rank are {work}; a plain split should give later "
+                    "ranks more")
 
 
 def test_bad_sequence_length_names_the_rule():
@@ -73,9 +81,10 @@ def test_bad_sequence_length_names_the_rule():
 def test_get_batch_on_this_cp_rank_slices_every_tensor():
     ids = torch.arange(16).view(2, 8)
     batch = cpm.get_batch_on_this_cp_rank({"tokens": ids, "labels": ids + 100}, 2, 0)
-    assert batch["tokens"].tolist() == [[0, 1, 6, 7], [8, 9, 14, 15]]
-    assert batch["labels"].tolist() == [[100, 101, 106, 107], [108, 109, 114, 115]]
-    assert batch["position_ids"].tolist() == [[0, 1, 6, 7]] * 2
+    where = "get_batch_on_this_cp_rank(2 rows of 8 tokens, cp=2, rank 0)"
+    require(equal(batch["tokens"].tolist(), [[0, 1, 6, 7], [8, 9, 14, 15]], f"{where}['tokens']"))
+    require(equal(batch["labels"].tolist(), [[100, 101, 106, 107], [108, 109, 114, 115]], f"{where}['labels']"))
+    require(equal(batch["position_ids"].tolist(), [[0, 1, 6, 7]] * 2, f"{where}['position_ids']"))
 
 
 @pytest.mark.exercise("cp.causal_block_mask")
@@ -86,7 +95,8 @@ def test_causal_block_mask_matches_dense_causal_mask():
         for j in range(chunks):
             block = dense[i * c:(i + 1) * c, j * c:(j + 1) * c]
             expected = "skip" if block.all() else "full" if not block.any() else "causal"
-            assert cpm.causal_block_mask(i, j) == expected, (i, j)
+            require(equal(cpm.causal_block_mask(i, j), expected,
+                          f"causal_block_mask(query chunk {i}, key chunk {j})"))
             if expected == "causal":
                 assert torch.equal(block, torch.ones(c, c, dtype=torch.bool).triu(1))
 
@@ -103,8 +113,9 @@ def test_lse_merge_equals_attention_over_all_keys():
     out, lse = torch.zeros(B, NP, 4, HN), torch.full((B, NP, 4), float("-inf"))  # nothing seen yet
     for part in parts:
         out, lse = cpm.merge_attention(out, lse, *cpm.block_attention(q[:, :, 8:], *part))
-    assert _diff(out, full) < TOL
-    assert _diff(lse, ref_lse) < TOL
+    where = "merging block_attention over key blocks 0..4, 5..7 and 8..11 (causal) with merge_attention"
+    require(close(out, full, f"{where}: the output vs SDPA over all 12 keys", rtol=0, atol=TOL))
+    require(close(lse, ref_lse, f"{where}: the log-sum-exp vs logsumexp of the masked scores", rtol=0, atol=TOL))
 
 
 def test_block_backward_equals_autograd():
@@ -114,7 +125,8 @@ def test_block_backward_equals_autograd():
     out, lse = cpm.block_attention(*leaves, mask)
     out.backward(dout)
     grads = cpm.block_attention_backward(q, k, v, out.detach(), lse.detach(), dout, mask)
-    assert max(_diff(g, leaf.grad) for g, leaf in zip(grads, leaves)) < TOL
+    for name, g, leaf in zip(("dq", "dk", "dv"), grads, leaves):
+        require(close(g, leaf.grad, f"block_attention_backward's {name} vs autograd's", rtol=0, atol=TOL))
 
 
 def test_formulas():
@@ -163,14 +175,15 @@ def _attention(state):
             with CollectiveTracer() as trace, SavedTensorsMeter() as meter:
                 y = cpm.context_parallel_attention(*local, group, zigzag, variant, work)
             r = out[(variant, zigzag)] = dict(
-                forward_diff=_diff(y, ref[:, :, pos]), blocks=work.blocks, flops=work.flops,
+                errors={"the output": max_error(y, ref[:, :, pos])}, blocks=work.blocks, flops=work.flops,
                 bytes_forward=trace.wire_bytes,
                 formula=calc.context_parallel_communication_per_layer(s, B, NG, HN, cp, variant),
                 saved=meter.bytes, saved_formula=calc.context_parallel_attention_memory(s, B, NP, NG, HN, cp, variant))
             try:  # backward separately: the forward's numbers stand without it
                 with CollectiveTracer() as trace_bwd:
                     y.backward(dout[:, :, pos])
-                r["grad_diff"] = max(_diff(t.grad, leaf.grad[:, :, pos]) for t, leaf in zip(local, leaves))
+                for name, t, leaf in zip(("dq", "dk", "dv"), local, leaves):
+                    r["errors"][f"{name}, the gradient of this rank's {name[1]}"] = max_error(t.grad, leaf.grad[:, :, pos])
                 r["bytes_backward"] = trace_bwd.wire_bytes
             except NotImplementedError:
                 r["backward_error"] = traceback.format_exc(limit=-2)
@@ -210,13 +223,18 @@ def _gpt(state):
             (loss.sum() / ids.numel()).backward()  # local sum over the tokens of the whole batch
             cpm.finalize_context_parallel_grads(model, state)
             pos = batch["position_ids"][0]
-            worst = _diff(loss, ref_loss[:, pos])
+            errors = {"the per-token loss (this rank's positions)": max_error(loss, ref_loss[:, pos])}
             ref_params, names = dict(ref.named_parameters()), set()
             for pname, p in model.named_parameters():
+                if pname not in ref_params:
+                    continue
                 q, stride = ref_params[pname], 2 if config.gated_linear_unit and "linear_fc1" in pname else 1
                 names.add(pname)
-                worst = max(worst, _diff(p.grad, full_shard_of(q.grad, p, tp_rank, stride)))
-            out[f"{name} {variant}"] = worst if names == set(ref_params) else float("inf")
+                errors[f"the gradient of {pname}"] = max_error(p.grad, full_shard_of(q.grad, p, tp_rank, stride))
+            if names != set(ref_params):
+                errors["the parameter names"] = (f"differ from GPTModel's: missing {sorted(set(ref_params) - names)[:3]}, "
+                                                 f"extra {sorted(n for n, _ in model.named_parameters() if n not in ref_params)[:3]}")
+            out[f"{name} {variant}"] = errors
     return out
 
 
@@ -254,17 +272,30 @@ def runs():
     return out
 
 
+def _where(layout, rank):
+    cp, tp = layout
+    return f"cp={cp}{f' x tp={tp}' if tp > 1 else ''}, rank {rank}"
+
+
 def _results(runs, case):
     for layout in LAYOUTS:
         for rank, result in runs[layout][case].items():
-            assert not (isinstance(result, dict) and "error" in result), result["error"]
+            if isinstance(result, dict):
+                require_no_error(f"{_where(layout, rank)}, the {case} case", result.get("error"))
             yield layout, rank, result
+
+
+def _attention_words(key):
+    variant, zigzag = key
+    return f"{'ring (p2p)' if variant == 'p2p' else 'all-gather'} attention, {'zigzag' if zigzag else 'plain'} split"
 
 
 @pytest.mark.exercise("cp.ring_step")
 def test_ring_step_receives_from_the_previous_rank(runs):
     for layout, rank, result in _results(runs, "ring"):
-        assert result["received"] == result["expected"], (layout, rank)
+        require(equal(result["received"], result["expected"],
+                      f"{_where(layout, rank)}: what ring_step received (each rank sends its CP rank; it should "
+                      "receive the previous rank's)"))
 
 
 @pytest.mark.exercise("cp.zigzag_split")
@@ -275,8 +306,9 @@ def test_ring_step_receives_from_the_previous_rank(runs):
 def test_ring_and_all_gather_attention_equal_sdpa_forward_and_backward(runs):
     for layout, rank, result in _results(runs, "attention"):
         for key, r in result.items():
-            assert "backward_error" not in r, r["backward_error"]
-            assert max(r["forward_diff"], r["grad_diff"]) < TOL, (layout, rank, key, r)
+            where = f"{_where(layout, rank)}, {_attention_words(key)}"
+            require_no_error(f"{where}, backward", r.get("backward_error"))
+            require_within(r["errors"], TOL, where=where, against="SDPA's on the full sequence")
 
 
 @pytest.mark.exercise("cp.zigzag_split")
@@ -289,36 +321,53 @@ def test_zigzag_balances_counted_work_plain_split_does_not(runs):
         by_rank = runs[(cp, 1)]["attention"]
         zigzag = [by_rank[r][("p2p", True)]["flops"] for r in sorted(by_rank)]
         plain = [by_rank[r][("p2p", False)]["flops"] for r in sorted(by_rank)]
-        assert max(zigzag) == min(zigzag)  # exactly even: cp + 1/2 ... every rank the same block pairs
-        assert max(plain) / min(plain) >= 3  # the last rank of a plain split does 3x (cp=2) .. 5x (cp=4) more
-        assert sum(zigzag) == sum(plain)  # the same total work
+        where = f"cp={cp}, ring attention: the attention FLOPs counted per rank"
+        assert max(zigzag) == min(zigzag), f"{where} with the zigzag split are {zigzag}; they should all be equal"
+        # the last rank of a plain split does 3x (cp=2) .. 5x (cp=4) more
+        assert max(plain) / min(plain) >= 3, (f"{where} with the plain split are {plain}: the busiest does "
+                                              f"{max(plain) / min(plain):.3g}x the least busy, expected at least 3x")
+        assert sum(zigzag) == sum(plain), (f"{where} sum to {sum(zigzag)} with the zigzag split and {sum(plain)} with "
+                                           "the plain one; the total work should be the same")
 
 
 @pytest.mark.exercise("cp.ring_step")
 @pytest.mark.exercise("cp.backward_ring")
 def test_bytes_moved_equal_the_formula(runs):
-    for layout, _, result in _results(runs, "attention"):
-        for (variant, _), r in result.items():
-            assert r["bytes_forward"] == r["formula"]["forward"], (layout, variant, r)
-            assert "backward_error" not in r, r["backward_error"]
-            assert r["bytes_backward"] == r["formula"]["backward"], (layout, variant, r)
+    for layout, rank, result in _results(runs, "attention"):
+        for key, r in result.items():
+            where = f"{_where(layout, rank)}, {_attention_words(key)}"
+            require(equal(r["bytes_forward"], r["formula"]["forward"],
+                          f"{where}: the bytes sent in the forward (calc.context_parallel_communication_per_layer)"))
+            require_no_error(f"{where}, backward", r.get("backward_error"))
+            require(equal(r["bytes_backward"], r["formula"]["backward"],
+                          f"{where}: the bytes sent in the backward (calc.context_parallel_communication_per_layer)"))
 
 
 @pytest.mark.exercise("cp.ring_step")
 def test_saved_activation_bytes_equal_the_formula(runs):
-    for layout, _, result in _results(runs, "attention"):
+    for layout, rank, result in _results(runs, "attention"):
         for key, r in result.items():
-            assert r["saved"] == r["saved_formula"], (layout, key, r)
+            require(equal(r["saved"], r["saved_formula"],
+                          f"{_where(layout, rank)}, {_attention_words(key)}: the bytes autograd keeps for backward "
+                          "(calc.context_parallel_attention_memory)"))
     # a whole layer keeps per-token activations only: 1/cp of the sequence's, per rank
-    assert runs[(2, 1)]["layer_memory"][0] == 2 * runs[(4, 1)]["layer_memory"][0]
+    for layout in ((2, 1), (4, 1)):
+        memory = runs[layout]["layer_memory"][0]
+        require_no_error(f"{_where(layout, 0)}, one CP layer", memory.get("error") if isinstance(memory, dict) else None)
+    cp2, cp4 = runs[(2, 1)]["layer_memory"][0], runs[(4, 1)]["layer_memory"][0]
+    assert cp2 == 2 * cp4, (f"one CP transformer layer keeps {cp2} bytes per rank at cp=2 and {cp4} at cp=4; "
+                            "per-token activations only should halve it")
 
 
 @pytest.mark.exercise("cp.backward_ring")
 def test_context_parallel_gpt_equals_single_process(runs):
     for layout, rank, result in _results(runs, "gpt"):
-        assert len(result) == 2 * len(GPT_VARIANTS)
-        for key, worst in result.items():
-            assert worst < TOL, (layout, rank, key, worst)
+        require(equal(len(result), 2 * len(GPT_VARIANTS), f"{_where(layout, rank)}: the number of GPT cases run"))
+        for key, errors in result.items():
+            name, variant = key.split()
+            require_within(errors, TOL, where=f"{_where(layout, rank)}, ContextParallelGPTModel ({name}, "
+                                              f"{'ring' if variant == 'p2p' else 'all-gather'} attention)",
+                           against="the single-process GPTModel's")
 
 
 def test_attention_without_dropout_only():

@@ -23,6 +23,7 @@ from megalab.data.indexed_dataset import DataFormatError, DType, IndexedDataset,
 from megalab.data.preprocess import main as preprocess_main
 from megalab.data.preprocess import prepare_corpus, preprocess
 from megalab.data.tokenizer import Tokenizer, train_tokenizer
+from tests.feedback import equal, equal_lists, require
 
 # numpy dtype of each code, from the format description (Megatron's DType enum)
 FORMAT_DTYPES = {1: "<u1", 2: "<i1", 3: "<i2", 4: "<i4", 5: "<i8", 6: "<f8", 7: "<f4", 8: "<u2"}
@@ -225,8 +226,13 @@ def test_sample_index_matches_the_stream(seq_length):
     document_index = np.concatenate([rng.permutation(9), rng.permutation(9)])
     num_samples = (int(sizes[document_index].sum()) - 1) // seq_length
     got = build_sample_index(sizes, document_index, seq_length, num_samples)
-    assert got.shape == (num_samples + 1, 2)
-    assert np.array_equal(got, reference_sample_index(sizes, document_index, seq_length, num_samples))
+    where = f"build_sample_index(document sizes {sizes.tolist()}, 2 epochs, seq_length={seq_length}, {num_samples} samples)"
+    require(equal(tuple(got.shape), (num_samples + 1, 2), f"the shape of {where} (num_samples + 1 rows of "
+                                                          "(document, offset))"))
+    require(equal_lists([tuple(map(int, row)) for row in got],
+                        [tuple(map(int, row)) for row in reference_sample_index(sizes, document_index, seq_length,
+                                                                                num_samples)],
+                        f"{where}, rows (index into document_index, offset) where each sample starts", "row"))
 
 
 @pytest.mark.exercise("data.build_sample_index")
@@ -234,7 +240,9 @@ def test_sample_index_worked_example():
     # documents of 3, 2 and 4 tokens visited in order 0, 1, 2; seq_length 3 (each sample reads 4 tokens):
     # stream a0 a1 a2 | b0 b1 | c0 c1 c2 c3 ; sample 0 = a0 a1 a2 b0, sample 1 = b0 b1 c0 c1, sample 2 = c1 c2 c3 + ?
     got = build_sample_index(np.array([3, 2, 4]), np.array([0, 1, 2]), seq_length=3, num_samples=2)
-    assert got.tolist() == [[0, 0], [1, 0], [2, 1]]
+    require(equal(got.tolist(), [[0, 0], [1, 0], [2, 1]],
+                  "build_sample_index(document sizes [3, 2, 4], order [0, 1, 2], seq_length=3, num_samples=2) "
+                  "(each sample reads seq_length + 1 tokens; the next starts at its last token)"))
 
 
 def _write_docs(tmp_path, sizes, seed=0):
@@ -249,21 +257,32 @@ def _write_docs(tmp_path, sizes, seed=0):
 def test_gpt_samples_are_slices_of_the_shuffled_document_stream(tmp_path, num_samples):
     ds, docs = _write_docs(tmp_path, [9, 1, 14, 0, 6, 11])
     gpt = GPTDataset(ds, seq_length=8, num_samples=num_samples, seed=3, eod=0)
+    where = f"GPTDataset(6 documents of sizes [9, 1, 14, 0, 6, 11], seq_length=8, num_samples={num_samples})"
     counts = np.bincount(gpt.document_index, minlength=len(docs))
-    assert len(set(counts)) == 1 and counts[0] >= 1  # every document once per epoch
+    assert len(set(counts)) == 1 and counts[0] >= 1, (
+        f"{where}: documents appear {counts.tolist()} times in document_index; each should appear once per epoch")
     stream = np.concatenate([docs[d] for d in gpt.document_index])
-    assert len(stream) >= num_samples * 8 + 1
-    assert sorted(gpt.shuffle_index.tolist()) == list(range(len(gpt.sample_index) - 1))
+    assert len(stream) >= num_samples * 8 + 1, (
+        f"{where}: document_index holds {len(stream)} tokens, fewer than the {num_samples * 8 + 1} the samples need")
+    require(equal(sorted(gpt.shuffle_index.tolist()), list(range(len(gpt.sample_index) - 1)),
+                  f"{where}: shuffle_index, sorted (a permutation of the {len(gpt.sample_index) - 1} samples)"))
     for i in range(num_samples):
         j = gpt.shuffle_index[i]
         item = gpt[i]
-        assert np.array_equal(item["tokens"].numpy(), stream[j * 8:(j + 1) * 8])
-        assert np.array_equal(item["labels"].numpy(), stream[j * 8 + 1:(j + 1) * 8 + 1])
-        assert item["tokens"].dtype == torch.long and item["loss_mask"].shape == item["position_ids"].shape == (8,)
+        require(equal(item["tokens"].tolist(), stream[j * 8:(j + 1) * 8].tolist(),
+                      f"{where}: sample {i}'s tokens (stream sample {j}: tokens {j * 8}..{(j + 1) * 8 - 1} of the "
+                      "shuffled document stream)"))
+        require(equal(item["labels"].tolist(), stream[j * 8 + 1:(j + 1) * 8 + 1].tolist(),
+                      f"{where}: sample {i}'s labels (its tokens shifted by one)"))
+        require(equal(item["tokens"].dtype, torch.long, f"{where}: the dtype of sample {i}'s tokens"))
+        require(equal((tuple(item["loss_mask"].shape), tuple(item["position_ids"].shape)), ((8,), (8,)),
+                      f"{where}: the shapes of sample {i}'s loss_mask and position_ids"))
     again = GPTDataset(ds, seq_length=8, num_samples=num_samples, seed=3, eod=0)
     other = GPTDataset(ds, seq_length=8, num_samples=num_samples, seed=4, eod=0)
-    assert all(torch.equal(gpt[i]["tokens"], again[i]["tokens"]) for i in range(num_samples))
-    assert not all(torch.equal(gpt[i]["tokens"], other[i]["tokens"]) for i in range(num_samples))
+    assert all(torch.equal(gpt[i]["tokens"], again[i]["tokens"]) for i in range(num_samples)), (
+        f"{where}: a second dataset with the same seed gives other samples; it should be deterministic")
+    assert not all(torch.equal(gpt[i]["tokens"], other[i]["tokens"]) for i in range(num_samples)), (
+        f"{where}: seed 4 gives the same samples as seed 3; the seed should shuffle")
 
 
 def test_separate_final_epoch_shuffles_the_last_epoch_apart(tmp_path):
@@ -293,11 +312,15 @@ def test_split_ranges_are_megatrons():
 @pytest.mark.exercise("data.build_blending_indices")
 def test_blending_worked_examples():
     index, sample = build_blending_indices(np.array([0.7, 0.3]), 10)
-    assert index.tolist() == [0, 1, 0, 0, 1, 0, 0, 1, 0, 0] and sample.tolist() == [0, 0, 1, 2, 1, 3, 4, 2, 5, 6]
+    rule = "(sample i goes to the dataset with the largest weight * max(i, 1) - taken; ties to the first)"
+    require(equal(index.tolist(), [0, 1, 0, 0, 1, 0, 0, 1, 0, 0],
+                  f"build_blending_indices([0.7, 0.3], 10)'s dataset index {rule}"))
+    require(equal(sample.tolist(), [0, 0, 1, 2, 1, 3, 4, 2, 5, 6],
+                  "build_blending_indices([0.7, 0.3], 10)'s dataset sample index (each dataset's samples 0, 1, 2, ...)"))
     index, _ = build_blending_indices(np.array([0.5, 0.5]), 6)
-    assert index.tolist() == [0, 1, 0, 1, 0, 1]  # ties go to the first dataset
+    require(equal(index.tolist(), [0, 1, 0, 1, 0, 1], f"build_blending_indices([0.5, 0.5], 6)'s dataset index {rule}"))
     index, _ = build_blending_indices(np.array([0.3, 0.7]), 4)
-    assert index.tolist() == [1, 0, 1, 1]  # sample 0 already follows the weights (max(i, 1))
+    require(equal(index.tolist(), [1, 0, 1, 1], f"build_blending_indices([0.3, 0.7], 4)'s dataset index {rule}"))
 
 
 @pytest.mark.exercise("data.build_blending_indices")
@@ -309,10 +332,16 @@ def test_realised_mix_matches_the_weights_in_every_prefix(weights):
     n = np.arange(1, 2001)[:, None]
     # sample i is chosen against the targets w * i, so after n samples each dataset is within one sample of
     # w * (n - 1): the mix never drifts (a weighted random draw would be ~sqrt(n) = 45 samples off by the end)
-    assert np.abs(counts - w * (n - 1)).max() <= 1.0 + 1e-9
-    assert np.array_equal(counts[-1], np.round(w * 2000))  # exactly the weights at the end
+    drift = np.abs(counts - w * (n - 1))
+    where = f"build_blending_indices({weights}, 2000)"
+    assert drift.max() <= 1.0 + 1e-9, (
+        f"{where}: after {int(drift.max(1).argmax()) + 1} samples a dataset is {drift.max():.3g} samples away from its "
+        "share of them (weight * samples); it should never drift by more than 1")
+    require(equal(counts[-1].tolist(), np.round(w * 2000).astype(int).tolist(),
+                  f"{where}: the samples each dataset got (exactly weight * 2000)"))
     for d in range(len(w)):  # each dataset's samples are taken in order 0, 1, 2, ...
-        assert sample[index == d].tolist() == list(range(int((index == d).sum())))
+        require(equal(sample[index == d].tolist(), list(range(int((index == d).sum()))),
+                      f"{where}: the sample indices taken from dataset {d}, in order (0, 1, 2, ...)"))
 
 
 @pytest.mark.exercise("data.build_sample_index")
@@ -320,15 +349,19 @@ def test_realised_mix_matches_the_weights_in_every_prefix(weights):
 def test_blended_gpt_dataset_on_the_corpus(tmp_path, tokenizer):
     prefixes = prepare_corpus(("shakespeare", "milton"), out_dir=tmp_path)
     stamp = [os.stat(f"{p}.bin").st_mtime_ns for p in prefixes]
-    assert prepare_corpus(("shakespeare", "milton"), out_dir=tmp_path) == prefixes  # built once, then reused
-    assert [os.stat(f"{p}.bin").st_mtime_ns for p in prefixes] == stamp
-    assert len(IndexedDataset(prefixes[1])) == sum(1 for _ in open(DATA_DIR / "milton.jsonl"))
+    assert prepare_corpus(("shakespeare", "milton"), out_dir=tmp_path) == prefixes, (  # built once, then reused
+        "prepare_corpus returned other prefixes the second time")
+    assert [os.stat(f"{p}.bin").st_mtime_ns for p in prefixes] == stamp, "prepare_corpus rebuilt existing files"
+    assert len(IndexedDataset(prefixes[1])) == sum(1 for _ in open(DATA_DIR / "milton.jsonl")), (
+        "the milton dataset should hold one sequence per line of milton.jsonl")
     blend = build_blended_gpt_dataset(prefixes, [3, 1], seq_length=32, num_samples=400, seed=1, eod=tokenizer.eod)
     ids = np.array([blend[i]["dataset_id"] for i in range(400)])
-    assert (ids == 0).sum() == 300 and (ids == 1).sum() == 100
+    require(equal([int((ids == 0).sum()), int((ids == 1).sum())], [300, 100],
+                  "the samples a 3:1 blend of shakespeare and milton takes from each (400 samples)"))
     item = blend[1]
     direct = blend.datasets[item["dataset_id"]][int(blend.dataset_sample_index[1])]
-    assert torch.equal(item["tokens"], direct["tokens"])
+    require(equal(item["tokens"].tolist(), direct["tokens"].tolist(),
+                  "the blend's sample 1 vs its dataset's sample dataset_sample_index[1]"))
     with pytest.raises(ValueError, match="one weight per dataset"):
         BlendedDataset(blend.datasets, [1.0], 10)
     with pytest.raises(ValueError, match="build it larger"):

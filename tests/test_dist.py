@@ -14,17 +14,27 @@ def test_shard_bounds_balanced_and_exact():
     for length in LENGTHS:
         for world in range(1, 9):
             bounds = [shard_bounds(length, world, rank) for rank in range(world)]
-            assert bounds[0][0] == 0 and bounds[-1][1] == length, (length, world, bounds)
-            assert all(a[1] == b[0] for a, b in zip(bounds, bounds[1:])), f"gaps or overlaps: {bounds}"
+            where = f"shard_bounds({length}, {world}, rank) for ranks 0..{world - 1}"
+            assert bounds[0][0] == 0 and bounds[-1][1] == length, (
+                f"{where} gives {bounds}: the shards should start at 0 and end at {length}")
+            assert all(a[1] == b[0] for a, b in zip(bounds, bounds[1:])), (
+                f"{where} gives {bounds}: gaps or overlaps (each shard should start where the previous one stops)")
             sizes = [stop - start for start, stop in bounds]
-            assert max(sizes) - min(sizes) <= 1, (length, world, sizes)
             extra = length % world  # the first length % world ranks carry the extra item
-            assert sizes == [length // world + 1] * extra + [length // world] * (world - extra), (length, world, sizes)
+            expected = [length // world + 1] * extra + [length // world] * (world - extra)
+            assert max(sizes) - min(sizes) <= 1, (
+                f"{where}: shard sizes {sizes} differ by more than 1; expected {expected} (the first "
+                f"{length} % {world} = {extra} ranks get one extra item)")
+            assert sizes == expected, (
+                f"{where}: shard sizes {sizes}, expected {expected} (the FIRST {length} % {world} = {extra} ranks "
+                "get one extra item, not the last)")
 
 
 @pytest.mark.exercise("dist.shard_bounds")
 def test_shard_bounds_example_and_bad_rank():
-    assert [shard_bounds(10, 4, r) for r in range(4)] == [(0, 3), (3, 6), (6, 8), (8, 10)]
+    got = [shard_bounds(10, 4, r) for r in range(4)]
+    assert got == [(0, 3), (3, 6), (6, 8), (8, 10)], (
+        f"shard_bounds(10, 4, r) for r = 0..3 gives {got}, expected [(0, 3), (3, 6), (6, 8), (8, 10)] (sizes 3, 3, 2, 2)")
     for length, world, rank in [(10, 4, 4), (10, 4, -1), (10, 0, 0)]:
         with pytest.raises(ValueError, match="not in a world"):
             shard_bounds(length, world, rank)
@@ -50,4 +60,7 @@ def _sum_of_shards(lengths):
 def test_shard_sums_all_reduce_to_full_sum():
     res = launch.run_function(_sum_of_shards, 3, LENGTHS, launch=dict(timeout=120))
     for rank, pairs in res.returns.items():
-        assert all(total == expected for total, expected in pairs), (rank, pairs)
+        for length, (total, expected) in zip(LENGTHS, pairs):
+            assert total == expected, (
+                f"3 ranks, rank {rank}: the all-reduced sum of the ranks' shards of arange({length}) is {total:g}, "
+                f"expected {expected:g} (shards that miss or repeat items)")

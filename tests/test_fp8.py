@@ -6,6 +6,7 @@ import torch
 
 from megalab import fp8
 from megalab.toy import mlp, regression_data
+from tests.feedback import close, equal, require
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 
@@ -32,7 +33,9 @@ def test_compute_scale_follows_transformer_engine_formula():
     old = torch.tensor([3.0, 3.0, 3.0, 3.0, 3.0])
     amax = torch.tensor([2.0, 448.0, 0.0, float("inf"), float("nan")])
     new = fp8.compute_scale(amax, old, 448.0, margin=1)
-    assert new.tolist() == [112.0, 0.5, 3.0, 3.0, 3.0]
+    require(equal(new.tolist(), [112.0, 0.5, 3.0, 3.0, 3.0],
+                  "compute_scale(amax [2, 448, 0, inf, nan], old scale 3, fp8_max 448, margin 1) ((448 / amax) / 2^1; "
+                  "the old scale where amax is 0, inf or NaN)"))
 
 
 @pytest.mark.exercise("fp8.quantize")
@@ -40,11 +43,19 @@ def test_quantize_scales_saturates_and_casts_like_torch():
     x = torch.tensor([0.01, -0.3, 1.7, 100.0, -1000.0], dtype=torch.bfloat16)
     for dtype in (E4M3, E5M2):
         q = fp8.quantize(x, torch.tensor(4.0), dtype)
-        assert q.dtype == dtype
+        where = f"quantize(bf16 [0.01, -0.3, 1.7, 100, -1000], scale 4, {str(dtype).removeprefix('torch.')})"
+        require(equal(q.dtype, dtype, f"the dtype of {where}"))
         fmax = torch.finfo(dtype).max
         expected = (x.float() * 4).clamp(-fmax, fmax).to(dtype)
-        assert torch.equal(q.float(), expected.float())
-    assert fp8.quantize(x, torch.tensor(4.0), E4M3).float()[-2:].tolist() == [384.0, -448.0]  # 400 rounds to 384; saturated, not NaN
+        require(close(q.float(), expected.float(), f"{where}, as floats (x * scale in fp32, clamped to +-{fmax:g}, "
+                                                   "then cast)", rtol=0, atol=0))
+    require(equal(fp8.quantize(x, torch.tensor(4.0), E4M3).float()[-2:].tolist(), [384.0, -448.0],
+                  "the last two values of quantize(..., scale 4, E4M3): 400 and -4000 (400 rounds to 384; -4000 "
+                  "saturates at -448, not NaN)"))
+    big = fp8.quantize(torch.tensor([30000.0, -30000.0], dtype=torch.bfloat16), torch.tensor(4.0), E5M2).float()
+    require(equal(big.tolist(), [57344.0, -57344.0],
+                  "quantize(bf16 [30000, -30000], scale 4, E5M2) (+-120000 saturates at E5M2's max 57344, not inf: "
+                  "clamp before the cast)"))
 
 
 @pytest.mark.exercise("fp8.compute_scale")
@@ -58,11 +69,16 @@ def test_delayed_scaling_uses_the_amax_history_of_earlier_steps(algo):
     for step, amax in enumerate(amaxes):
         x = torch.tensor([amax, -amax / 3])
         _, scale_inv = meta.quantize(x)
-        assert scale_inv.item() == pytest.approx(1 / scale)
+        assert scale_inv.item() == pytest.approx(1 / scale), (
+            f"DelayedScaling(margin=1, amax_history_len=3, {algo!r}), step {step} (amaxes so far {amaxes[:step + 1]}): "
+            f"scale_inv is {scale_inv.item():.6g}, expected 1/{scale:.6g} = {1 / scale:.6g} (the scale from the "
+            "history of EARLIER steps)")
         window = amaxes[max(0, step + 1 - 3): step + 1]  # this step's amax joins for the next step
         reduced = max(window) if algo == "max" else window[-1]
         scale = 448.0 / reduced / 2 if reduced > 0 else scale
-    assert meta.amax_history.tolist() == amaxes[:-4:-1]  # newest first
+    require(equal(meta.amax_history.tolist(), amaxes[:-4:-1],
+                  f"DelayedScaling(amax_history_len=3, {algo!r}): the amax history after {len(amaxes)} steps (newest "
+                  "first)"))
 
 
 @pytest.mark.exercise("fp8.compute_scale")
@@ -70,8 +86,13 @@ def test_current_scaling_maps_the_tensors_own_amax_to_fp8_max():
     x = torch.randn(64, generator=torch.Generator().manual_seed(0)) * 37
     for fmt, dtype in (("E4M3", E4M3), ("E5M2", E5M2)):
         q, scale_inv = fp8.ScalingMeta(fp8.CurrentScaling(), fmt).quantize(x)
-        assert q.float().abs().max().item() == torch.finfo(dtype).max
-        assert _rel(q.float() * scale_inv, x) < torch.finfo(dtype).eps / 2  # rounding only, no clipping
+        require(equal(q.float().abs().max().item(), torch.finfo(dtype).max,
+                      f"CurrentScaling, {fmt}: the largest |value| after quantizing (the tensor's amax maps to the "
+                      "format's max)"))
+        rel = _rel(q.float() * scale_inv, x)
+        assert rel < torch.finfo(dtype).eps / 2, (  # rounding only, no clipping
+            f"CurrentScaling, {fmt}: dequantized values are off by {rel:.3g} (relative norm), more than rounding "
+            f"({torch.finfo(dtype).eps / 2:.3g})")
 
 
 def test_cpu_scaled_mm_is_the_dequantized_matmul():
@@ -104,13 +125,16 @@ def test_fp8_linear_matches_reference_and_its_error_is_measured():
     grad_x, grad_w = torch.autograd.grad(y, (x, layer.weight), g)
     ref_y, ref_gx, ref_gw = _reference_fp8_linear(x.detach().reshape(15, 64), linear.weight.detach(),
                                                    linear.bias.detach(), g.reshape(15, 48))
-    torch.testing.assert_close(y.reshape(15, 48), ref_y, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(grad_x.reshape(15, 64), ref_gx, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(grad_w, ref_gw, rtol=1e-5, atol=1e-5)
+    where = "Fp8Linear (CurrentScaling; x, W in E4M3, the output gradient in E5M2)"
+    require(close(y.reshape(15, 48), ref_y, f"{where}: the output vs x_q W_q^T + b from torch casts", rtol=1e-5, atol=1e-5))
+    require(close(grad_x.reshape(15, 64), ref_gx, f"{where}: the input gradient vs g_q W_q", rtol=1e-5, atol=1e-5))
+    require(close(grad_w, ref_gw, f"{where}: the weight gradient vs g_q^T x_q", rtol=1e-5, atol=1e-5))
     # error vs fp32: E4M3 (3 mantissa bits) is ~16x coarser than bf16 (7 bits)
     exact = linear(x)
     bf16 = torch.nn.functional.linear(x.bfloat16(), linear.weight.bfloat16(), linear.bias.bfloat16())
-    assert _rel(bf16, exact) < _rel(y, exact) < 0.08
+    assert _rel(bf16, exact) < _rel(y, exact) < 0.08, (
+        f"{where}: its relative error vs fp32 is {_rel(y, exact):.3g}; expected between bf16's "
+        f"{_rel(bf16, exact):.3g} and 0.08")
 
 
 def test_hybrid_recipe_casts_the_output_grad_to_e5m2():

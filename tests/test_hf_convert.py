@@ -25,6 +25,7 @@ from megalab.model.hf import (
     to_hf_state_dict,
 )
 from megalab.model.llama import llama_config
+from tests.feedback import close, equal, require
 
 SMALL = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=8,
              num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-5,
@@ -54,7 +55,9 @@ def ids(b=2, s=16, seed=1):
 def test_fuse_qkv_groups_queries_with_their_key_and_value():
     # 4 query heads, 2 groups, head dim 1: rows q0 q1 k0 v0 | q2 q3 k1 v1
     q, k, v = torch.arange(4.0)[:, None], 10 + torch.arange(2.0)[:, None], 20 + torch.arange(2.0)[:, None]
-    assert fuse_qkv(q, k, v, 2).flatten().tolist() == [0, 1, 10, 20, 2, 3, 11, 21]
+    require(equal(fuse_qkv(q, k, v, 2).flatten().tolist(), [0, 1, 10, 20, 2, 3, 11, 21],
+                  "fuse_qkv(q rows 0..3, k rows 10, 11, v rows 20, 21, 2 groups) (per group: its query heads, then "
+                  "its key, then its value)"))
 
 
 @pytest.mark.exercise("model.hf_qkv")
@@ -65,13 +68,16 @@ def test_llama_logits_and_greedy_generation_match_hf(interleaved):
     ours = GPTModel(config).eval()
     ours.load_state_dict(from_hf_state_dict(hf.state_dict(), config))
     x = ids()
+    where = f"LLaMA from HF weights (rotary_interleaved={interleaved})"
     with torch.no_grad():
-        torch.testing.assert_close(ours(x), hf(x).logits, atol=1e-5, rtol=0)
+        require(close(ours(x), hf(x).logits, f"{where}: our logits vs transformers'", atol=1e-5, rtol=0))
     prompt = x[:, :4]
-    assert torch.equal(greedy_generate(ours, prompt, 12), hf_greedy(hf, prompt, 12))
+    require(equal(greedy_generate(ours, prompt, 12).tolist(), hf_greedy(hf, prompt, 12).tolist(),
+                  f"{where}: our greedy generation of 12 tokens vs transformers'"))
     back = to_hf_state_dict(ours)  # and back: bit for bit
-    assert back.keys() == hf.state_dict().keys()
-    assert all(torch.equal(back[name], t) for name, t in hf.state_dict().items())
+    require(equal(sorted(back.keys()), sorted(hf.state_dict().keys()), f"{where}: the keys of to_hf_state_dict, sorted"))
+    for name, t in hf.state_dict().items():
+        require(close(back[name], t, f"{where}: to_hf_state_dict's {name} vs the original (bit for bit)", rtol=0, atol=0))
 
 
 @pytest.mark.exercise("model.hf_qkv")
@@ -86,8 +92,10 @@ def test_safetensors_round_trip_with_transformers(tmp_path):
     again = load_hf(tmp_path / "hf").eval()
     x = ids()
     with torch.no_grad():
-        torch.testing.assert_close(hf(x).logits, ours(x), atol=1e-5, rtol=0)
-        torch.testing.assert_close(again(x), ours(x), atol=1e-5, rtol=0)
+        require(close(hf(x).logits, ours(x), "the logits of our model saved with save_hf and loaded in transformers "
+                                             "vs ours", atol=1e-5, rtol=0))
+        require(close(again(x), ours(x), "the logits after transformers' save_pretrained and our load_hf vs ours",
+                      atol=1e-5, rtol=0))
 
 
 @pytest.mark.exercise("model.hf_qkv")
@@ -95,16 +103,19 @@ def test_mixtral_matches_hf_through_safetensors(tmp_path):
     hf = hf_mixtral()
     hf.save_pretrained(tmp_path / "hf")  # the checkpoint layout: block_sparse_moe.experts.{e}.w1/w2/w3
     ours = load_hf(tmp_path / "hf", attention_backend="unfused").eval()
-    assert ours.config.num_moe_experts == 4 and ours.config.moe_router_topk == 2
+    require(equal((ours.config.num_moe_experts, ours.config.moe_router_topk), (4, 2),
+                  "(num_moe_experts, moe_router_topk) of the Mixtral config read from HF"))
     x = ids()
     with torch.no_grad():
-        torch.testing.assert_close(ours(x), hf(x).logits, atol=1e-5, rtol=0)
+        require(close(ours(x), hf(x).logits, "Mixtral from HF safetensors: our logits vs transformers'", atol=1e-5, rtol=0))
     prompt = x[:, :4]
-    assert torch.equal(greedy_generate(ours, prompt, 12), hf_greedy(hf, prompt, 12))
+    require(equal(greedy_generate(ours, prompt, 12).tolist(), hf_greedy(hf, prompt, 12).tolist(),
+                  "Mixtral: our greedy generation of 12 tokens vs transformers'"))
     save_hf(ours, tmp_path / "ours")
     back = MixtralForCausalLM.from_pretrained(tmp_path / "ours").eval()
     with torch.no_grad():
-        torch.testing.assert_close(back(x).logits, hf(x).logits, atol=1e-5, rtol=0)
+        require(close(back(x).logits, hf(x).logits, "Mixtral saved with save_hf and loaded in transformers: its logits "
+                                                    "vs the original's", atol=1e-5, rtol=0))
 
 
 def test_split_qkv_inverts_fuse_and_configs_round_trip():

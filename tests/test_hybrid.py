@@ -59,10 +59,15 @@ def steps():
 @pytest.mark.exercise("hybrid.train_step")
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_step_equals_single_process(steps, layout):
+    _, _, zero, m = LAYOUTS[layout]
+    where = f"8 ranks, {layout} (ZeRO-{zero}, {m} micro-batch(es) per dp rank)"
     for rank, out in steps.items():
         loss, reference, worst = out[layout]
-        assert loss == pytest.approx(reference, abs=1e-6), f"rank {rank}"
-        assert worst < 1e-6, f"rank {rank}: weights differ by {worst:.2e} after the step"
+        assert loss == pytest.approx(reference, abs=1e-6), (
+            f"{where}, rank {rank}: the loss of the step is {loss:.8g}, the single-process step's {reference:.8g} "
+            f"(off by {abs(loss - reference):.3g}, tolerance 1e-6)")
+        assert worst < 1e-6, (f"{where}, rank {rank}: after the optimizer step the weights differ from the "
+                              f"single-process step's by up to {worst:.3g} (tolerance 1e-6)")
 
 
 @pytest.mark.slow

@@ -19,6 +19,7 @@ from megalab.inference import (
     sample,
 )
 from megalab.model import GPTModel
+from tests.feedback import close, equal, require
 
 BASE = dict(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=256, seq_length=64,
             hidden_dropout=0.0, attention_dropout=0.0)
@@ -57,16 +58,22 @@ def test_paged_cache_follows_the_block_table():
         cache.reserve(1, length + 3)
     blocks, offsets = cache.slots(0, 3, 6)
     table = cache.block_tables[0]
-    assert blocks.tolist() == [table[p // 4] for p in range(3, 9)]
-    assert offsets.tolist() == [p % 4 for p in range(3, 9)]
-    assert table != list(range(table[0], table[0] + len(table)))  # really scattered over the pool
+    where = f"PagedKVCache(block_size=4).slots(sequence 0, start 3, 6 positions) with block table {table}"
+    require(equal(blocks.tolist(), [table[p // 4] for p in range(3, 9)],
+                  f"the blocks of {where} (position p lies in block_table[p // block_size])"))
+    require(equal(offsets.tolist(), [p % 4 for p in range(3, 9)],
+                  f"the offsets of {where} (position p is at p % block_size in its block)"))
+    assert table != list(range(table[0], table[0] + len(table))), (  # really scattered over the pool
+        f"sequence 0's block table {table} is contiguous; two sequences growing in turns should interleave")
     keys = {s: torch.randn(n, 4, 8) for s, n in ((0, 9), (1, 12))}
     for s, k in keys.items():
         cache.write(1, s, 0, k[:5], -k[:5])
         cache.write(1, s, 5, k[5:], -k[5:])
     for s, k in keys.items():
         key, value = cache.read(1, s, len(k))
-        assert torch.equal(key, k) and torch.equal(value, -k)
+        where = f"PagedKVCache, layer 1, sequence {s}: reading back {len(k)} positions written in two parts (0..4, 5..)"
+        require(close(key, k, f"{where}: the keys", rtol=0, atol=0))
+        require(close(value, -k, f"{where}: the values", rtol=0, atol=0))
 
 
 def test_paged_cache_holds_only_the_blocks_it_uses():
@@ -99,7 +106,8 @@ def test_cached_forward_equals_the_full_forward(variant):
         second = forward_step(model, torch.cat([ids[0, 7:], ids[1, 4:]]), torch.tensor([*range(7, 11), *range(4, 11)]),
                               [Segment(0, 7, 4), Segment(1, 4, 7)], cache)
         ours = torch.stack([torch.cat([first[:7], second[:4]]), torch.cat([first[7:], second[4:]])])
-        torch.testing.assert_close(ours, full, atol=1e-5, rtol=1e-5, msg=f"{name} cache")
+        require(close(ours, full, f"{variant}, {name} cache: the logits of a cached forward (prefill 7 and 4 tokens, "
+                                  "then the rest) vs the full forward without a cache", atol=1e-5, rtol=1e-5))
 
 
 @pytest.mark.exercise("inference.cached_attention")
@@ -112,7 +120,12 @@ def test_greedy_with_cache_equals_recompute_token_for_token(variant):
         for mode in ("continuous", "static"):
             engine = InferenceEngine(model, cache, max_batch_size=3, max_tokens=24, mode=mode)
             got = [r.generated_tokens for r in engine.generate(prompts, params)]
-            assert got == expected, f"{name} cache, {mode} batching"
+            for i, (g, e) in enumerate(zip(got, expected)):
+                first = next((j for j, (a, b) in enumerate(zip(g, e)) if a != b), min(len(g), len(e)))
+                assert g == e, (f"{variant}, {name} cache, {mode} batching: request {i}'s greedy tokens differ from "
+                                f"recomputing the whole sequence each step from token {first} on: got {g[first:first + 5]}, "
+                                f"expected {e[first:first + 5]} ({len(g)} vs {len(e)} tokens)")
+            require(equal(len(got), len(expected), f"{variant}, {name} cache, {mode} batching: the number of results"))
 
 
 # ------------------------------------------------------------------ sampling
@@ -135,8 +148,13 @@ def test_filter_logits_keeps_the_top_k_and_the_nucleus(top_k, top_p):
     logits = torch.randn(50, generator=torch.Generator().manual_seed(top_k + int(100 * top_p)), dtype=torch.float64)
     filtered = filter_logits(logits, top_k, top_p)
     kept = set(torch.nonzero(filtered > float("-inf")).flatten().tolist())
-    assert kept == _filter_reference(logits, top_k, top_p)
-    assert torch.equal(filtered[list(kept)], logits[list(kept)])  # kept logits unchanged
+    expected = _filter_reference(logits, top_k, top_p)
+    assert kept == expected, (
+        f"filter_logits(50 logits, top_k={top_k}, top_p={top_p}) keeps {len(kept)} tokens, expected {len(expected)} "
+        f"(top-k first, then the smallest set of the most likely with mass >= top_p); wrongly kept "
+        f"{sorted(kept - expected)[:5]}, wrongly dropped {sorted(expected - kept)[:5]}")
+    require(close(filtered[list(kept)], logits[list(kept)],
+                  f"filter_logits(top_k={top_k}, top_p={top_p}): the kept logits vs the input's (unchanged)", rtol=0, atol=0))
 
 
 def test_sampling_frequencies_follow_the_tempered_softmax():
@@ -174,17 +192,25 @@ def test_scheduler_admits_in_order_within_every_budget():
     # token budget: prompts of 5 + 9 fit 16, the third (6) does not; FIFO: the fourth (1) must not overtake it
     engine = InferenceEngine(model, PagedKVCache(model.config, 40, 4), max_batch_size=8, max_tokens=16)
     requests = [engine.add_request([1] * n, SamplingParams(num_tokens_to_generate=4)) for n in (5, 9, 6, 1)]
-    assert engine.schedule() == requests[:2]
+
+    def admitted():  # the scheduled requests, by their index in `requests`
+        return [requests.index(r) if r in requests else r for r in engine.schedule()]
+
+    require(equal(admitted(), [0, 1],
+                  "the requests schedule() admits (prompts of 5, 9, 6, 1 tokens, max_tokens=16: 5 + 9 fit, 6 does not, "
+                  "and the 1 must not overtake it)"))
     engine.active = requests[:2]  # next step: 2 decode tokens + 6 + 1 prompt tokens fit
-    assert engine.schedule() == requests[2:]
+    require(equal(admitted(), [2, 3], "the requests schedule() admits at the next step (requests 0 and 1 "
+                                                 "running: 2 decode tokens + prompts of 6 and 1 fit max_tokens=16)"))
     # batch size
     engine = InferenceEngine(model, PagedKVCache(model.config, 40, 4), max_batch_size=2, max_tokens=64)
     requests = [engine.add_request([1] * 3) for _ in range(3)]
-    assert engine.schedule() == requests[:2]
+    require(equal(admitted(), [0, 1], "the requests schedule() admits (3 waiting, max_batch_size=2)"))
     # KV cache: 10 blocks of 4; each request needs ceil((4 + 12) / 4) = 4 blocks, so two fit
     engine = InferenceEngine(model, PagedKVCache(model.config, 10, 4), max_batch_size=8, max_tokens=64)
     requests = [engine.add_request([1] * 4, SamplingParams(num_tokens_to_generate=12)) for _ in range(3)]
-    assert engine.schedule() == requests[:2]
+    require(equal(admitted(), [0, 1], "the requests schedule() admits (3 waiting, each needs ceil((4 + 12) / "
+                                                "4) = 4 KV blocks, the cache has 10)"))
 
 
 @pytest.mark.exercise("inference.schedule")
@@ -201,12 +227,18 @@ def test_continuous_batching_lets_requests_join_each_step_and_takes_fewer_steps(
             engine.step()
             joined_late[mode] |= running > 0 and len(engine.waiting) < waiting  # admitted beside running ones
         steps[mode] = engine.steps
-        assert all(r.status == "completed" and len(r.generated_tokens) == n for r, (_, n) in zip(requests, LENGTHS))
-        assert len(engine.cache.allocator.free_blocks) == 40  # every block came back
+        for i, (r, (_, n)) in enumerate(zip(requests, LENGTHS)):
+            require(equal((r.status, len(r.generated_tokens)), ("completed", n),
+                          f"{mode} batching: request {i}'s (status, number of generated tokens) at the end"))
+        require(equal(len(engine.cache.allocator.free_blocks), 40,
+                      f"{mode} batching: the free KV blocks after every request finished (all 40 should come back)"))
     # static: batches {10, 4}, {20, 8}, {15} -> 10 + 20 + 15 steps; continuous fills each freed slot at once
-    assert steps["static"] == 10 + 20 + 15
-    assert steps["continuous"] < steps["static"]
-    assert joined_late["continuous"] and not joined_late["static"]
+    require(equal(steps["static"], 10 + 20 + 15, "the steps static batching takes (batches of 2: the longest of "
+                                                 "{10, 4}, {20, 8}, {15} each)"))
+    assert steps["continuous"] < steps["static"], (
+        f"continuous batching takes {steps['continuous']} steps, not fewer than static batching's {steps['static']}")
+    assert joined_late["continuous"], "continuous batching never admitted a request while others were running"
+    assert not joined_late["static"], "static batching admitted a request while others were still running"
 
 
 @pytest.mark.parametrize("prompt,params,message", [

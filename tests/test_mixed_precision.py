@@ -7,6 +7,7 @@ import torch
 from megalab import calc, launch
 from megalab import mixed_precision as mp
 from megalab.toy import mlp, regression_data
+from tests.feedback import close, equal, require
 
 INF, NAN = float("inf"), float("nan")
 
@@ -33,17 +34,23 @@ def test_dynamic_scaler_matches_torch_grad_scaler():
     ours = mp.Float16OptimizerWithFloat16Params(
         torch.optim.SGD([model_param], lr=0.5), mp.DynamicGradScaler(2.0**4, min_scale=2.0**-24, hysteresis=1, **kw))
     skipped = []
-    for grad in _grad_sequence():
+    for step, grad in enumerate(_grad_sequence()):
         torch_param.grad = grad * torch_scaler.get_scale()  # the grad of the scaled loss
         torch_scaler.step(torch_opt)
         torch_scaler.update()
         model_param.grad = (grad * ours.get_loss_scale()).half()
         ok, _ = ours.step()
         skipped.append(not ok)
-        assert ours.get_loss_scale().item() == torch_scaler.get_scale()
-        assert torch.equal(ours.fp32_from_float16_groups[0][0], torch_param.detach())
-        assert torch.equal(model_param.detach(), torch_param.detach().half())
-    assert skipped == [False, False, True, True, True, False, False, False, False, True, False, False, False, False]
+        where = (f"step {step} (gradients {'with an inf/NaN' if not grad.isfinite().all() else 'finite'}; "
+                 "growth_interval=3, hysteresis=1)")
+        require(equal(ours.get_loss_scale().item(), torch_scaler.get_scale(),
+                      f"{where}: the loss scale after the step vs torch.amp.GradScaler's"))
+        require(close(ours.fp32_from_float16_groups[0][0], torch_param.detach(),
+                      f"{where}: the fp32 main parameter vs torch's parameter", rtol=0, atol=0))
+        require(close(model_param.detach(), torch_param.detach().half(),
+                      f"{where}: the fp16 model parameter vs torch's parameter in fp16", rtol=0, atol=0))
+    require(equal(skipped, [False, False, True, True, True, False, False, False, False, True, False, False, False, False],
+                  "the steps skipped for an inf/NaN gradient, per step"))
 
 
 @pytest.mark.exercise("mixed_precision.dynamic_update")
@@ -58,7 +65,8 @@ def test_hysteresis_follows_megatron_rule():
     for f in found_inf:
         scaler.update(f)
         scales.append(scaler.scale.item())
-    assert scales == expected
+    require(equal(scales, expected, f"DynamicGradScaler(1024, growth_interval=3, hysteresis=2): the scale after each "
+                                    f"update, overflows {found_inf}"))
 
 
 @pytest.mark.exercise("mixed_precision.dynamic_update")
@@ -66,13 +74,17 @@ def test_scale_never_below_min_scale_and_state_dict_round_trip():
     scaler = mp.DynamicGradScaler(8.0, min_scale=2.0, growth_interval=2, hysteresis=1)
     for _ in range(5):
         scaler.update(True)
-    assert scaler.scale.item() == 2.0
+    require(equal(scaler.scale.item(), 2.0, "DynamicGradScaler(8, min_scale=2): the scale after 5 overflows (never "
+                                            "below min_scale)"))
     scaler.update(False)
     copy = mp.DynamicGradScaler(8.0, min_scale=2.0, growth_interval=2, hysteresis=1)
     copy.load_state_dict(scaler.state_dict())
     for s in (scaler, copy):
         s.update(False)
-    assert scaler.scale.item() == copy.scale.item() == 4.0
+    require(equal(scaler.scale.item(), 4.0, "DynamicGradScaler(8, min_scale=2, growth_interval=2): the scale after 5 "
+                                            "overflows then 2 clean steps (doubled)"))
+    require(equal(copy.scale.item(), 4.0, "the scale of a scaler restored from its state_dict after one clean step, "
+                                          "then one more (the growth tracker must be in the state_dict)"))
 
 
 @pytest.mark.exercise("mixed_precision.unscale")
@@ -85,9 +97,11 @@ def test_unscale_matches_torch_fused_kernel():
             ours[1][2] = theirs[1][2] = bad
         found = torch.zeros(1)
         torch._amp_foreach_non_finite_check_and_unscale_(theirs, found, inv_scale)
-        assert mp.unscale_and_check_for_nan(ours, inv_scale) == bool(found.item())
-        for a, b in zip(ours, theirs):
-            torch.testing.assert_close(a, b, equal_nan=True, rtol=0, atol=0)
+        where = f"unscale_and_check_for_nan(3 gradients{f', one holding {bad}' if bad is not None else ''}, 1/1024)"
+        require(equal(mp.unscale_and_check_for_nan(ours, inv_scale), bool(found.item()),
+                      f"what {where} returns (True: an inf or NaN was found)"))
+        for i, (a, b) in enumerate(zip(ours, theirs)):
+            require(close(a, b, f"{where}: gradient {i} after unscaling in place vs torch's fused kernel", rtol=0, atol=0))
 
 
 @pytest.mark.exercise("mixed_precision.unscale")
@@ -101,15 +115,18 @@ def test_loss_scaling_rescues_fp16_gradients_from_underflow():
                                                    mp.ConstantGradScaler(scale))
         loss = 1e-6 * (model(x.half()).float() - y).square().mean()  # a tiny loss: tiny grads
         opt.scale_loss(loss).backward()
-        assert opt.step()[0]
+        assert opt.step()[0], f"loss scale {scale:g}: the step was skipped; the gradients are finite"
         return torch.cat([p.grad.flatten() for p in opt.fp32_from_float16_groups[0]])
 
     reference = mlp(dtype=torch.float32)
     (1e-6 * (reference(x) - y).square().mean()).backward()
     expected = torch.cat([p.grad.flatten() for p in reference.parameters()])
     unscaled, scaled = grads(1.0), grads(2.0**16)
-    assert (unscaled == 0).float().mean() > 0.5  # most fp16 grads underflowed to zero
-    assert (scaled - expected).norm() / expected.norm() < 0.02
+    zeros = (unscaled == 0).float().mean().item()
+    assert zeros > 0.5, f"without loss scaling only {zeros:.0%} of the fp16 gradients underflowed to 0 (expected most)"
+    rel = ((scaled - expected).norm() / expected.norm()).item()
+    assert rel < 0.02, (f"with loss scale 2^16 the unscaled fp32 main gradients are off from fp32 training's by {rel:.3g} "
+                        "(relative norm; tolerance 0.02)")
 
 
 def test_fp32_main_params_keep_updates_bf16_would_round_away():

@@ -19,6 +19,7 @@ from megalab.model import (
     TransformerLayer,
     checkpoint,
 )
+from tests.feedback import close, equal, require
 
 TINY = dict(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=61, seq_length=12,
             hidden_dropout=0.0, attention_dropout=0.0)
@@ -119,9 +120,13 @@ def test_core_attention_unfused_matches_sdpa_and_reference(groups):
     sdpa = CoreAttention(c).eval()(q, k, v)
     idx = torch.arange(n) // (n // groups)
     ref = ref_attention(q.transpose(0, 1), k[:, :, idx].transpose(0, 1), v[:, :, idx].transpose(0, 1)).transpose(0, 1)
-    assert unfused.shape == (s, b, n * hn)
-    torch.testing.assert_close(unfused, ref, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(sdpa, ref, atol=1e-5, rtol=1e-5)
+    where = f"{n} query heads, {groups} key/value group{'s' * (groups > 1)}"
+    require(equal(tuple(unfused.shape), (s, b, n * hn), f"the shape of the unfused CoreAttention's output ({where}; "
+                                                         "[s, b, np * hn])"))
+    require(close(unfused, ref, f"the unfused CoreAttention's output ({where}) vs causal softmax(q k^T / sqrt(hn)) v",
+                  atol=1e-5, rtol=1e-5))
+    require(close(sdpa, ref, f"the sdpa CoreAttention's output ({where}) vs causal softmax(q k^T / sqrt(hn)) v",
+                  atol=1e-5, rtol=1e-5))
 
 
 @pytest.mark.exercise("model.norm")
@@ -131,11 +136,13 @@ def test_rmsnorm_matches_torch():
     x = torch.randn(5, 3, 16, requires_grad=True)
     x_ref = x.detach().clone().requires_grad_()
     out, ref = norm(x), F.rms_norm(x_ref, (16,), norm.weight.detach(), 1e-6)
-    torch.testing.assert_close(out, ref, atol=1e-6, rtol=1e-5)
+    require(close(out, ref, "RMSNorm's output vs F.rms_norm", atol=1e-6, rtol=1e-5))
     out.square().sum().backward()
     ref.square().sum().backward()
-    torch.testing.assert_close(x.grad, x_ref.grad, atol=1e-5, rtol=1e-5)
-    assert norm.to(torch.bfloat16)(x.to(torch.bfloat16)).dtype == torch.bfloat16
+    require(close(x.grad, x_ref.grad, "the input gradient through RMSNorm vs through F.rms_norm", atol=1e-5, rtol=1e-5))
+    dtype = norm.to(torch.bfloat16)(x.to(torch.bfloat16)).dtype
+    require(equal(dtype, torch.bfloat16, "the dtype of RMSNorm's output for a bf16 input and weight (compute the "
+                                         "statistics in float32, return the input's dtype)"))
 
 
 @pytest.mark.exercise("model.mlp")
@@ -145,7 +152,9 @@ def test_mlp_matches_reference(variant):
     mlp = randomize(MLP(c, LayerSpec()))
     x = torch.randn(5, 2, c.hidden_size)
     sd = {"m." + k: v for k, v in mlp.state_dict().items()}
-    torch.testing.assert_close(mlp(x), ref_mlp(x, sd, "m", c), atol=1e-5, rtol=1e-5)
+    kind = f"{c.activation_func}{', gated' if c.gated_linear_unit else ''}"
+    require(close(mlp(x), ref_mlp(x, sd, "m", c), f"the MLP's output ({variant}: {kind}) vs fc2(act(fc1(x)))",
+                  atol=1e-5, rtol=1e-5))
 
 
 @pytest.mark.exercise("model.layer_forward")
@@ -162,7 +171,8 @@ def test_transformer_layer_matches_reference(variant):
         rotary = RotaryEmbedding(c.kv_channels, c.rotary_percent, c.rotary_base)(c.seq_length)
     sd = {"l." + k: v for k, v in layer.state_dict().items()}
     ref = ref_layer(x.transpose(0, 1), sd, "l.", c).transpose(0, 1)
-    torch.testing.assert_close(layer(x, rotary), ref, atol=1e-5, rtol=1e-5)
+    require(close(layer(x, rotary), ref, f"the TransformerLayer's output ({variant}) vs x + attn(norm(x)), then "
+                                         "+ mlp(norm(.)) (plain PyTorch)", atol=1e-5, rtol=1e-5))
 
 
 @pytest.mark.exercise("model.gpt_forward")
@@ -173,12 +183,15 @@ def test_gpt_logits_match_plain_pytorch_reference(variant):
     model = randomize(GPTModel(c)).eval()
     ids = torch.randint(0, c.vocab_size, (3, c.seq_length))
     logits = model(ids)
-    assert logits.shape == (3, c.seq_length, c.vocab_size)
+    require(equal(tuple(logits.shape), (3, c.seq_length, c.vocab_size), f"the shape of GPTModel's logits ({variant}; "
+                                                                          "[b, s, vocab_size])"))
     with torch.no_grad():
         ref = ref_gpt(model.state_dict(), c, ids)
-    torch.testing.assert_close(logits, ref, atol=1e-5, rtol=1e-5)
+    require(close(logits, ref, f"GPTModel's logits ({variant}) vs the plain-PyTorch GPT's", atol=1e-5, rtol=1e-5))
     loss = model(ids, labels=ids)
-    torch.testing.assert_close(loss, F.cross_entropy(ref.transpose(1, 2), ids, reduction="none"), atol=1e-5, rtol=1e-5)
+    require(close(loss, F.cross_entropy(ref.transpose(1, 2), ids, reduction="none"),
+                  f"GPTModel's per-token loss with labels ({variant}) vs F.cross_entropy(reduction='none') of the "
+                  "plain-PyTorch logits", atol=1e-5, rtol=1e-5))
 
 
 @pytest.mark.exercise("model.gpt_forward")
@@ -188,7 +201,8 @@ def test_gpt_is_causal_and_checks_length():
     ids = torch.randint(0, c.vocab_size, (1, c.seq_length))
     changed = ids.clone()
     changed[0, -1] = (ids[0, -1] + 1) % c.vocab_size
-    torch.testing.assert_close(model(ids)[:, :-1], model(changed)[:, :-1])
+    require(close(model(changed)[:, :-1], model(ids)[:, :-1], "the logits of positions 0..s-2 after changing only the "
+                                                                "last token (a causal model ignores later tokens)"))
     with pytest.raises(ValueError, match="longer than config.seq_length"):
         model(torch.zeros(1, c.seq_length + 1, dtype=torch.long))
 
@@ -229,10 +243,14 @@ def test_recompute_gives_identical_gradients_and_saves_memory(variant):
     loss, grads, saved = _train_step(TransformerConfig(**base))
     for name, settings in RECOMPUTE.items():
         r_loss, r_grads, r_saved = _train_step(TransformerConfig(**base, **settings))
-        assert torch.equal(loss, r_loss), name
+        where = f"{variant}, recompute {name}"
+        require(close(r_loss, loss, f"{where}: the loss vs without recomputation (bit for bit: the same dropout "
+                                    "masks)", rtol=0, atol=0))
         for p in grads:
-            assert torch.equal(grads[p], r_grads[p]), (name, p)
-        assert r_saved < saved, (name, r_saved, saved)
+            require(close(r_grads[p], grads[p], f"{where}: the gradient of {p} vs without recomputation (bit for "
+                                                "bit: the replay must use the forward's RNG state)", rtol=0, atol=0))
+        assert r_saved < saved, (f"{where}: autograd keeps {r_saved} bytes of activations, no fewer than the "
+                                 f"{saved} without recomputation (only the checkpoints' inputs should be kept)")
 
 
 @pytest.mark.exercise("model.recompute")
@@ -253,18 +271,59 @@ def test_checkpoint_replays_dropout_and_passes_non_tensors():
     out = checkpoint(region, x, 3.0)
     after_forward = torch.get_rng_state()
     out.sum().backward()
-    assert torch.equal(out, expected) and torch.equal(x.grad, gx) and torch.equal(w.grad, gw)
-    assert torch.equal(torch.get_rng_state(), after_forward)  # backward leaves the RNG stream alone
+    require(close(out, expected, "checkpoint(region)'s output vs region's (bit for bit)", rtol=0, atol=0))
+    require(close(x.grad, gx, "the input gradient through checkpoint vs without it (bit for bit: the replayed "
+                              "dropout mask must be the forward's)", rtol=0, atol=0))
+    require(close(w.grad, gw, "the gradient of a weight the region uses (not an argument) through checkpoint vs "
+                              "without it", rtol=0, atol=0))
+    assert torch.equal(torch.get_rng_state(), after_forward), (
+        "checkpoint's backward changed the CPU RNG state: restore it after replaying the forward")
+
+
+class PaperCoreAttention(torch.nn.Module):
+    """The unfused core attention as Korthikanti et al. count it: scores, softmax and dropout all in the
+    activation dtype (bf16 here), so autograd keeps q, k, v, the softmax output, its dropout mask and
+    the dropped-out probabilities. The saved-bytes test below runs the layer with it (and PaperMLP):
+    the learner's own CoreAttention may keep more, e.g. a softmax upcast to fp32, and be correct."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.attention_dropout = config.attention_dropout
+
+    def forward(self, query, key, value):
+        s, b, np_, hn = query.shape
+        q, k, v = (t.reshape(s, b * np_, hn).transpose(0, 1) for t in (query, key, value))
+        scores = torch.bmm(q, k.transpose(1, 2)) * (1.0 / math.sqrt(hn))
+        future = torch.ones(s, s, dtype=torch.bool).triu(1)
+        probs = F.dropout(torch.softmax(scores.masked_fill(future, float("-inf")), dim=-1), self.attention_dropout,
+                          training=self.training)
+        return torch.bmm(probs, v).transpose(0, 1).reshape(s, b, np_ * hn)
+
+
+class PaperMLP(torch.nn.Module):
+    """fc2(gelu(fc1(x))) on the layer's own linear layers, everything in the activation dtype."""
+
+    def __init__(self, mlp):
+        super().__init__()
+        self.linear_fc1, self.linear_fc2 = mlp.linear_fc1, mlp.linear_fc2
+
+    def forward(self, x):
+        return self.linear_fc2(F.gelu(self.linear_fc1(x)))
 
 
 @pytest.mark.exercise("model.layer_forward")
 def test_saved_bytes_of_one_layer_match_korthikanti_in_bf16():
     # 16-bit activations, 1-byte dropout masks: the paper's assumptions; MHA, unfused attention.
+    # The layer's own forward (norms, dropouts, residual adds: the exercise) around the paper's core
+    # attention and MLP, so a correct attention or MLP that keeps more (fp32 softmax) does not fail it.
     s, b, h, a = 32, 2, 64, 4
     c = TransformerConfig(num_layers=1, hidden_size=h, num_attention_heads=a, vocab_size=10, seq_length=s,
                           attention_backend="unfused")
     for recompute, settings in [("none", {}), ("selective", RECOMPUTE["selective"])]:
-        layer = TransformerLayer(TransformerConfig(**{**c.__dict__, **settings})).to(torch.bfloat16).train()
+        layer = TransformerLayer(TransformerConfig(**{**c.__dict__, **settings}),
+                                 LayerSpec(core_attention=PaperCoreAttention))
+        layer.mlp = PaperMLP(layer.mlp)
+        layer = layer.to(torch.bfloat16).train()
         x = torch.randn(s, b, h, dtype=torch.bfloat16, requires_grad=True)
         with SavedTensorsMeter(exclude=layer.parameters()) as meter:
             layer(x)
@@ -275,7 +334,14 @@ def test_saved_bytes_of_one_layer_match_korthikanti_in_bf16():
         ln_stats = 2 * 2 * s * b * 2
         cpu_masks = 2 * s * b * h + (a * s * s * b if recompute == "none" else 0)
         extras = ln_stats + (s * s if recompute == "none" else 0) + cpu_masks
-        assert meter.bytes == formula + extras, (recompute, meter.bytes, formula)
+        expected = formula + extras
+        off = meter.bytes - expected
+        assert off == 0, (
+            f"one bf16 TransformerLayer in training (s={s}, b={b}, h={h}, a={a}, recompute={recompute}): autograd "
+            f"keeps {meter.bytes} bytes of activations, expected {expected:.0f} (Korthikanti's {formula:.0f} + "
+            f"{extras} of LayerNorm statistics, causal mask and CPU dropout masks): {abs(off):.0f} bytes "
+            f"= {abs(off) / (2 * s * b * h):.3g} x a bf16 [s, b, h] tensor) too {'many' if off > 0 else 'few'}; "
+            "expected: a dropout after the attention and after the MLP (each keeps an [s, b, h] mask), nothing kept twice")
 
 
 # ------------------------------------------------------------------ calc's FLOPs, counted by PyTorch
@@ -290,4 +356,8 @@ def test_flops_per_iteration_equals_pytorch_flop_count(recompute):
     with FlopCounterMode(display=False) as counter:
         model(ids, labels=ids).mean().backward()
     expected = calc.flops_per_iteration(2, c.seq_length, c.num_layers, c.hidden_size, c.vocab_size, recompute)
-    assert counter.get_total_flops() == round(expected)
+    counted = counter.get_total_flops()
+    what = "with full recomputation (one more forward)" if recompute else "without recomputation"
+    assert counted == round(expected), (
+        f"one training step of the GPT {what}: PyTorch counts {counted} matmul FLOPs, calc.flops_per_iteration "
+        f"expects {round(expected)} ({counted / round(expected):.3g} times as many)")

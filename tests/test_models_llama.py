@@ -20,6 +20,7 @@ from megalab.model.llama import gpt_to_llama, llama_config, llama_preset
 from megalab.model.mixtral import deepseek_v3_style_config, mixtral_config, mixtral_preset
 from megalab.model.provider import get_gpt_layer_local_spec, model_provider
 from megalab.model.rope import half_split_to_interleaved, interleaved_to_half_split, rotate_interleaved
+from tests.feedback import close, equal, require
 
 TINY = dict(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=50, seq_length=16)
 
@@ -37,7 +38,8 @@ def meta_rope(x, base=10000.0):
 @pytest.mark.exercise("model.rope_interleaved")
 def test_rotate_interleaved_turns_each_pair():
     x = torch.arange(1.0, 7.0)
-    assert torch.equal(rotate_interleaved(x), torch.tensor([-2.0, 1.0, -4.0, 3.0, -6.0, 5.0]))
+    require(equal(rotate_interleaved(x).tolist(), [-2.0, 1.0, -4.0, 3.0, -6.0, 5.0],
+                  "rotate_interleaved([1, 2, 3, 4, 5, 6]) (each pair (a, b) -> (-b, a))"))
 
 
 @pytest.mark.exercise("model.rope_interleaved")
@@ -45,7 +47,9 @@ def test_interleaved_rope_matches_meta_complex_rope():
     torch.manual_seed(0)
     x = torch.randn(10, 2, 3, 8)
     freqs = RotaryEmbedding(8, rotary_interleaved=True)(10)
-    torch.testing.assert_close(apply_rotary_pos_emb(x, freqs, interleaved=True), meta_rope(x), atol=1e-5, rtol=1e-5)
+    require(close(apply_rotary_pos_emb(x, freqs, interleaved=True), meta_rope(x),
+                  "interleaved RoPE (apply_rotary_pos_emb with rotate_interleaved) vs Meta's complex-number RoPE",
+                  atol=1e-5, rtol=1e-5))
 
 
 @pytest.mark.exercise("model.rope_interleaved")
@@ -63,8 +67,10 @@ def test_permuted_weights_give_the_same_scores_in_both_conventions():
 
     meta = scores(wq, wk, interleaved=True)
     hf = scores(interleaved_to_half_split(wq, heads), interleaved_to_half_split(wk, heads), interleaved=False)
-    torch.testing.assert_close(meta, hf, atol=1e-4, rtol=1e-4)
-    assert not torch.allclose(meta, scores(wq, wk, interleaved=False), atol=1e-2)  # the convention matters
+    require(close(meta, hf, "the attention scores q.k with Meta's wq/wk and interleaved RoPE vs HF's permuted wq/wk "
+                            "with half-split RoPE", atol=1e-4, rtol=1e-4))
+    assert not torch.allclose(meta, scores(wq, wk, interleaved=False), atol=1e-2), (  # the convention matters
+        "interleaved RoPE gives the same scores as half-split RoPE on the same weights: it should rotate other pairs")
 
 
 def test_permutation_round_trip_and_bad_shape():
@@ -80,8 +86,9 @@ def test_permutation_round_trip_and_bad_shape():
 @pytest.mark.exercise("model.gqa_repeat")
 def test_repeat_kv_keeps_each_groups_copies_adjacent():
     x = torch.arange(2.0).view(1, 1, 2, 1)  # kv heads k0, k1
-    assert repeat_kv(x, 3).flatten().tolist() == [0.0, 0.0, 0.0, 1.0, 1.0, 1.0]
-    assert torch.equal(repeat_kv(x, 1), x)
+    require(equal(repeat_kv(x, 3).flatten().tolist(), [0.0, 0.0, 0.0, 1.0, 1.0, 1.0],
+                  "repeat_kv(kv heads [k0, k1], n_rep=3) (each head's copies adjacent: k0 k0 k0 k1 k1 k1)"))
+    require(close(repeat_kv(x, 1), x, "repeat_kv(x, n_rep=1) vs x (unchanged)", rtol=0, atol=0))
 
 
 @pytest.mark.exercise("model.gqa_repeat")
@@ -90,7 +97,8 @@ def test_grouped_query_attention_matches_sdpa_enable_gqa():
     s, b, np_, ng, hn = 7, 2, 8, 2, 4
     q, k, v = torch.randn(s, b, np_, hn), torch.randn(s, b, ng, hn), torch.randn(s, b, ng, hn)
     ref = F.scaled_dot_product_attention(*(t.permute(1, 2, 0, 3) for t in (q, k, v)), is_causal=True, enable_gqa=True)
-    torch.testing.assert_close(grouped_query_attention(q, k, v), ref.permute(2, 0, 1, 3).reshape(s, b, np_ * hn))
+    require(close(grouped_query_attention(q, k, v), ref.permute(2, 0, 1, 3).reshape(s, b, np_ * hn),
+                  f"grouped_query_attention ({np_} query heads, {ng} key/value groups) vs SDPA(enable_gqa=True)"))
 
 
 def test_repeat_kv_bad_input():

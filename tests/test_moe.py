@@ -18,6 +18,7 @@ from megalab import calc, launch, moe
 from megalab import parallel_state as ps
 from megalab.config import TransformerConfig
 from megalab.model import GPTModel
+from tests.feedback import close, equal, max_error, require, require_no_error, require_within
 
 TOL = 1e-5
 H, FFN, E = 16, 24, 4
@@ -104,6 +105,12 @@ def _diff(a, b):
     return float("inf") if a.shape != b.shape else (a.detach() - b.detach()).abs().max().item()
 
 
+def _require_routes(routing_map, kept, where):
+    routed = {(t, e) for t, e in routing_map.nonzero().tolist()}
+    assert routed == kept, (f"{where}: the routing map has {len(routed)} (token, expert) pairs, expected {len(kept)}; "
+                            f"wrongly routed {sorted(routed - kept)[:4]}, missing {sorted(kept - routed)[:4]}")
+
+
 def _tokens(seed, T=12):
     return torch.randn(T, H, generator=torch.Generator().manual_seed(100 + seed))
 
@@ -117,15 +124,18 @@ def test_topk_routing_matches_reference(score, topk):
     logits = x @ p["router"].T
     probs, routing_map, counts = moe.topk_softmax_with_capacity(logits, topk, score_function=score, expert_bias=bias)
     _, _, _, ref_counts, kept = reference_moe(x, p, topk, score, bias)
-    assert {(t, e) for t, e in routing_map.nonzero().tolist()} == kept
-    assert torch.equal(counts.float(), ref_counts)
+    where = f"topk_softmax_with_capacity(16 tokens, {E} experts, top-{topk}, {score}{', expert bias' if bias is not None else ''})"
+    _require_routes(routing_map, kept, where)
+    require(equal(counts.tolist(), ref_counts.tolist(), f"{where}: the tokens per expert"))
     # the weights: softmax over the chosen logits, or the chosen sigmoid scores normalized
     chosen = logits.masked_fill(~routing_map, float("-inf"))
     expected = (torch.softmax(chosen, -1) if score == "softmax"
                 else torch.sigmoid(logits) * routing_map / (torch.sigmoid(logits) * routing_map).sum(-1, keepdim=True))
     if score == "sigmoid" and topk == 1:
         expected = torch.sigmoid(logits) * routing_map
-    assert _diff(probs, expected) < TOL
+    rule = ("softmax over the chosen logits" if score == "softmax" else
+            "the chosen sigmoid scores" + (" normalized to sum 1" if topk > 1 else ""))
+    require(close(probs, expected, f"{where}: the routing weights ({rule}; 0 elsewhere)", rtol=0, atol=TOL))
 
 
 @pytest.mark.exercise("moe.load_balancing_loss")
@@ -135,12 +145,17 @@ def test_load_balancing_loss_is_switch_formula():
     _, _, _, counts, _ = reference_moe(x, p, 2)
     scores = torch.softmax(logits, -1)
     expected = 0.01 * E * sum((counts[i] / (32 * 2)) * scores[:, i].mean() for i in range(E))
-    assert abs(moe.switch_load_balancing_loss_func(scores, counts, 32, 2, E, 0.01) - expected) < 1e-7
+    got = moe.switch_load_balancing_loss_func(scores, counts, 32, 2, E, 0.01)
+    require(close(got, expected, f"switch_load_balancing_loss_func(32 tokens, top-2, {E} experts, coeff 0.01) (coeff * "
+                                 "E * sum_i tokens_i / (T k) * mean_t probs_ti)", rtol=0, atol=1e-7))
     # uniform load and uniform probabilities give exactly coeff; one expert taking everything gives coeff * E
     uniform = moe.switch_load_balancing_loss_func(torch.full((8, E), 1 / E), torch.full((E,), 4.0), 8, 2, E, 0.5)
     collapsed = moe.switch_load_balancing_loss_func(
         F.one_hot(torch.zeros(8, dtype=torch.long), E).float(), torch.tensor([8.0, 0, 0, 0]), 8, 1, E, 0.5)
-    assert (round(uniform.item(), 6), round(collapsed.item(), 6)) == (0.5, 0.5 * E)
+    require(equal(round(uniform.item(), 6), 0.5, "the load-balancing loss of a uniform load and uniform probabilities "
+                                                 "(exactly coeff = 0.5)"))
+    require(equal(round(collapsed.item(), 6), 0.5 * E, f"the load-balancing loss when one expert takes every token "
+                                                       f"(coeff * E = {0.5 * E})"))
 
 
 @pytest.mark.exercise("moe.capacity")
@@ -151,14 +166,18 @@ def test_dropped_tokens_are_exactly_those_past_capacity(capacity_factor):
     logits = x @ p["router"].T
     probs, routing_map, counts = moe.topk_softmax_with_capacity(logits, 2, capacity_factor)
     _, _, _, ref_counts, kept = reference_moe(x, p, 2, capacity_factor=capacity_factor)
-    assert {(t, e) for t, e in routing_map.nonzero().tolist()} == kept
-    assert torch.equal(counts.float(), ref_counts)  # counted before dropping
-    assert bool((probs[~routing_map] == 0).all())
     capacity = math.ceil(20 * 2 / E * capacity_factor)
+    where = f"topk_softmax_with_capacity(20 tokens, top-2, capacity_factor={capacity_factor}: {capacity} per expert)"
+    _require_routes(routing_map, kept, where + " (each expert keeps its first tokens, in token order)")
+    require(equal(counts.tolist(), ref_counts.tolist(), f"{where}: the tokens per expert, counted BEFORE dropping"))
+    assert bool((probs[~routing_map] == 0).all()), f"{where}: dropped (token, expert) pairs should have weight 0"
     padded_probs, padded_map, _ = moe.topk_softmax_with_capacity(logits, 2, capacity_factor, pad_to_capacity=True)
-    assert padded_map.sum(0).tolist() == [min(capacity, 20)] * E  # every expert gets exactly capacity rows
-    assert torch.equal(padded_probs, probs)  # fillers carry weight 0: the output is unchanged
-    assert bool((padded_map | ~routing_map).all()) and bool((padded_map & routing_map == routing_map).all())
+    where += " with pad_to_capacity"
+    require(equal(padded_map.sum(0).tolist(), [min(capacity, 20)] * E,
+                  f"{where}: the rows each expert gets (exactly the capacity)"))
+    require(close(padded_probs, probs, f"{where}: the weights vs without padding (fillers carry weight 0)", rtol=0, atol=0))
+    assert bool((padded_map | ~routing_map).all()) and bool((padded_map & routing_map == routing_map).all()), (
+        f"{where}: the padded routing map should contain every routed (token, expert) pair")
 
 
 @pytest.mark.exercise("moe.permute")
@@ -169,11 +188,17 @@ def test_permute_groups_by_expert_and_unpermute_inverts():
     probs = torch.zeros(10, E).scatter(1, chosen, torch.softmax(top_logits, -1))
     permuted, permuted_probs, sorted_indices = moe.permute(x, routing_map, probs)
     expected = [(e, t) for e in range(E) for t in range(10) if routing_map[t, e]]  # expert-major, token order
-    assert sorted_indices.tolist() == [t for _, t in expected]
-    assert torch.equal(permuted, x[[t for _, t in expected]])
-    assert torch.equal(permuted_probs, torch.stack([probs[t, e] for e, t in expected]))
+    where = f"permute(10 tokens, top-2 of {E} experts)"
+    require(equal(sorted_indices.tolist(), [t for _, t in expected],
+                  f"{where}: the token index of each permuted row (expert by expert, tokens in order within one)"))
+    require(close(permuted, x[[t for _, t in expected]], f"{where}: the permuted rows vs the tokens they should be",
+                  rtol=0, atol=0))
+    require(close(permuted_probs, torch.stack([probs[t, e] for e, t in expected]),
+                  f"{where}: the permuted weights (probs[token, expert] of each row)", rtol=0, atol=0))
     restored = moe.unpermute(permuted, sorted_indices, 10, permuted_probs)
-    assert _diff(restored, x * probs.sum(-1, keepdim=True)) < TOL  # the k weights of each token sum to 1
+    require(close(restored, x * probs.sum(-1, keepdim=True),  # the k weights of each token sum to 1
+                  "unpermute(permute(x)) with the weights vs x times the sum of its weights (each row added back to "
+                  "its token)", rtol=0, atol=TOL))
 
 
 def test_sort_chunks_by_idxs():
@@ -370,11 +395,12 @@ def _ep_case(rank, world, tp, ep, change):
                 mine = (ref_out.chunk(tp)[replica.index(rank)], balance)
         (total / dp).backward()
         local = layer.local_expert_indices
-        diffs = dict(out=_diff(out.view(12, H), mine[0]),
-                     aux=abs(moe.get_aux_losses_tracker()["load_balancing_loss"][1] - mine[1]).item(),
-                     router=_diff(layer.router.weight.grad, ref["router"].grad))
-        diffs.update({k: _diff(v, ref[k].grad[local]) for k, v in expert_grads(layer, local).items()})
-        return max(diffs.values()), diffs, getattr(layer.token_dispatcher, "a2a_bytes", None)
+        diffs = {"the output": max_error(out.view(12, H), mine[0]),
+                 "the load-balancing loss": abs(moe.get_aux_losses_tracker()["load_balancing_loss"][1] - mine[1]).item(),
+                 "the router's weight gradient": max_error(layer.router.weight.grad, ref["router"].grad)}
+        diffs.update({f"the local experts' {k} gradient": max_error(v, ref[k].grad[local])
+                      for k, v in expert_grads(layer, local).items()})
+        return _worst(diffs), diffs, getattr(layer.token_dispatcher, "a2a_bytes", None)
     finally:
         ps.destroy_model_parallel()
 
@@ -405,13 +431,14 @@ def _gpt_case(rank):
         moe.finalize_moe_grads(model, state)
         losses = [torch.zeros(()) for _ in range(2)]
         torch.distributed.all_gather(losses, loss.detach(), group=state.get_data_parallel_group())
-        diffs = dict(loss=abs(sum(losses) / 2 - ref_loss).item())
+        diffs = {"the mean loss": abs(sum(losses) / 2 - ref_loss).item()}
         for name in ("router.weight", "experts.local_experts.0.linear_fc1.weight"):
             mine = model.decoder.layers[1].mlp.get_parameter(name).grad
             e = model.decoder.layers[1].mlp.local_expert_indices[0] if "experts" in name else None
             ref_name = name.replace("local_experts.0", f"local_experts.{e}") if e is not None else name
-            diffs[name] = _diff(mine, single.decoder.layers[1].mlp.get_parameter(ref_name).grad)
-        return max(diffs.values()), diffs, None
+            diffs[f"the gradient of layer 1's mlp.{name}"] = max_error(
+                mine, single.decoder.layers[1].mlp.get_parameter(ref_name).grad)
+        return _worst(diffs), diffs, None
     finally:
         ps.destroy_model_parallel()
 
@@ -442,12 +469,18 @@ def run_ep_cases():
     return results
 
 
+def _worst(diffs):
+    return max(float("inf") if isinstance(d, str) else d for d in diffs.values())
+
+
 def _assert_matches(ep_results, case):
+    tp, ep, change = EP_CASES.get(case, (2, 2, dict(sequence_parallel=True)))
+    where = f"4 ranks, {case} (tp={tp}, ep={ep}{', sequence parallel' if change.get('sequence_parallel') else ''})"
     for rank in range(4):
         worst, detail, _ = ep_results[rank][case]
         if isinstance(detail, str):  # the case raised: show its traceback in full
-            pytest.fail(f"rank {rank}, {case}:\n{detail}")
-        assert worst < TOL, (rank, detail)
+            require_no_error(f"{where}, rank {rank}", detail)
+        require_within(detail, TOL, where=f"{where}, rank {rank}", against="the single-process reference's")
 
 
 @pytest.fixture(scope="module")
@@ -465,7 +498,12 @@ def test_expert_parallel_alltoall_matches_single_process(ep_results, case):
 def test_alltoall_bytes_match_formula_when_padded_to_capacity(ep_results):
     """Padded to capacity, every rank sends exactly capacity rows to each remote expert: 2 T k h (ep-1)/ep."""
     expected = calc.moe_all_to_all_bytes(12, 2, H, 4, bytes_per_element=4)
-    assert [ep_results[r]["ep4 alltoall padded"][2] for r in range(4)] == [expected] * 4
+    for r in range(4):
+        require_no_error(f"4 ranks, ep4 alltoall padded, rank {r}", ep_results[r]["ep4 alltoall padded"][1]
+                         if isinstance(ep_results[r]["ep4 alltoall padded"][1], str) else None)
+        require(equal(ep_results[r]["ep4 alltoall padded"][2], expected,
+                      f"4 ranks, ep=4, padded to capacity, rank {r}: the bytes the all-to-alls sent (2 T k h (ep-1)/ep, "
+                      "calc.moe_all_to_all_bytes)"))
 
 
 @pytest.mark.parametrize("case", [c for c in EP_CASES if "allgather" in c])

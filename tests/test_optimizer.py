@@ -14,6 +14,7 @@ from megalab import optimizer as opt
 from megalab.config import TransformerConfig
 from megalab.model import GPTModel
 from megalab.training import masked_loss
+from tests.feedback import close, require
 
 
 def _sgd(params=None):
@@ -50,18 +51,29 @@ def _expected(step, style, wsd_steps=10, wsd_style="linear"):
     return 0.1 + 0.9 * c
 
 
+def _require_schedule(lrs, expected, what):
+    """The first step where the learning rates differ, in words."""
+    for step, (got, want) in enumerate(zip(lrs, expected)):
+        assert got == pytest.approx(want, abs=1e-12), (
+            f"{what}: the learning rate at step {step} is {got:.6g}, expected {want:.6g}")
+    assert len(lrs) == len(expected), f"{what}: {len(lrs)} learning rates, expected {len(expected)}"
+
+
 @pytest.mark.exercise("optimizer.get_lr")
 @pytest.mark.parametrize("style", ["constant", "linear", "cosine"])
 def test_schedule_matches_formula(style):
-    assert _schedule(style) == pytest.approx([_expected(s, style) for s in range(31)], abs=1e-12)
+    _require_schedule(_schedule(style), [_expected(s, style) for s in range(31)],
+                      f"OptimizerParamScheduler(max 1, min 0.1, warmup 5, decay until 25, {style!r})")
 
 
 @pytest.mark.exercise("optimizer.get_lr")
 @pytest.mark.parametrize("wsd_style", ["linear", "cosine", "exponential", "minus_sqrt"])
 def test_wsd_schedule(wsd_style):
     lrs = _schedule("WSD", wsd_decay_steps=10, lr_wsd_decay_style=wsd_style)
-    assert lrs == pytest.approx([_expected(s, "WSD", 10, wsd_style) for s in range(31)], abs=1e-12)
-    assert lrs[5:16] == [1.0] * 11 and lrs[25] == pytest.approx(0.1)  # stable phase, then down to min_lr
+    what = f"OptimizerParamScheduler(max 1, min 0.1, warmup 5, decay until 25, 'WSD', last 10 steps {wsd_style!r})"
+    _require_schedule(lrs, [_expected(s, "WSD", 10, wsd_style) for s in range(31)], what)
+    assert lrs[5:16] == [1.0] * 11, f"{what}: steps 5..15 (the stable phase) should stay at max_lr 1.0: {lrs[5:16]}"
+    assert lrs[25] == pytest.approx(0.1), f"{what}: step 25 should reach min_lr 0.1, got {lrs[25]:.6g}"
 
 
 @pytest.mark.exercise("optimizer.get_lr")
@@ -70,18 +82,24 @@ def test_cosine_matches_torch_schedulers():
     ours = opt.OptimizerParamScheduler(_sgd(), 1.0, 0.1, 0, 20, "cosine")
     torch_opt = _sgd()
     torch_sched = torch.optim.lr_scheduler.CosineAnnealingLR(torch_opt, T_max=20, eta_min=0.1)
-    for _ in range(20):
+    for step in range(20):
         torch_opt.step()
         torch_sched.step()
-        assert ours.step() == pytest.approx(torch_opt.param_groups[0]["lr"], abs=1e-12)
+        lr, theirs = ours.step(), torch_opt.param_groups[0]["lr"]
+        assert lr == pytest.approx(theirs, abs=1e-12), (
+            f"cosine from 1 to 0.1 over 20 steps, no warmup: the learning rate at step {step + 1} is {lr:.6g}, torch's "
+            f"CosineAnnealingLR gives {theirs:.6g}")
     # warmup then linear decay to 0: LambdaLR with the same rule written as a multiplier
     ours = opt.OptimizerParamScheduler(_sgd(), 1.0, 0.0, 4, 12, "linear")
     torch_opt = _sgd()
     lam = torch.optim.lr_scheduler.LambdaLR(torch_opt, lambda s: s / 4 if s <= 4 else max(0.0, 1 - (s - 4) / 8))
-    for _ in range(14):
+    for step in range(14):
         torch_opt.step()
         lam.step()
-        assert ours.step() == pytest.approx(torch_opt.param_groups[0]["lr"], abs=1e-12)
+        lr, theirs = ours.step(), torch_opt.param_groups[0]["lr"]
+        assert lr == pytest.approx(theirs, abs=1e-12), (
+            f"warmup 4 steps, then linear decay to 0 at step 12: the learning rate at step {step + 1} is {lr:.6g}, "
+            f"torch's LambdaLR gives {theirs:.6g}")
 
 
 def test_scheduler_state_and_bad_input():
@@ -127,9 +145,12 @@ def test_clip_grad_norm_matches_torch():
         ours, ref = _grads(0), _grads(0)
         norm = opt.clip_grad_norm(ours, max_norm)
         ref_norm = torch.nn.utils.clip_grad_norm_(ref, max_norm)
-        assert norm == pytest.approx(ref_norm.item(), rel=1e-6)
-        for a, b in zip(ours, ref):
-            torch.testing.assert_close(a.grad, b.grad)
+        assert norm == pytest.approx(ref_norm.item(), rel=1e-6), (
+            f"clip_grad_norm(3 gradients, max_norm={max_norm:g}) returns the norm {float(norm):.6g}, torch's "
+            f"clip_grad_norm_ {ref_norm.item():.6g} (the 2-norm of all gradients together, before clipping)")
+        for i, (a, b) in enumerate(zip(ours, ref)):
+            require(close(a.grad, b.grad, f"clip_grad_norm(max_norm={max_norm:g}): gradient {i} after clipping vs "
+                                          "torch's clip_grad_norm_"))
 
 
 @pytest.mark.exercise("optimizer.grad_norm")
@@ -138,9 +159,12 @@ def test_tp_duplicates_and_shared_params_counted_once():
     split, replicated, shared = _grads(1)
     split.tensor_model_parallel, shared.shared = True, True
     expected = torch.cat([split.grad, replicated.grad]).norm().item()
-    assert opt.get_grad_norm_fp32([split, replicated, shared], tp_rank=0) == pytest.approx(expected, rel=1e-6)
-    assert opt.get_grad_norm_fp32([split, replicated, shared], tp_rank=1) == pytest.approx(split.grad.norm().item(),
-                                                                                           rel=1e-6)
+    for tp_rank, want, which in ((0, expected, "the split and the replicated one"),
+                                 (1, split.grad.norm().item(), "the split one only")):
+        got = opt.get_grad_norm_fp32([split, replicated, shared], tp_rank=tp_rank)
+        assert got == pytest.approx(want, rel=1e-6), (
+            f"get_grad_norm_fp32(a TP-split, a replicated and a shared gradient, tp_rank={tp_rank}) is {float(got):.6g}, "
+            f"expected {want:.6g}: the norm of {which} (replicated ones count on TP rank 0 only, shared ones never)")
 
 
 def test_clip_bad_input():
@@ -163,6 +187,8 @@ def test_masked_loss_is_the_token_mean_of_the_global_batch():
     n = float(sum(mask.sum() for mask in masks))
     total = sum(masked_loss(loss, mask, n, m, dp) for loss, mask in zip(losses, masks)) / (m * dp)
     token_mean = torch.cat([loss[mask.bool()] for loss, mask in zip(losses, masks)]).mean()
-    torch.testing.assert_close(total, token_mean)
+    require(close(total, token_mean, f"the executor's average of masked_loss over {m} micro-batches x {dp} dp ranks "
+                                     "vs the mean loss over every unmasked token of the global batch (sum / n * m * dp "
+                                     "per micro-batch)"))
     mean_of_means = torch.stack([loss[mask.bool()].mean() for loss, mask in zip(losses, masks)]).mean()
-    assert not torch.allclose(token_mean, mean_of_means)
+    assert not torch.allclose(token_mean, mean_of_means), "test data: the token mean should differ from the mean of means"

@@ -36,6 +36,7 @@ from megalab.packed_seq import (
     pack_documents,
     packed_position_ids,
 )
+from tests.feedback import close, equal, require
 
 DOC_LENGTHS = [(5,), (3, 1, 4), (1, 1), (7, 2, 6, 3)]
 SMALL = dict(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=64, seq_length=16,
@@ -96,11 +97,21 @@ def test_pack_documents_positions_and_boundaries():
         pack_documents([torch.arange(3), torch.zeros(0)])
 
 
+def _require_mask(got, expected, where):
+    """The mask's shape, then the first (query, key) it gets wrong, in words."""
+    require(equal(tuple(got.shape), tuple(expected.shape), f"the shape of {where}"))
+    wrong = (got.bool() != expected.bool()).nonzero().tolist()
+    assert not wrong, (f"{where}: {len(wrong)} (query, key) entries wrong; the first, query {wrong[0][0]} key "
+                       f"{wrong[0][1]}, is {bool(got[tuple(wrong[0])])}, expected {bool(expected[tuple(wrong[0])])} "
+                       "(True: may attend; same document and key <= query)")
+
+
 @pytest.mark.exercise("packed_seq.document_causal_mask")
 @pytest.mark.parametrize("lengths", DOC_LENGTHS, ids=lambda ls: "-".join(map(str, ls)))
 def test_document_causal_mask_matches_per_document_loops(lengths):
     _, _, cu_seqlens = pack_documents([torch.zeros(n, dtype=torch.long) for n in lengths])
-    assert torch.equal(document_causal_mask(cu_seqlens), _mask_by_loops(lengths))
+    _require_mask(document_causal_mask(cu_seqlens), _mask_by_loops(lengths),
+                  f"document_causal_mask(cu_seqlens {cu_seqlens.tolist()})")
 
 
 @pytest.mark.exercise("packed_seq.document_causal_mask")
@@ -112,7 +123,8 @@ def test_document_mask_attention_equals_each_document_alone():
     masked = F.scaled_dot_product_attention(q, k, v, attn_mask=document_causal_mask(cu_seqlens))
     alone = [F.scaled_dot_product_attention(q[..., a:b, :], k[..., a:b, :], v[..., a:b, :], is_causal=True)
              for a, b in zip(cu_seqlens[:-1].tolist(), cu_seqlens[1:].tolist())]
-    torch.testing.assert_close(masked, torch.cat(alone, dim=2))
+    require(close(masked, torch.cat(alone, dim=2), f"SDPA with document_causal_mask over documents of {lengths} tokens "
+                                                   "vs causal SDPA on each document alone"))
 
 
 @pytest.mark.exercise("packed_seq.document_causal_mask")
@@ -124,8 +136,11 @@ def test_eod_boundaries_give_megatrons_reset_attention_mask(tokens):
     for i in (tokens == 0).nonzero().flatten().tolist():
         megatron[i + 1:, :i + 1] = 0
     cu_seqlens = cu_seqlens_from_eod(tokens, eod=0)
-    assert cu_seqlens[0] == 0 and cu_seqlens[-1] == s
-    assert torch.equal(document_causal_mask(cu_seqlens), megatron.bool())
+    assert cu_seqlens[0] == 0 and cu_seqlens[-1] == s, (
+        f"cu_seqlens_from_eod({tokens.tolist()}) is {cu_seqlens.tolist()}: it should start at 0 and end at {s}")
+    _require_mask(document_causal_mask(cu_seqlens), megatron.bool(),
+                  f"document_causal_mask for tokens {tokens.tolist()} (eod 0; cu_seqlens {cu_seqlens.tolist()}) vs "
+                  "Megatron's reset_attention_mask")
 
 
 # ------------------------------------------------------------------ the models

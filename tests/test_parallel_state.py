@@ -6,6 +6,7 @@ import torch
 
 from megalab import launch
 from megalab import parallel_state as ps
+from tests.feedback import equal, equal_lists, require
 
 ORDERS = ["tp-cp-ep-dp-pp", "tp-cp-pp-ep-dp"]
 
@@ -64,24 +65,30 @@ GOLDEN_CONFIGS = [
 def test_masked_orthogonal_docstring_example():
     # Megatron's docstring: sizes [tp, dp, pp] = [2, 3, 4], mask on dp.
     groups = ps.generate_masked_orthogonal_rank_groups(24, [2, 3, 4], [False, True, False])
-    assert groups[0] == [0, 2, 4] and groups[1] == [1, 3, 5] and groups[7] == [19, 21, 23]
-    assert len(groups) == 8
+    call = "generate_masked_orthogonal_rank_groups(24, sizes [tp, dp, pp] = [2, 3, 4], mask on dp)"
+    require(equal(len(groups), 8, f"the number of groups of {call}"))
+    for i, expected in [(0, [0, 2, 4]), (1, [1, 3, 5]), (7, [19, 21, 23])]:
+        require(equal(groups[i], expected, f"group {i} of {call}"))
     # ... and "order tp-pp-dp, sizes 2-2-2: dp groups [[0, 4], [1, 5], [2, 6], [3, 7]]"
-    assert ps.generate_masked_orthogonal_rank_groups(8, [2, 2, 2], [False, False, True]) == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    require(equal(ps.generate_masked_orthogonal_rank_groups(8, [2, 2, 2], [False, False, True]),
+                  [[0, 4], [1, 5], [2, 6], [3, 7]],
+                  "generate_masked_orthogonal_rank_groups(8, sizes [tp, pp, dp] = [2, 2, 2], mask on dp)"))
 
 
 @pytest.mark.exercise("parallel_state.get_ranks")
 def test_initialize_model_parallel_docstring_examples():
     # 16 GPUs, tp=2, pp=4 (initialize_model_parallel's docstring, default order)
     gen = ps.RankGenerator(tp=2, ep=1, dp=2, pp=4, cp=1)
-    assert gen.get_ranks("dp") == [[0, 2], [1, 3], [4, 6], [5, 7], [8, 10], [9, 11], [12, 14], [13, 15]]
-    assert gen.get_ranks("tp") == [[0, 1], [2, 3], [4, 5], [6, 7], [8, 9], [10, 11], [12, 13], [14, 15]]
-    assert gen.get_ranks("pp") == [[0, 4, 8, 12], [1, 5, 9, 13], [2, 6, 10, 14], [3, 7, 11, 15]]
+    for token, expected in [("dp", [[0, 2], [1, 3], [4, 6], [5, 7], [8, 10], [9, 11], [12, 14], [13, 15]]),
+                            ("tp", [[0, 1], [2, 3], [4, 5], [6, 7], [8, 9], [10, 11], [12, 13], [14, 15]]),
+                            ("pp", [[0, 4, 8, 12], [1, 5, 9, 13], [2, 6, 10, 14], [3, 7, 11, 15]])]:
+        require(equal(gen.get_ranks(token), expected, f"RankGenerator(tp=2, dp=2, pp=4).get_ranks({token!r})"))
     # 8 GPUs, tp=4, cp=2 (context_parallel_size's docstring), either order
     for order in ORDERS:
         gen = ps.RankGenerator(tp=4, ep=1, dp=1, pp=1, cp=2, order=order)
-        assert gen.get_ranks("cp") == [[0, 4], [1, 5], [2, 6], [3, 7]]
-        assert gen.get_ranks("tp") == [[0, 1, 2, 3], [4, 5, 6, 7]]
+        for token, expected in [("cp", [[0, 4], [1, 5], [2, 6], [3, 7]]), ("tp", [[0, 1, 2, 3], [4, 5, 6, 7]])]:
+            require(equal(gen.get_ranks(token), expected,
+                          f"RankGenerator(tp=4, cp=2, order={order!r}).get_ranks({token!r})"))
 
 
 @pytest.mark.exercise("parallel_state.get_ranks")
@@ -92,10 +99,15 @@ def test_golden_rank_lists(nodes, gpus, tp, pp, cp, ep):
     golden = golden_from_loops(world, tp, pp, cp, ep)
     dense = ps.RankGenerator(tp=tp, ep=1, dp=dp, pp=pp, cp=cp, order="tp-cp-ep-dp-pp")
     expert = ps.RankGenerator(tp=tp, ep=ep, dp=edp, pp=pp, cp=1, order="tp-cp-ep-dp-pp")
+    where = f"{world} ranks, tp={tp}, pp={pp}, cp={cp}, dp={dp}, order tp-cp-ep-dp-pp"
     for token in ("dp", "dp-cp", "cp", "tp-pp", "tp", "pp", "tp-dp", "tp-dp-cp"):
-        assert dense.get_ranks(token) == golden[token], token
-    assert expert.get_ranks("tp-ep") == golden["tp-ep"]
-    assert expert.get_ranks("dp") == golden["edp"]
+        require(equal_lists(dense.get_ranks(token), golden[token], f"{where}: get_ranks({token!r}) vs Megatron's "
+                                                                   "golden list", "group"))
+    where = f"{world} ranks, experts: tp={tp}, ep={ep}, expert dp={edp}, pp={pp}"
+    require(equal_lists(expert.get_ranks("tp-ep"), golden["tp-ep"], f"{where}: get_ranks('tp-ep') vs Megatron's "
+                                                                    "golden list", "group"))
+    require(equal_lists(expert.get_ranks("dp"), golden["edp"], f"{where}: get_ranks('dp') vs Megatron's golden list",
+                        "group"))
 
 
 SIZES = [dict(tp=2, cp=2, ep=1, dp=2, pp=2), dict(tp=1, cp=3, ep=1, dp=2, pp=2), dict(tp=2, cp=1, ep=4, dp=2, pp=3),
@@ -113,9 +125,14 @@ def test_every_token_matches_numpy_reference(order, sizes):
     for k in range(1, 2 ** len(names)):
         mask = [bool(k >> i & 1) for i in range(len(names))]
         token = "-".join(n for n, m in zip(names, mask) if m)
-        assert gen.get_ranks(token) == numpy_groups(ordered, mask), token
+        where = f"RankGenerator(order={order!r}, {', '.join(f'{k}={v}' for k, v in sizes.items())})"
+        require(equal_lists(gen.get_ranks(token), numpy_groups(ordered, mask),
+                            f"{where}.get_ranks({token!r}) vs an independent numpy reference", "group"))
         # a token's names can come in any order: "dp-cp" == "cp-dp"
-        assert gen.get_ranks("-".join(reversed(token.split("-")))) == gen.get_ranks(token)
+        reverse = "-".join(reversed(token.split("-")))
+        require(equal_lists(gen.get_ranks(reverse), gen.get_ranks(token),
+                            f"{where}.get_ranks({reverse!r}) vs get_ranks({token!r}) (the order of a token's names "
+                            "should not matter)", "group"))
 
 
 @pytest.mark.exercise("parallel_state.get_ranks")
@@ -126,7 +143,9 @@ def test_orders_agree_when_megatron_says_they_do(tp, pp, ep):
     a = ps.rank_groups(ps.ParallelSizes(8, tp, pp, expert_model_parallel_size=ep, order="tp-cp-ep-dp-pp"))
     b = ps.rank_groups(ps.ParallelSizes(8, tp, pp, expert_model_parallel_size=ep, order="tp-cp-pp-ep-dp"))
     for name in ("tp", "dp", "pp", "cp", "tp-pp", "tp-dp", "tp-ep", "edp"):
-        assert sorted(a[name]) == sorted(b[name]), name
+        require(equal(sorted(a[name]), sorted(b[name]),
+                      f"8 ranks, tp={tp}, pp={pp}, ep={ep}: the {name!r} groups with order tp-cp-pp-ep-dp (sorted) vs "
+                      "with tp-cp-ep-dp-pp"))
 
 
 @pytest.mark.exercise("parallel_state.get_ranks")
@@ -134,30 +153,34 @@ def test_order_changes_groups():
     # tp=2, pp=2, dp=2: pp-last puts stages 4 ranks apart, dp-last puts them 2 apart.
     pp_last = ps.RankGenerator(tp=2, ep=1, dp=2, pp=2, cp=1, order="tp-cp-ep-dp-pp")
     dp_last = ps.RankGenerator(tp=2, ep=1, dp=2, pp=2, cp=1, order="tp-cp-pp-ep-dp")
-    assert pp_last.get_ranks("pp") == [[0, 4], [1, 5], [2, 6], [3, 7]]
-    assert dp_last.get_ranks("pp") == [[0, 2], [1, 3], [4, 6], [5, 7]]
-    assert dp_last.get_ranks("dp") == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    where = "RankGenerator(tp=2, dp=2, pp=2, order={!r}).get_ranks({!r})"
+    require(equal(pp_last.get_ranks("pp"), [[0, 4], [1, 5], [2, 6], [3, 7]], where.format("tp-cp-ep-dp-pp", "pp")))
+    require(equal(dp_last.get_ranks("pp"), [[0, 2], [1, 3], [4, 6], [5, 7]], where.format("tp-cp-pp-ep-dp", "pp")))
+    require(equal(dp_last.get_ranks("dp"), [[0, 4], [1, 5], [2, 6], [3, 7]], where.format("tp-cp-pp-ep-dp", "dp")))
 
 
 @pytest.mark.exercise("parallel_state.get_ranks")
 def test_rank_offset_and_missing_names():
     gen = ps.RankGenerator(tp=2, ep=1, dp=2, pp=2, cp=1, order="tp-dp-pp", rank_offset=8)
-    assert gen.order == "tp-dp-pp-ep-cp"
-    assert gen.get_mask(gen.order, "tp-pp") == [True, False, True, False, False]
-    assert gen.get_ranks("tp") == [[8, 9], [10, 11], [12, 13], [14, 15]]
-    assert gen.get_ranks("dp") == [[8, 10], [9, 11], [12, 14], [13, 15]]
+    where = "RankGenerator(tp=2, dp=2, pp=2, order='tp-dp-pp', rank_offset=8)"
+    require(equal(gen.order, "tp-dp-pp-ep-cp", f"{where}.order (the missing names of size 1 appended)"))
+    require(equal(gen.get_mask(gen.order, "tp-pp"), [True, False, True, False, False], f"{where}.get_mask(order, 'tp-pp')"))
+    require(equal(gen.get_ranks("tp"), [[8, 9], [10, 11], [12, 13], [14, 15]], f"{where}.get_ranks('tp')"))
+    require(equal(gen.get_ranks("dp"), [[8, 10], [9, 11], [12, 14], [13, 15]], f"{where}.get_ranks('dp')"))
 
 
 @pytest.mark.exercise("parallel_state.get_ranks")
 def test_rank_groups_layout():
     groups = ps.rank_groups(ps.ParallelSizes(8, tensor_model_parallel_size=2, pipeline_model_parallel_size=2))
-    assert groups["embd"] == [[0, 4], [1, 5], [2, 6], [3, 7]]
-    assert groups["pos_embd"] == [[0], [1], [2], [3]]
-    assert groups["tp-pp"] == [[0, 1, 4, 5], [2, 3, 6, 7]]
+    where = "rank_groups(8 ranks, tp=2, pp=2)"
+    require(equal(groups["embd"], [[0, 4], [1, 5], [2, 6], [3, 7]], f"{where}['embd'] (first and last stage)"))
+    require(equal(groups["pos_embd"], [[0], [1], [2], [3]], f"{where}['pos_embd'] (the first stage)"))
+    require(equal(groups["tp-pp"], [[0, 1, 4, 5], [2, 3, 6, 7]], f"{where}['tp-pp']"))
     # every family partitions the world
     for name, family in groups.items():
         if name not in ("embd", "pos_embd"):
-            assert sorted(r for g in family for r in g) == list(range(8)), name
+            require(equal(sorted(r for g in family for r in g), list(range(8)),
+                          f"the ranks of all {where}[{name!r}] groups, sorted (each rank in exactly one group)"))
 
 
 @pytest.mark.parametrize(
@@ -219,7 +242,8 @@ def _groups_worker(layouts):
         ep_value = torch.tensor([float(rank)])
         dist.all_reduce(ep_value, group=ps.get_expert_model_parallel_group())
         report.append(dict(
-            members_ok=members == expected and state.global_ranks == expected,
+            mismatches={name: (members.get(name), ranks) for name, ranks in expected.items() if members.get(name) != ranks},
+            global_ranks=state.global_ranks, expected_ranks=expected,
             tp_sum=value.item(), tp_expected=float(sum(expected["tp"])),
             ep_sum=ep_value.item(), ep_expected=float(sum(expected["ep"])),
             tp_rank=ps.get_tensor_model_parallel_rank(), pp_rank=ps.get_pipeline_model_parallel_rank(),
@@ -238,16 +262,31 @@ def _groups_worker(layouts):
 @pytest.mark.exercise("parallel_state.create_groups")
 def test_groups_on_eight_ranks():
     res = launch.run_function(_groups_worker, 8, LAYOUTS, launch=dict(timeout=180))
+    def where(rank, kwargs):
+        sizes = ", ".join(f"{k.removesuffix('_model_parallel_size').removesuffix('_parallel_size')}={v}"
+                          for k, v in kwargs.items())
+        return f"8 ranks ({sizes}), rank {rank}"
+
     for rank, report in res.returns.items():
         for kwargs, r in zip(LAYOUTS, report):
-            assert r["members_ok"], (rank, kwargs)
-            assert r["tp_sum"] == r["tp_expected"] and r["ep_sum"] == r["ep_expected"], (rank, kwargs, r)
-            assert r["twice_raises"]
+            for name, (members, expected) in r["mismatches"].items():
+                require(equal(members, expected, f"{where(rank, kwargs)}: the ranks of its {name!r} process group "
+                                                 "(dist.get_process_group_ranks) vs rank_groups'"))
+            require(equal(r["global_ranks"], r["expected_ranks"], f"{where(rank, kwargs)}: state.global_ranks"))
+            require(equal(r["tp_sum"], r["tp_expected"], f"{where(rank, kwargs)}: an all-reduce of the ranks' "
+                                                         "numbers over its tensor-parallel group"))
+            require(equal(r["ep_sum"], r["ep_expected"], f"{where(rank, kwargs)}: an all-reduce of the ranks' "
+                                                         "numbers over its expert-parallel group"))
+            assert r["twice_raises"], f"{where(rank, kwargs)}: a second initialize_model_parallel should raise RuntimeError"
     # tp=2, pp=2 (pp last): rank 5 is tp rank 1 of stage 1, the last one
     r = res.returns[5][0]
-    assert (r["tp_rank"], r["pp_rank"], r["first"], r["last"], r["dp_size"]) == (1, 1, False, True, 2)
+    require(equal(dict(tp_rank=r["tp_rank"], pp_rank=r["pp_rank"], first_stage=r["first"], last_stage=r["last"],
+                       dp_size=r["dp_size"]), dict(tp_rank=1, pp_rank=1, first_stage=False, last_stage=True, dp_size=2),
+                  f"{where(5, LAYOUTS[0])}: its ranks, stage and sizes"))
     # tp=2, cp=2, ep=2: dp=2 alone, dp x cp = 4
     r = res.returns[3][1]
-    assert (r["dp_size"], r["dpcp_size"], r["tp_sum"]) == (2, 4, 5.0)
+    require(equal(dict(dp_size=r["dp_size"], dp_cp_size=r["dpcp_size"], tp_sum=r["tp_sum"]),
+                  dict(dp_size=2, dp_cp_size=4, tp_sum=5.0), f"{where(3, LAYOUTS[1])}: its sizes and TP all-reduce"))
     # dp-last order: stages 2 ranks apart
-    assert res.returns[2][3]["pp_rank"] == 1 and res.returns[4][3]["pp_rank"] == 0
+    require(equal(res.returns[2][3]["pp_rank"], 1, f"{where(2, LAYOUTS[3])}: its pipeline rank"))
+    require(equal(res.returns[4][3]["pp_rank"], 0, f"{where(4, LAYOUTS[3])}: its pipeline rank"))

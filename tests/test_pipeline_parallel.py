@@ -8,30 +8,43 @@ import torch
 from megalab import launch
 from megalab import pipeline_parallel as pp
 from megalab.pipeline_parallel import Op
+from tests.feedback import equal, max_error, require, require_within
 
 CASES = [(p, m, 1, kind) for kind in ("gpipe", "1f1b") for p in (1, 2, 3, 4) for m in (1, 2, 3, 4, 8)]
 CASES += [(p, m, v, "interleaved") for p in (2, 3, 4) for v in (2, 3) for m in (p, 2 * p, 3 * p)]
 
 
 # ------------------------------------------------------------------ schedules, no processes
+def _require_warmups(p, m, v, expected, rule):
+    got = [pp.get_num_warmup_microbatches(p, r, m, v) for r in range(p)]
+    require(equal(got, expected, f"get_num_warmup_microbatches(pp={p}, rank, m={m}{f', v={v}' if v > 1 else ''}) "
+                                 f"for ranks 0..{p - 1} ({rule})"))
+
+
 @pytest.mark.exercise("pp.num_warmup")
 def test_warmup_matches_megatron():
-    # 1F1B: min(pp - rank - 1, m)
-    assert [pp.get_num_warmup_microbatches(4, r, 8) for r in range(4)] == [3, 2, 1, 0]
-    assert [pp.get_num_warmup_microbatches(4, r, 2) for r in range(4)] == [2, 2, 1, 0]
-    assert pp.get_num_warmup_microbatches(1, 0, 5) == 0
-    # interleaved: (pp - rank - 1) * 2 + (v - 1) * pp, capped at v * m (get_pp_rank_microbatches)
-    assert [pp.get_num_warmup_microbatches(4, r, 8, 2) for r in range(4)] == [10, 8, 6, 4]
-    assert [pp.get_num_warmup_microbatches(2, r, 4, 3) for r in range(2)] == [6, 4]
-    assert [pp.get_num_warmup_microbatches(4, r, 4, 2) for r in range(4)] == [8, 8, 6, 4]
+    one_f_one_b = "1F1B: min(pp - rank - 1, m)"
+    _require_warmups(4, 8, 1, [3, 2, 1, 0], one_f_one_b)
+    _require_warmups(4, 2, 1, [2, 2, 1, 0], one_f_one_b)
+    _require_warmups(1, 5, 1, [0], one_f_one_b)
+    interleaved = "interleaved: (pp - rank - 1) * 2 + (v - 1) * pp, capped at v * m"  # get_pp_rank_microbatches
+    _require_warmups(4, 8, 2, [10, 8, 6, 4], interleaved)
+    _require_warmups(2, 4, 3, [6, 4], interleaved)
+    _require_warmups(4, 4, 2, [8, 8, 6, 4], interleaved)
 
 
 @pytest.mark.exercise("pp.schedule_table")
 def test_schedule_table_matches_megatron_docstring():
     # "the tunable schedule table for PP2 N3M5 with VP2" in Megatron's schedules.py
-    mbs, chunks = zip(*pp.get_schedule_table(5, 2, 3))
-    assert mbs == (0, 1, 2, 0, 1, 2, 3, 4, 3, 4)
-    assert chunks == (0, 0, 0, 1, 1, 1, 0, 0, 1, 1)
+    table = pp.get_schedule_table(5, 2, 3)
+    require(equal([tuple(pair) for pair in table], [(0, 0), (1, 0), (2, 0), (0, 1), (1, 1), (2, 1), (3, 0), (4, 0),
+                                                    (3, 1), (4, 1)],
+                  "get_schedule_table(m=5, v=2, group_size=3) as (microbatch, chunk) pairs (groups of 3 micro-batches; "
+                  "inside a group every chunk in turn)"))
+
+
+def _case(p, rank, m, v, kind):
+    return f"the {kind} schedule of rank {rank} (pp={p}, m={m}{f', v={v}' if v > 1 else ''})"
 
 
 @pytest.mark.exercise("pp.num_warmup")
@@ -41,22 +54,39 @@ def test_schedules_are_complete_ordered_and_deadlock_free():
     for p, m, v, kind in CASES:
         for rank in range(p):
             ops = pp.get_schedule(p, rank, m, v, kind)
-            assert Counter(ops) == Counter(Op(k, mb, c) for k in "FB" for mb in range(m) for c in range(v)), ops
-            assert all(ops.index(Op("F", mb, c)) < ops.index(Op("B", mb, c)) for mb in range(m) for c in range(v))
+            where = _case(p, rank, m, v, kind)
+            expected = Counter(Op(k, mb, c) for k in "FB" for mb in range(m) for c in range(v))
+            missing, extra = sorted(expected - Counter(ops)), sorted(Counter(ops) - expected)
+            assert not missing and not extra, (
+                f"{where} is {ops}: it should run one forward and one backward of every (micro-batch, chunk); "
+                f"missing {missing}, extra {extra}")
+            early = [(mb, c) for mb in range(m) for c in range(v) if ops.index(Op("B", mb, c)) < ops.index(Op("F", mb, c))]
+            assert not early, f"{where} is {ops}: the backward of (micro-batch, chunk) {early[0]} runs before its forward"
             forwards = [op for op in ops if op.kind == "F"]
             if kind == "interleaved":
-                assert [(op.microbatch, op.chunk) for op in forwards] == pp.get_schedule_table(m, v, p)
+                require(equal([(op.microbatch, op.chunk) for op in forwards], pp.get_schedule_table(m, v, p),
+                              f"{where}: the order of its forwards as (micro-batch, chunk) pairs vs "
+                              f"get_schedule_table(m={m}, v={v}, group_size={p})"))
             else:
-                assert [op.microbatch for op in forwards] == list(range(m))
+                require(equal([op.microbatch for op in forwards], list(range(m)),
+                              f"{where}: the micro-batches of its forwards, in order"))
             if kind == "gpipe":
-                assert ops[:m] == forwards
+                require(equal(ops[:m], forwards, f"{where}: its first {m} ops (GPipe: all forwards, then all backwards)"))
             else:  # warmup forwards, then strictly F B F B ..., then backwards
                 warmup = pp.get_num_warmup_microbatches(p, rank, m, v)
                 first_b = next(i for i, op in enumerate(ops) if op.kind == "B")
-                assert first_b == warmup + (warmup < m * v)
+                require(equal(first_b, warmup + (warmup < m * v),
+                              f"{where} is {ops}: the position of its first backward (after the {warmup} warmup "
+                              f"forwards{' and one steady-state forward' if warmup < m * v else ''})"))
                 steady = ops[warmup:warmup + 2 * (m * v - warmup)]
-                assert [op.kind for op in steady] == ["F", "B"] * (m * v - warmup)
-        pp.simulate(p, m, v, kind)  # raises on deadlock
+                require(equal("".join(op.kind for op in steady), "FB" * (m * v - warmup),
+                              f"{where} is {ops}: the kinds of its {2 * (m * v - warmup)} ops after the {warmup} "
+                              "warmup forwards (steady state: one forward, then one backward)"))
+        try:
+            pp.simulate(p, m, v, kind)  # raises on deadlock
+        except Exception as e:
+            raise AssertionError(f"the {kind} schedules (pp={p}, m={m}, v={v}) deadlock or fail when run together: "
+                                 f"{type(e).__name__}: {e}") from e
 
 
 @pytest.mark.exercise("pp.num_warmup")
@@ -81,13 +111,19 @@ def test_p2p_streams_match_in_order():
                     streams.setdefault(("grad", (rank + 1) % p, rank, "recv"), []).append((op.microbatch, stage))
         for (what, src, dst, direction), items in streams.items():
             if direction == "send":
-                assert items == streams[(what, src, dst, "recv")], (p, m, v, kind, what, src, dst)
+                received = streams.get((what, src, dst, "recv"), [])
+                words = "activations" if what == "act" else "gradients"
+                assert items == received, (
+                    f"the {kind} schedules (pp={p}, m={m}, v={v}): rank {src} sends {words} to rank {dst} for "
+                    f"(micro-batch, stage) {items}, but rank {dst} receives them in the order {received}")
 
 
 @pytest.mark.exercise("pp.one_f_one_b")
 def test_no_pipelining_is_gradient_accumulation():
     expected = [Op(k, mb) for mb in range(3) for k in "FB"]
-    assert pp.get_schedule(1, 0, 3, kind="none") == expected == pp.get_schedule(1, 0, 3, kind="1f1b")
+    require(equal(pp.get_schedule(1, 0, 3, kind="none"), expected, "get_schedule(pp=1, m=3, kind='none')"))
+    require(equal(pp.get_schedule(1, 0, 3, kind="1f1b"), expected,
+                  "get_schedule(pp=1, m=3, kind='1f1b') (one stage: no warmup, F B F B F B)"))
     with pytest.raises(ValueError, match="pp_size == 1"):
         pp.get_schedule(2, 0, 3, kind="none")
 
@@ -121,20 +157,28 @@ def test_simulated_bubble_and_memory_match_theory():
     for p, m, v, kind in CASES:
         records = pp.simulate(p, m, v, kind, forward_time=1 / v, backward_time=2 / v)
         if kind != "gpipe" or v == 1:
-            assert pp.measured_bubble(records) == pytest.approx(pp.bubble_fraction_of_total(p, m, v)), (p, m, v, kind)
+            bubble, theory = pp.measured_bubble(records), pp.bubble_fraction_of_total(p, m, v)
+            assert bubble == pytest.approx(theory), (
+                f"the {kind} schedules (pp={p}, m={m}, v={v}) simulated: the bubble is {bubble:.4g} of the step, "
+                f"theory (p-1)/(v m + p-1) says {theory:.4g}")
         peaks = [pp.peak_in_flight(pp.get_schedule(p, r, m, v, kind)) for r in range(p)]
         if kind == "gpipe":
-            assert peaks == [m] * p
+            require(equal(peaks, [m] * p, f"the most micro-batches in flight per rank, GPipe (pp={p}, m={m}; all m)"))
         elif kind == "1f1b":
-            assert peaks == [min(p - r, m) for r in range(p)]
+            require(equal(peaks, [min(p - r, m) for r in range(p)],
+                          f"the most micro-batches in flight per rank, 1F1B (pp={p}, m={m}; min(pp - rank, m))"))
     assert pp.bubble_fraction(4, 8) == pytest.approx(3 / 8) and pp.bubble_fraction(4, 8, 2) == pytest.approx(3 / 16)
 
 
 @pytest.mark.exercise("pp.stage_split")
 def test_layer_ranges_tile_the_model():
-    assert [pp.get_layer_range(8, 4, r) for r in range(4)] == [(0, 2), (2, 4), (4, 6), (6, 8)]
+    require(equal([pp.get_layer_range(8, 4, r) for r in range(4)], [(0, 2), (2, 4), (4, 6), (6, 8)],
+                  "get_layer_range(8 layers, pp=4, rank) for ranks 0..3"))
     # interleaved: chunk k on rank r is virtual stage k * pp + r
-    assert [pp.get_layer_range(8, 2, r, c, 2) for c in range(2) for r in range(2)] == [(0, 2), (2, 4), (4, 6), (6, 8)]
+    require(equal([pp.get_layer_range(8, 2, r, c, 2) for c in range(2) for r in range(2)],
+                  [(0, 2), (2, 4), (4, 6), (6, 8)],
+                  "get_layer_range(8 layers, pp=2, rank, chunk, v=2) for (chunk, rank) = (0, 0), (0, 1), (1, 0), (1, 1) "
+                  "(chunk k on rank r is virtual stage k * pp + r)"))
     with pytest.raises(ValueError, match="multiple of 6"):
         pp.get_layer_range(8, 3, 0, 0, 2)
 
@@ -190,16 +234,20 @@ def _matches_unpipelined_worker(num_microbatches):
             if state.is_rank_in_embedding_group():
                 pp.allreduce_word_embedding_grads(model, state.get_embedding_group())
             owned = {id(p) for c in chunks for p in c.parameters()}
-            names = [n for n, p in model.named_parameters() if id(p) in owned]
-            ok = all(torch.allclose(dict(model.named_parameters())[n].grad, ref_grads[n], atol=1e-5, rtol=1e-5)
-                     for n in names)
-            ok &= all(p.grad is None for p in model.parameters() if id(p) not in owned)
+            params = dict(model.named_parameters())
+            names = [n for n, p in params.items() if id(p) in owned]
+            errors = {}  # quantity -> max abs difference from the unpipelined model (or why not comparable)
             if state.is_pipeline_last_stage():
-                ok &= abs(sum(res.losses) / m - ref_loss.item()) < 1e-5
+                errors["the mean loss"] = abs(sum(res.losses) / m - ref_loss.item()) if res.losses else "is missing"
+            for n in names:  # allclose(atol=rtol=1e-5); when it fails, the largest difference (> 1e-5 then)
+                err = max_error(params[n].grad, ref_grads[n])
+                if not isinstance(err, str) and torch.allclose(params[n].grad, ref_grads[n], atol=1e-5, rtol=1e-5):
+                    err = 0.0
+                errors[f"the gradient of {n}"] = err
+            stray = [n for n, p in params.items() if id(p) not in owned and p.grad is not None]
             ops = pp.get_schedule(size, rank, m, v, kind)
-            ok &= [r.op for r in res.timeline] == ops
-            ok &= res.peak_in_flight == pp.peak_in_flight(ops)
-            out[(tied, size, kind, v)] = (ok, names, res.peak_in_flight)
+            out[(tied, size, kind, v)] = dict(errors=errors, names=names, stray=stray, ran=[r.op for r in res.timeline],
+                                              ops=ops, peak=res.peak_in_flight, expected_peak=pp.peak_in_flight(ops))
             parallel_state.destroy_model_parallel()
     torch.distributed.barrier()
     return out
@@ -216,16 +264,30 @@ def test_pipelined_gpt_matches_unpipelined():
     all_names = {n for n, _ in _gpt().named_parameters()}
     for key in res.returns[0]:
         tied, size, kind, v = key
-        assert all(res.returns[r][key][0] for r in range(4)), (key, {r: res.returns[r][key][0] for r in range(4)})
-        covered = set().union(*(res.returns[r][key][1] for r in range(4)))  # each pipeline covers the model
+        stages = 4 // size  # pp rank = rank // (4 // size) (order tp-cp-ep-dp-pp)
+        for r in range(4):
+            got = res.returns[r][key]
+            where = (f"pp={size} {kind}{f' (v={v})' if v > 1 else ''}, {'tied' if tied else 'untied'} embeddings, "
+                     f"rank {r} (stage {r // stages})")
+            require(equal(got["ran"], got["ops"], f"{where}: the ops the executor ran, in order, vs get_schedule's"))
+            require_within(got["errors"], 1e-5, where=where, against="the unpipelined model's")
+            assert not got["stray"], (f"{where}: parameters of other stages got gradients: {got['stray'][:3]}"
+                                      f"{' ...' if len(got['stray']) > 3 else ''}")
+            require(equal(got["peak"], got["expected_peak"], f"{where}: the most micro-batches in flight "
+                                                             "(forward run, backward not yet) vs its schedule's"))
+        covered = set().union(*(res.returns[r][key]["names"] for r in range(4)))  # each pipeline covers the model
         expected = all_names if tied else set(n for n, _ in _gpt(share_embeddings_and_output_weights=False)
                                               .named_parameters())
-        assert covered == expected, key
-        peaks = [res.returns[r][key][2] for r in range(4)]  # pp rank = rank // (4 // size) (order tp-cp-ep-dp-pp)
+        assert covered == expected, (
+            f"pp={size} {kind}, {'tied' if tied else 'untied'} embeddings: the stages together hold "
+            f"{len(covered)} of the model's {len(expected)} parameters; missing {sorted(expected - covered)[:3]}, "
+            f"foreign {sorted(covered - expected)[:3]}")
+        peaks = [res.returns[r][key]["peak"] for r in range(4)]
         if kind == "gpipe":
-            assert peaks == [m] * 4
+            require(equal(peaks, [m] * 4, f"pp={size} gpipe: the most micro-batches in flight per rank (all m={m})"))
         elif kind == "1f1b":
-            assert peaks == [min(size - r // (4 // size), m) for r in range(4)]
+            require(equal(peaks, [min(size - r // stages, m) for r in range(4)],
+                          f"pp={size} 1f1b: the most micro-batches in flight per rank 0..3 (min(pp - stage, m={m}))"))
 
 
 def _torch_pipelining_worker(num_microbatches):
@@ -253,7 +315,7 @@ def _torch_pipelining_worker(num_microbatches):
             schedule.step(target=y, losses=losses)
         else:
             schedule.step()
-        out[name] = abs(sum(losses) / m - ref_loss) < 1e-5 if rank == world - 1 else True
+        out[name] = abs(sum(float(loss) for loss in losses) / m - ref_loss) if rank == world - 1 else 0.0
     torch.distributed.barrier()
     return out
 
@@ -261,4 +323,7 @@ def _torch_pipelining_worker(num_microbatches):
 @pytest.mark.exercise("pp.stage_split")
 def test_torch_pipelining_gives_the_same_loss():
     res = launch.run_function(_torch_pipelining_worker, 4, 4, launch=dict(timeout=180))
-    assert all(all(r.values()) for r in res.returns.values()), res.returns
+    for rank, errors in res.returns.items():
+        for name, err in errors.items():
+            require_within({"the mean loss": err}, 1e-5, where=f"torch.distributed.pipelining {name} on our "
+                           f"build_gpt_stages (4 stages), rank {rank}", against="the unpipelined model's")

@@ -108,10 +108,14 @@ CASES = [
 @pytest.mark.exercise("planner.weight_memory")
 @pytest.mark.parametrize("model, layout, train", CASES, ids=lambda x: str(x) if isinstance(x, P.Layout) else None)
 def test_weight_memory_equals_megatron(model, layout, train):
-    ours = sum(P.weight_memory(model, layout, train).values())
+    parts = P.weight_memory(model, layout, train)
+    ours = sum(parts.values())
     megatron = megatron_weight_and_optimizer_memory(megatron_args(model, layout, train))
     # Megatron divides the (replicated) norm weights by tp and leaves out the MoE router (E x h per layer)
-    assert ours == pytest.approx(megatron, rel=1e-4)
+    assert ours == pytest.approx(megatron, rel=1e-4), (
+        f"weight_memory({model.name}, {layout}) per GPU: {ours / 1e9:.4g} GB ("
+        f"{', '.join(f'{k} {v / 1e9:.4g}' for k, v in parts.items())}), Megatron's formula gives {megatron / 1e9:.4g} GB "
+        f"({ours / megatron:.3g}x)")
 
 
 @pytest.mark.exercise("planner.activation_memory")
@@ -122,7 +126,10 @@ def test_activation_memory_equals_megatron(model, layout, train):
         pytest.skip("Megatron's without-SP formula assumes ffn = 4h")
     m = P.check_layout(model, layout, train)
     ours = P.activation_memory(model, layout, train, m)
-    assert ours == pytest.approx(megatron_activation_memory(megatron_args(model, layout, train), m), rel=1e-12)
+    megatron = megatron_activation_memory(megatron_args(model, layout, train), m)
+    assert ours == pytest.approx(megatron, rel=1e-12), (
+        f"activation_memory({model.name}, {layout}, {m} micro-batches, sequence_parallel={train.sequence_parallel}) "
+        f"per GPU: {ours / 1e9:.6g} GB, Megatron's formula gives {megatron / 1e9:.6g} GB ({ours / megatron:.6g}x)")
 
 
 @pytest.mark.exercise("planner.activation_memory")
@@ -130,10 +137,15 @@ def test_activation_memory_follows_cp_and_recompute():
     model, train = P.LLAMA3_8B, P.Training(seq_length=8192, sequence_parallel=True)
     base = P.activation_memory(model, P.Layout(tp=2, dp=4), train, 64)
     with_cp = P.activation_memory(model, P.Layout(tp=2, cp=2, dp=2), train, 128)
-    assert with_cp == pytest.approx(base / 2)  # every rank holds half the tokens
+    assert with_cp == pytest.approx(base / 2), (  # every rank holds half the tokens
+        f"LLaMA-3 8B, s=8192, tp=2: activation_memory with cp=2 is {with_cp / 1e9:.4g} GB, without {base / 1e9:.4g} GB; "
+        "cp=2 should halve it (each rank holds s/cp tokens)")
     none = P.activation_memory(model, P.Layout(tp=2, dp=4), P.Training(recompute="none"), 64)
     s, a, L, t = 8192, 32, 32, 2  # the stored attention scores: 5 a s^2 b / t per layer
-    assert none - base == pytest.approx(L * 5 * a * s * s / t)
+    assert none - base == pytest.approx(L * 5 * a * s * s / t), (
+        f"LLaMA-3 8B, s=8192, tp=2: activation_memory without recomputation exceeds selective recomputation's by "
+        f"{(none - base) / 1e9:.4g} GB, expected the attention scores 5 a s^2 b / t per layer x {L} layers = "
+        f"{L * 5 * a * s * s / t / 1e9:.4g} GB")
 
 
 @pytest.mark.exercise("planner.weight_memory")
@@ -144,7 +156,10 @@ def test_playbook_bytes_per_parameter():
     n = model.num_parameters()
     for grad_bytes, per_param in ((2, 16), (2 + 4, 20)):
         train = P.Training(use_distributed_optimizer=False, grad_bytes=grad_bytes)
-        assert sum(P.weight_memory(model, one, train).values()) / n == pytest.approx(per_param, rel=1e-9)
+        got = sum(P.weight_memory(model, one, train).values()) / n
+        assert got == pytest.approx(per_param, rel=1e-9), (
+            f"weight_memory on one GPU, grads in {grad_bytes} bytes, no distributed optimizer: {got:.6g} bytes per "
+            f"parameter, expected {per_param} (2 params + {grad_bytes} grads + 4 fp32 main params + 8 Adam states)")
     table = {1: (16, 20), 7: (112, 140), 70: (1120, 1400), 405: (6480, 8100)}
     for billions, (without, with_fp32) in table.items():
         assert (round(billions * 16), round(billions * 20)) == (without, with_fp32)
@@ -207,10 +222,12 @@ def test_llama3_70b_layout_is_a_good_choice():
     layout, train = P.llama3_70b_on_64_gpus()
     chosen = P.evaluate(P.LLAMA3_70B, layout, train)  # raises if the layout is not valid
     best = P.plan(P.LLAMA3_70B, 64, train)[0]
-    assert layout.world_size == 64
-    assert chosen.fits, f"{layout} needs {chosen.memory['total'] / 1e9:.1f} GB"
-    assert chosen.bubble < 0.05
-    assert chosen.step_time <= 1.2 * best.step_time, f"{layout} is much slower than {best.layout}"
+    assert layout.world_size == 64, f"the layout {layout} uses {layout.world_size} GPUs, not 64"
+    assert chosen.fits, f"{layout} needs {chosen.memory['total'] / 1e9:.1f} GB per GPU, more than fits in 80 GB"
+    assert chosen.bubble < 0.05, f"{layout} has a pipeline bubble of {chosen.bubble:.1%}, not under 5%"
+    assert chosen.step_time <= 1.2 * best.step_time, (
+        f"{layout} takes {chosen.step_time:.3g} s per step, more than 1.2x the best layout's ({best.layout}: "
+        f"{best.step_time:.3g} s)")
 
 
 def test_planner_widget_and_bars():

@@ -34,6 +34,7 @@ from megalab.speedup import (
     remove_hotspots,
     slow_step_setup,
 )
+from tests.feedback import close, equal, max_error, require, require_no_error, require_within
 
 SMALL = dict(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=64, seq_length=24,
              hidden_dropout=0.0, attention_dropout=0.0)
@@ -71,7 +72,12 @@ def test_sliding_window_mask_matches_loops(s, window):
     for i in range(s):
         for j in range(max(0, i - window + 1), i + 1):
             expected[i, j] = True
-    assert torch.equal(sliding_window_mask(s, window), expected)
+    got = sliding_window_mask(s, window)
+    require(equal(tuple(got.shape), (s, s), f"the shape of sliding_window_mask(s={s}, window={window})"))
+    wrong = (got != expected).nonzero().tolist()
+    assert not wrong, (f"sliding_window_mask(s={s}, window={window}): {len(wrong)} (query, key) entries wrong; the "
+                       f"first, query {wrong[0][0]} key {wrong[0][1]}, is {bool(got[tuple(wrong[0])])}, expected "
+                       f"{bool(expected[tuple(wrong[0])])} (True where 0 <= query - key < window)")
 
 
 @pytest.mark.exercise("sliding_window.mask")
@@ -80,9 +86,10 @@ def test_masked_attention_equals_loop_reference_values_and_grads():
     for window in (1, 4, 13):
         out, grads = _grads(partial(masked_sliding_window_attention, window=window), [q, k, v])
         ref, ref_grads = _grads(partial(loop_reference, window=window), [q, k, v])
-        torch.testing.assert_close(out, ref)
-        for g, r in zip(grads, ref_grads):
-            torch.testing.assert_close(g, r)
+        where = f"masked_sliding_window_attention(13 tokens, window={window})"
+        require(close(out, ref, f"{where}: the output vs a loop over the queries"))
+        for name, g, r in zip(("dq", "dk", "dv"), grads, ref_grads):
+            require(close(g, r, f"{where}: {name} vs the loop reference's"))
 
 
 @pytest.mark.exercise("sliding_window.blocked")
@@ -91,9 +98,10 @@ def test_blocked_attention_equals_loop_reference_values_and_grads(s, window):
     q, k, v = _qkv(2, 3, s, 8, seed=s, grad=True)
     out, grads = _grads(partial(blocked_sliding_window_attention, window=window), [q, k, v])
     ref, ref_grads = _grads(partial(loop_reference, window=window), [q, k, v])
-    torch.testing.assert_close(out, ref)
-    for g, r in zip(grads, ref_grads):
-        torch.testing.assert_close(g, r)
+    where = f"blocked_sliding_window_attention(s={s}, window={window})"
+    require(close(out, ref, f"{where}: the output vs a loop over the queries"))
+    for name, g, r in zip(("dq", "dk", "dv"), grads, ref_grads):
+        require(close(g, r, f"{where}: {name} vs the loop reference's"))
 
 
 def test_bad_window_is_a_clear_error():
@@ -115,20 +123,24 @@ def test_core_attention_with_gqa_equals_loop_reference(groups):
     rep = np_ // groups
     q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key.repeat_interleave(rep, 2), value.repeat_interleave(rep, 2)))
     expected = loop_reference(q, k, v, 5).permute(2, 0, 1, 3).reshape(s, b, np_ * hn)
-    torch.testing.assert_close(attention(query, key, value), expected)
+    require(close(attention(query, key, value), expected,
+                  f"SlidingWindowAttention(window 5, 24 tokens: the blocked path, {np_} query heads, {groups} key/value "
+                  "groups) vs the loop reference"))
 
 
 @pytest.mark.exercise("sliding_window.mask")
 def test_window_covering_the_sequence_is_causal_attention():
     config = TransformerConfig(**SMALL)
     query, key, value = _qkv(24, 2, 4, 8, seed=3)
-    torch.testing.assert_close(SlidingWindowAttention(config, 24)(query, key, value), CoreAttention(config)(query, key, value))
+    require(close(SlidingWindowAttention(config, 24)(query, key, value), CoreAttention(config)(query, key, value),
+                  "SlidingWindowAttention with a window of the whole sequence (24) vs causal CoreAttention"))
     torch.manual_seed(0)
     causal = GPTModel(config)
     torch.manual_seed(0)
     windowed = GPTModel(config, sliding_window_spec(100))
     ids = torch.randint(0, 64, (2, 24), generator=torch.Generator().manual_seed(4))
-    torch.testing.assert_close(windowed(ids), causal(ids))
+    require(close(windowed(ids), causal(ids), "the logits of a GPT with sliding_window_spec(100) over 24 tokens vs the "
+                                              "causal GPT's"))
 
 
 @pytest.mark.exercise("sliding_window.blocked")
@@ -153,13 +165,16 @@ def test_gpt_through_the_spec_equals_a_loop_reference_model_and_has_the_receptiv
     model(ids, labels=labels).mean().backward()
     reference(ids, labels=labels).mean().backward()
     for (name, p), r in zip(model.named_parameters(), reference.parameters()):
-        torch.testing.assert_close(p.grad, r.grad, msg=name)
+        require(close(p.grad, r.grad, f"GPT with sliding_window_spec(4): the gradient of {name} vs a GPT with a loop "
+                                      "reference attention"))
     # two layers of window 4 see 2 * 3 + 1 = 7 tokens back: changing token 0 changes positions 0..6 only
     changed = ids.clone()
     changed[:, 0] = (changed[:, 0] + 1) % 64
     with torch.no_grad():
         moved = (model(changed) - model(ids)).abs().amax(dim=(0, 2)) > 1e-6
-    assert moved.tolist() == [i <= config.num_layers * (window - 1) for i in range(24)]
+    require(equal([i for i, m in enumerate(moved.tolist()) if m], list(range(config.num_layers * (window - 1) + 1)),
+                  f"the positions whose logits change when token 0 changes ({config.num_layers} layers of window "
+                  f"{window}: the receptive field reaches {config.num_layers} * {window - 1} tokens back)"))
 
 
 # ------------------------------------------------------------------ sliding window under tensor parallelism
@@ -183,11 +198,11 @@ def _tp_worker(window):
             model = tp.TensorParallelGPTModel(config, core_attention=sliding_window_spec(window).core_attention)
             loss = model(ids, labels=torch.roll(ids, -1, 1))
             loss.mean().backward()
-            worst = (loss - ref_loss).abs().max().item()
+            errors = {"the per-token loss": max_error(loss, ref_loss)}
             for name, p in model.named_parameters():
                 r = ps.get_tensor_model_parallel_rank()
-                worst = max(worst, (p.grad - tp.full_shard_of(ref_params[name].grad, p, r)).abs().max().item())
-            out[t] = worst
+                errors[f"the gradient of {name}"] = max_error(p.grad, tp.full_shard_of(ref_params[name].grad, p, r))
+            out[t] = errors
         except Exception:
             out[t] = traceback.format_exc(limit=-3)
         finally:
@@ -199,9 +214,11 @@ def _tp_worker(window):
 @pytest.mark.exercise("sliding_window.blocked")
 def test_sliding_window_spec_under_tensor_parallelism_equals_one_device():
     returns = launch.run_function(_tp_worker, 2, 4, launch=dict(timeout=300)).returns
-    for rank, worst in returns.items():
-        for t, diff in worst.items():
-            assert isinstance(diff, float) and diff < 1e-5, (rank, t, diff)
+    for rank, results in returns.items():
+        for t, errors in results.items():
+            where = f"tp={t}, rank {rank}, a GPT with sliding_window_spec(4)"
+            require_no_error(where, errors if isinstance(errors, str) else None)
+            require_within(errors, 1e-5, where=where, against="the single-device model's")
 
 
 # ------------------------------------------------------------------ project 3: the slow step and its fix
@@ -224,16 +241,21 @@ def test_looped_attention_is_correct_causal_attention():
 def test_remove_hotspots_keeps_loss_and_gradients_and_drops_the_extra_ops():
     slow_config, slow_spec = slow_step_setup(**SPEED)
     config, spec = remove_hotspots(slow_config, slow_spec)
-    assert config.recompute_granularity is None, "full recompute is one of the hotspots"
+    assert config.recompute_granularity is None, (
+        f"remove_hotspots kept recompute_granularity={config.recompute_granularity!r}: full recompute is one of the "
+        "hotspots")
     slow_model, slow_step = make_train_step(slow_config, slow_spec, _tokens())
     model, step = make_train_step(config, spec, _tokens())
-    assert not any(isinstance(m, LoopedAttention) for m in model.modules()), "the looped attention is still there"
-    torch.testing.assert_close(step(), slow_step())
+    assert not any(isinstance(m, LoopedAttention) for m in model.modules()), (
+        "the model built from remove_hotspots' spec still has a LoopedAttention: use CoreAttention (sdpa)")
+    require(close(step(), slow_step(), "the loss of a training step after remove_hotspots vs before"))
     for (name, p), q in zip(model.named_parameters(), slow_model.parameters()):
-        torch.testing.assert_close(p.grad, q.grad, msg=name)
+        require(close(p.grad, q.grad, f"the gradient of {name} after remove_hotspots vs before"))
     fast_calls = sum(op_calls(profile_step(step, steps=1), steps=1).values())
     slow_calls = sum(op_calls(profile_step(slow_step, steps=1), steps=1).values())
-    assert fast_calls < slow_calls / 3, (fast_calls, slow_calls)
+    assert fast_calls < slow_calls / 3, (
+        f"a training step after remove_hotspots runs {fast_calls} operator calls, before {slow_calls}: expected fewer "
+        "than a third")
 
 
 class FakeClock:
@@ -258,10 +280,15 @@ def test_interleaved_speedup_alternates_skips_warmup_and_takes_medians():
     before = clock.step("before", [9.0, 0.030, 0.031, 0.500, 0.029, 0.030])  # a warm-up round, then one outlier
     after = clock.step("after", [5.0, 0.010, 0.011, 0.009, 0.010, 0.200])
     out = interleaved_speedup(before, after, repeats=5, warmup=1, clock=clock)
-    assert clock.log == ["before", "after"] * 6
-    assert out["times_ms"]["before"] == pytest.approx([30, 31, 500, 29, 30])
-    assert out["before_ms"] == pytest.approx(30.0) and out["after_ms"] == pytest.approx(10.0)
-    assert out["speedup"] == pytest.approx(3.0)
+    where = "interleaved_speedup(repeats=5, warmup=1) on a fake clock"
+    require(equal(clock.log, ["before", "after"] * 6, f"{where}: the order of the calls (alternating, 1 warm-up + 5 "
+                                                      "rounds)"))
+    times = out["times_ms"]["before"]
+    assert times == pytest.approx([30, 31, 500, 29, 30]), (
+        f"{where}: times_ms['before'] is {times}, expected [30, 31, 500, 29, 30] (ms, the warm-up round dropped)")
+    for key, want in (("before_ms", 30.0), ("after_ms", 10.0), ("speedup", 3.0)):
+        assert out[key] == pytest.approx(want), (
+            f"{where}: {key} is {out[key]!r}, expected {want} (medians, so the outlier does not count)")
 
 
 def test_interleaved_speedup_rejects_bad_repeats():

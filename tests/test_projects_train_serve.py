@@ -17,28 +17,39 @@ from megalab.inference import InferenceEngine, PagedKVCache
 from megalab.inference.server import ServerThread, create_app, load_test
 from megalab.inference.tokenizer import ByteTokenizer
 from megalab.model import GPTModel
+from tests.feedback import close, require
 
 REFERENCE = [(1, 9.01), (2, 8.9), (3, 8.7), (4, 8.41), (5, 8.3), (6, 8.2)]
 
 
 @pytest.mark.exercise("projects.curves_match")
 def test_curves_match_accepts_the_exact_continuation_only():
-    assert projects.curves_match(REFERENCE, REFERENCE[3:])
-    assert projects.curves_match(REFERENCE, REFERENCE)  # a resume from iteration 0
+    def expect(answer, resumed, why, **kw):
+        got = projects.curves_match(REFERENCE, resumed, **kw)
+        assert got == answer, (
+            f"curves_match(reference iterations {REFERENCE[0][0]}..{REFERENCE[-1][0]}, {why}"
+            f"{''.join(f', {k}={v}' for k, v in kw.items())}) is {got}, expected {answer}")
+
+    expect(True, REFERENCE[3:], "the exact tail from its 4th iteration")
+    expect(True, REFERENCE, "the whole reference (a resume from iteration 0)")
     nudged = [(it, loss + 1e-12) for it, loss in REFERENCE[3:]]
-    assert not projects.curves_match(REFERENCE, nudged)  # rtol=0 means bit for bit
-    assert projects.curves_match(REFERENCE, nudged, rtol=1e-9)
-    assert not projects.curves_match(REFERENCE, [(it, loss * 1.001) for it, loss in REFERENCE[3:]], rtol=1e-5)
+    expect(False, nudged, "the tail with every loss + 1e-12 (rtol=0 means bit for bit)")
+    expect(True, nudged, "the tail with every loss + 1e-12", rtol=1e-9)
+    expect(False, [(it, loss * 1.001) for it, loss in REFERENCE[3:]], "the tail with every loss x 1.001", rtol=1e-5)
 
 
 @pytest.mark.exercise("projects.curves_match")
 def test_curves_match_rejects_wrong_iterations():
-    assert not projects.curves_match(REFERENCE, [])  # nothing resumed proves nothing
-    assert not projects.curves_match(REFERENCE, REFERENCE[3:5])  # stopped before the end
-    assert not projects.curves_match(REFERENCE, [REFERENCE[3], REFERENCE[5]])  # an iteration missing
-    assert not projects.curves_match(REFERENCE, [REFERENCE[4], REFERENCE[3], REFERENCE[5]])  # out of order
-    assert not projects.curves_match(REFERENCE, [(1, 8.41), (2, 8.3), (3, 8.2)])  # right losses, restarted count
-    assert not projects.curves_match(REFERENCE[:4], REFERENCE[3:])  # runs past the reference
+    for reference, resumed, why in [
+        (REFERENCE, [], "an empty resumed curve (nothing resumed proves nothing)"),
+        (REFERENCE, REFERENCE[3:5], "a resumed curve that stops before the reference's end"),
+        (REFERENCE, [REFERENCE[3], REFERENCE[5]], "a resumed curve with an iteration missing"),
+        (REFERENCE, [REFERENCE[4], REFERENCE[3], REFERENCE[5]], "a resumed curve out of order"),
+        (REFERENCE, [(1, 8.41), (2, 8.3), (3, 8.2)], "the right losses under a restarted iteration count"),
+        (REFERENCE[:4], REFERENCE[3:], "a resumed curve that runs past the reference"),
+    ]:
+        got = projects.curves_match(reference, resumed)
+        assert not got, f"curves_match accepts {why}: {resumed[:3]}{' ...' if len(resumed) > 3 else ''}; expected False"
 
 
 def test_curves_match_rejects_a_negative_tolerance():
@@ -75,11 +86,15 @@ def test_a_tp2_pp2_checkpoint_becomes_one_model_with_the_trained_logits():
         expected = launch.run_function(_train_and_reference_logits, 4, root, tokens,
                                        launch=dict(timeout=300)).returns[0]
         model = projects.load_inference_model(root)
-        assert isinstance(model, GPTModel) and not model.training
+        assert isinstance(model, GPTModel), f"load_inference_model returned a {type(model).__name__}, not a GPTModel"
+        assert not model.training, "load_inference_model returned a model in training mode: call .eval()"
         with torch.no_grad():
-            torch.testing.assert_close(model(tokens), expected, rtol=1e-5, atol=1e-5)
+            require(close(model(tokens), expected, "the logits of the model load_inference_model built from a tp2-pp2 "
+                                                   "checkpoint vs the training code's tp2 model loaded from it",
+                          rtol=1e-5, atol=1e-5))
         untrained = GPTModel(model.config)
-        assert not torch.allclose(untrained.output_layer.weight, model.output_layer.weight)  # weights really loaded
+        assert not torch.allclose(untrained.output_layer.weight, model.output_layer.weight), (  # weights really loaded
+            "the loaded model's output layer equals a freshly initialized one: the checkpoint's weights were not copied in")
         for shard in Path(root).glob("iter_*/*.distcp"):  # the files cut short (a full disk, a copy interrupted)
             shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 10])
         with pytest.raises(CheckpointError, match="corrupt or truncated"):

@@ -14,9 +14,12 @@ from megalab import viz  # noqa: E402
 def test_rank_grid_draws_every_rank_once_per_kind():
     fig = viz.rank_grid(tp=2, pp=2, cp=2, dp=2, ep=2, kinds=("tp", "dp", "pp", "ep"))
     axes = fig.get_axes()
-    assert len(axes) == 4
-    assert all(len(ax.patches) == 16 for ax in axes)
-    assert axes[0].get_title(loc="left").endswith("8 groups of 2")
+    where = "viz.rank_grid(tp=2, pp=2, cp=2, dp=2, ep=2) for tp, dp, pp, ep"
+    assert len(axes) == 4, f"{where} drew {len(axes)} panels, expected 4 (one per kind)"
+    assert all(len(ax.patches) == 16 for ax in axes), (
+        f"{where}: ranks drawn per panel {[len(ax.patches) for ax in axes]}, expected 16 each (every rank once)")
+    title = axes[0].get_title(loc="left")
+    assert title.endswith("8 groups of 2"), f"{where}: the tp panel's title {title!r} should end in '8 groups of 2'"
     plt.close(fig)
 
 
@@ -39,9 +42,12 @@ def test_pipeline_timeline_draws_every_op():
     records = pp.simulate(4, 8, kind="1f1b")
     fig = viz.pipeline_timeline(records, time_unit="")
     ax = fig.get_axes()[0]
-    assert len(ax.patches) == 4 * 16
-    assert [t.get_text() for t in ax.get_yticklabels()] == [f"rank {r}" for r in range(4)]
-    assert "27.3%" in ax.get_title(loc="left")  # (p-1)/(m+p-1) = 3/11
+    where = "viz.pipeline_timeline of a simulated 1F1B schedule (pp=4, m=8)"
+    assert len(ax.patches) == 4 * 16, f"{where} drew {len(ax.patches)} ops, expected 64 (4 ranks x 8 forwards + 8 backwards)"
+    labels = [t.get_text() for t in ax.get_yticklabels()]
+    assert labels == [f"rank {r}" for r in range(4)], f"{where}: the row labels are {labels}, expected rank 0..3"
+    title = ax.get_title(loc="left")
+    assert "27.3%" in title, f"{where}: the title {title!r} should give the bubble (p-1)/(m+p-1) = 3/11 = 27.3%"
     plt.close(fig)
 
 
