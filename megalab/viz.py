@@ -17,6 +17,8 @@ pipeline timelines (chapter 03).
 
 from __future__ import annotations
 
+import functools
+
 import matplotlib.pyplot as plt
 from matplotlib.patches import Rectangle
 
@@ -29,6 +31,22 @@ GROUP_TITLES = {
     "tp-pp": "model parallel (tp-pp)", "etp": "expert tensor parallel (etp)", "edp": "expert data parallel (edp)",
     "embd": "embedding (first+last stage)",
 }
+
+
+def _exercise_in_one_line(show):
+    """A widget callback that reports a blank exercise in one line (which one, where) instead of a traceback."""
+
+    @functools.wraps(show)
+    def guarded(*args, **kwargs):
+        figures = set(plt.get_fignums())
+        try:
+            return show(*args, **kwargs)
+        except NotImplementedError as exc:  # the student version: "exercise <id>: <task> — see <notebook>"
+            for number in set(plt.get_fignums()) - figures:  # drop a half-drawn figure
+                plt.close(number)
+            print(f"This widget needs {exc}" if str(exc).startswith("exercise ") else f"not implemented: {exc}")
+
+    return guarded
 
 
 def rank_grid(tp: int = 1, pp: int = 1, cp: int = 1, dp: int = 1, ep: int = 1, etp: int | None = None, *,
@@ -73,6 +91,7 @@ def rank_grid_explorer():
     """Sliders for tp, pp, cp, dp, ep and a choice of order, redrawing `rank_grid` on every change."""
     import ipywidgets as widgets
 
+    @_exercise_in_one_line
     def show(tp, pp, cp, dp, ep, order):
         try:
             fig = rank_grid(tp, pp, cp, dp, ep, order=order)
@@ -132,6 +151,7 @@ def schedule_explorer():
     """Sliders p, m, v and a schedule: the simulated timeline (backward = 2 x forward) and its bubble."""
     import ipywidgets as widgets
 
+    @_exercise_in_one_line
     def show(schedule, p, m, v):
         v = v if schedule == "interleaved" else 1
         try:
@@ -221,6 +241,7 @@ def zero_memory_explorer():
     """Sliders: parameters (billions), data-parallel size, bytes per value -> zero_memory_bars."""
     import ipywidgets as widgets
 
+    @_exercise_in_one_line
     def show(billions, dp, param_bytes, grad_bytes, optimizer_bytes):
         zero_memory_bars(billions * 1e9, dp, optimizer_bytes_per_param=optimizer_bytes, param_bytes=param_bytes,
                          grad_bytes=grad_bytes)
@@ -265,6 +286,7 @@ def parallelism_planner():
 
     from megalab import planner
 
+    @_exercise_in_one_line
     def show(model, gpus, seq_length, global_batch, gpu_memory, sequence_parallel, recompute, distributed_optimizer):
         train = planner.Training(seq_length=seq_length, global_batch_size=global_batch, gpu_memory_gb=gpu_memory,
                                  sequence_parallel=sequence_parallel, recompute=recompute,
