@@ -19,7 +19,7 @@ from _common import median, report  # noqa: E402
 from megalab import launch  # noqa: E402
 
 CODE = """
-import shutil, tempfile, time
+import shutil, time
 from pathlib import Path
 import torch, torch.distributed as dist
 from megalab import checkpoint as ckpt, parallel_state
@@ -28,7 +28,7 @@ from megalab.config import TransformerConfig
 from megalab.training import TrainingConfig, setup_model_and_optimizer
 
 rank, _ = mdist.init()
-root = Path(tempfile.gettempdir()) / "megalab-bench-checkpoint"
+root = mdist.scratch_dir("bench-checkpoint")
 if rank == 0:
     shutil.rmtree(root, ignore_errors=True)
     root.mkdir()

@@ -67,6 +67,22 @@ def publish(name: str, value: Any) -> None:
     tmp.rename(path)
 
 
+def scratch_dir(name: str) -> Path:
+    """A folder for files that notebooks, their ranks and later notebooks share (checkpoints, curves):
+    under the temp dir, but this user's and this tree's own, so two learners on one machine (or two
+    workspaces) never collide. Not created here."""
+    import getpass
+    import hashlib
+    import tempfile
+
+    try:
+        user = getpass.getuser()
+    except (KeyError, OSError):  # no name for this uid (containers)
+        user = str(os.getuid())
+    tree = Path(__file__).resolve().parent.parent
+    return Path(tempfile.gettempdir()) / f"megalab-{user}-{hashlib.sha256(str(tree).encode()).hexdigest()[:8]}" / name
+
+
 def shard_bounds(length: int, world_size: int, rank: int) -> tuple[int, int]:
     """[start, stop) of rank's contiguous share of `length` items, sizes differing by at most 1.
 

@@ -53,6 +53,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from megalab.worker import short_path
+
 DEFAULT_TIMEOUT = 300.0
 HARD_TIMEOUT_FACTOR = 3.0  # ranks still computing are stopped at 3 x timeout unless told otherwise
 IDLE_CPU_SHARE = 0.05  # a process using less than 5% of a core is waiting (a blocked gloo rank: ~0.5%)
@@ -480,7 +482,7 @@ def _stack_of(text: str, source_lines: list[str]) -> str:
             code = source_lines[lineno - 1].strip() if 0 < lineno <= len(source_lines) else ""
             out.append(f"  cell line {lineno}, in {func}:  {code}")
         else:
-            out.append(f'  File "{filename}", line {lineno}, in {func}')
+            out.append(f'  File "{short_path(filename)}", line {lineno}, in {func}')
     return "\n".join(out)
 
 

@@ -16,7 +16,6 @@ so turning the tp2·pp2 shards into one inference model is a DCP load at tp1·pp
 from __future__ import annotations
 
 import json
-import tempfile
 import warnings
 from pathlib import Path
 
@@ -32,7 +31,7 @@ from megalab.training import TrainingConfig, build_train_dataset, pretrain, smal
 
 TRAIN_ITERS, SAVE_INTERVAL = 12, 4
 GLOBAL_BATCH, MICRO_BATCH, SEQ_LENGTH = 16, 2, 64
-WORK_DIR = Path(tempfile.gettempdir()) / "megalab-07-projects"
+WORK_DIR = mdist.scratch_dir("07-projects")  # this user's and this tree's own (no fixed path in /tmp)
 TRAINED = WORK_DIR / "trained"  # project 1's reference run: the model project 4 serves
 CURVE = "loss_curve.json"  # next to the checkpoints: the run's (iteration, loss) pairs
 

@@ -52,9 +52,21 @@ def _cell_frames(tb) -> list:
     return frames
 
 
+def short_path(filename: str) -> str:
+    """A frame's file as a reader needs it, without this machine's folders: `torch/distributed/...` for an
+    installed package, `megalab/comm.py` for the course's own code."""
+    if "site-packages/" in filename:
+        return filename.rsplit("site-packages/", 1)[1]
+    package = str(Path(__file__).resolve().parent.parent) + os.sep
+    return filename[len(package):] if filename.startswith(package) else filename
+
+
 def _write_error(run_dir: Path, rank: int, exc: BaseException) -> None:
+    frames = _cell_frames(exc.__traceback__)
+    for frame in frames:
+        frame.filename = short_path(frame.filename)
     lines = ["Traceback (most recent call last):\n"]
-    lines += traceback.format_list(_cell_frames(exc.__traceback__))
+    lines += traceback.format_list(frames)
     lines += traceback.format_exception_only(type(exc), exc)
     report = {
         "rank": rank,

@@ -17,7 +17,6 @@ tokenizer's own threads (`encode_batch`) do that.
 import argparse
 import json
 import os
-import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -26,6 +25,7 @@ from tqdm.auto import tqdm
 from megalab.data import DATA_DIR
 from megalab.data.indexed_dataset import DataFormatError, DType, IndexedDatasetBuilder
 from megalab.data.tokenizer import DEFAULT_TOKENIZER, Tokenizer
+from megalab.dist import scratch_dir
 
 
 def read_jsonl_batches(path: str | Path, json_key: str = "text", batch_size: int = 64, progress: bool = False):
@@ -73,9 +73,10 @@ def preprocess(input_path: str | Path, output_prefix: str | Path, tokenizer: Tok
 
 def prepare_corpus(names: tuple[str, ...] = ("shakespeare", "milton"), out_dir: str | Path | None = None,
                    tokenizer_path: str | Path = DEFAULT_TOKENIZER) -> list[str]:
-    """The shipped corpus files `data/{name}.jsonl`, preprocessed once into `out_dir` (default: a `megalab-data` folder
-    in the temp dir) and reused while newer than the JSONL and the tokenizer. Returns the dataset prefixes."""
-    out_dir = Path(out_dir or Path(tempfile.gettempdir()) / "megalab-data")
+    """The shipped corpus files `data/{name}.jsonl`, preprocessed once into `out_dir` (default: this user's and
+    this tree's `data` folder in the temp dir, megalab.dist.scratch_dir) and reused while newer than the JSONL and
+    the tokenizer. Returns the dataset prefixes."""
+    out_dir = Path(out_dir or scratch_dir("data"))
     tokenizer, prefixes = None, []
     for name in names:
         source = DATA_DIR / f"{name}.jsonl"
