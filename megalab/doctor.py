@@ -81,14 +81,15 @@ def which_megalab(cwd: Path | None = None) -> list[tuple[str, str]]:
 
     imported = Path(megalab.__file__).resolve().parent.parent
     here = _tree_of((cwd or Path.cwd()).resolve())
-    rows = [("megalab", f"{megalab.__version__} from {imported / 'megalab'}")]
     if here is None:
-        return rows + [("this folder", "not inside the course (no megalab/ here or above)")]
+        return [("megalab", f"{megalab.__version__} from {imported / 'megalab'}"),
+                ("this folder", "not inside the course (no megalab/ here or above)")]
     ws = open_workspace(here)
     done, total = progress(here)
     kind = f"a workspace made from {ws.source}" if ws else "the reference (every exercise solved)" if done == total \
         else "a student tree"
-    rows.append(("this folder", f"{here}: {kind}, {done} of {total} exercises implemented"))
+    where = "this folder's tree" if here == imported else str(imported / "megalab")
+    rows = [("megalab", f"{megalab.__version__} from {where}: {kind}, {done} of {total} exercises implemented")]
     if here != imported:
         rows.append(("  WARNING", f"Python imports megalab from {imported}, not from {here}: start JupyterLab with "
                                   f"`make lab` in {here} (or set PYTHONPATH={here})"))

@@ -60,7 +60,7 @@ def _git_commit(root: Path) -> str | None:
         out = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True)
     except FileNotFoundError:
         return None
-    return out.stdout.strip() or None if out.returncode == 0 else None
+    return (out.stdout.strip() or None) if out.returncode == 0 else None
 
 
 # --------------------------------------------------------------------------- what a workspace knows
@@ -80,10 +80,6 @@ class Workspace:
     def source(self) -> Path:
         """The reference repository it was made from (for `update`)."""
         return Path(self.config["reference"])
-
-    @property
-    def venv(self) -> Path:
-        return Path(self.config["venv"])
 
 
 def open_workspace(root: str | Path) -> Workspace | None:
@@ -130,9 +126,7 @@ def create(reference: str | Path, dest: str | Path, force: bool = False):
         raise WorkspaceError(f"{reference} is itself a workspace; make new workspaces from the reference repository "
                              f"({open_workspace(reference).source})")
     written = write_student(reference, dest, force=force)
-    files = {}
-    for rel in sorted(_tracked(dest)):
-        files[rel] = _sha(dest / rel)
+    files = {rel: _sha(dest / rel) for rel in sorted(_tracked(dest))}  # as written: `update` tells your edits by them
     _snapshot(reference, dest)
     config = {"reference": str(reference), "venv": sys.prefix, "python": sys.executable,
               "commit": _git_commit(reference), "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "files": files}
@@ -204,9 +198,10 @@ class Update:
 def update(ws: Workspace) -> Update:
     """Bring the workspace to the reference's current version without losing your work.
 
-    Files you never changed take the new version. Exercise modules take the new version with
-    the functions you implemented carried over. Notebooks you changed are replaced (your copy goes
-    to .megalab/backup/): their expected outputs must match the new code.
+    Files the course did not change stay as you left them. Files you never changed take the new
+    version. Exercise modules you worked in take the new version with the functions you implemented
+    carried over. Other files you changed (notebooks, saved by JupyterLab) take the new version.
+    Whatever is replaced is copied to .megalab/backup/<time>/ first.
     """
     source = ws.source
     if not (source / SOURCE_DIR / "__init__.py").is_file():
@@ -225,19 +220,20 @@ def update(ws: Workspace) -> Update:
             new, old = fresh / rel, ws.root / rel
             if old.exists() and _sha(old) == _sha(new):
                 continue
-            changed_by_you = old.exists() and ws.config["files"].get(rel) != _sha(old)
-            if changed_by_you and rel in by_path:
+            as_written = ws.config["files"].get(rel)  # the file as the course last wrote it here
+            changed_by_you = old.exists() and as_written != _sha(old)
+            if old.exists() and as_written == _sha(new):  # the course did not change it
+                if changed_by_you:
+                    kept.append(rel)
+                continue
+            if changed_by_you and rel in by_path:  # an exercise module: the new one, with your solutions
                 text = carry_over(old.read_text(encoding="utf-8"), new.read_text(encoding="utf-8"),
                                   [ex for ex in by_path[rel] if ex.id in mine], rel)
-                if text == old.read_text(encoding="utf-8"):
-                    continue  # nothing new in it
-                _backup(ws, rel, stamp)
-                backed = True
-                old.write_text(text, encoding="utf-8")
-                merged.append(rel)
-                continue
-            if changed_by_you and not rel.endswith(".ipynb") and ws.config["files"].get(rel) == _sha(new):
-                kept.append(rel)  # the course did not change it; your edit stays
+                if text != old.read_text(encoding="utf-8"):
+                    _backup(ws, rel, stamp)
+                    backed = True
+                    old.write_text(text, encoding="utf-8")
+                    merged.append(rel)
                 continue
             if changed_by_you:
                 _backup(ws, rel, stamp)
@@ -246,9 +242,9 @@ def update(ws: Workspace) -> Update:
             shutil.copy2(new, old)
             replaced.append(rel)
         _snapshot(source, ws.root)
-        ws.config.update(files={rel: _sha(ws.root / rel) for rel in _tracked(ws.root)}, commit=_git_commit(source),
+        # each file as the course wrote it (never your edit): what the next update compares with
+        ws.config.update(files={rel: _sha(fresh / rel) for rel in _tracked(fresh)}, commit=_git_commit(source),
                          updated=time.strftime("%Y-%m-%dT%H:%M:%S%z"))
-        ws.config["files"].update({rel: _sha(fresh / rel) for rel in merged})  # "unchanged" means as written
         (ws.root / CONFIG).write_text(json.dumps(ws.config, indent=1))
     return Update(replaced, merged, kept, ws.root / BACKUP / stamp if backed else None)
 

@@ -168,6 +168,8 @@ def test_update_takes_the_new_course_and_keeps_your_work(ws, capsys):
     chain = ws.source / "megalab" / "chain.py"
     chain.write_text(chain.read_text().replace('"""Twice x."""', '"""Twice x (new wording)."""'))
     (ws.source / "megalab" / "toy.py").write_text((ws.source / "megalab" / "toy.py").read_text() + "\nNEW = 1\n")
+    ref_nb = ws.source / NOTEBOOK
+    ref_nb.write_text(ref_nb.read_text().replace("and **Exercise", "and then **Exercise"))
     assert cli.main(["update"]) == 0
     out = capsys.readouterr().out
     assert "merged   megalab/chain.py" in out and "updated  megalab/toy.py" in out and f"updated  {NOTEBOOK}" in out
@@ -179,6 +181,13 @@ def test_update_takes_the_new_course_and_keeps_your_work(ws, capsys):
     assert {p.name for p in backups.rglob("*") if p.is_file()} == {"chain.py", "02_chain.ipynb"}
     assert _verdict("chain.quadruple")[0] == "passed"
     assert cli.main(["update"]) == 0 and "0 file(s) changed" in capsys.readouterr().out  # idempotent
+    # your edit of a file the course then changes: the new version, yours kept in the backups
+    (ws.root / "megalab/toy.py").write_text((ws.root / "megalab/toy.py").read_text() + "\nMINE = 1\n")
+    assert cli.main(["update"]) == 0 and "kept     megalab/toy.py" in capsys.readouterr().out
+    (ws.source / "megalab" / "toy.py").write_text((ws.source / "megalab" / "toy.py").read_text() + "\nNEWER = 2\n")
+    assert cli.main(["update"]) == 0 and "merged   megalab/toy.py" in capsys.readouterr().out
+    assert "NEWER = 2" in (ws.root / "megalab/toy.py").read_text()
+    assert any("MINE = 1" in p.read_text() for p in backups.rglob("toy.py"))
 
 
 def test_isolation_helpers():
