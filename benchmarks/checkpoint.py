@@ -31,7 +31,7 @@ rank, _ = mdist.init()
 root = mdist.scratch_dir("bench-checkpoint")
 if rank == 0:
     shutil.rmtree(root, ignore_errors=True)
-    root.mkdir()
+    root.mkdir(parents=True)
 model = TransformerConfig(num_layers={layers}, hidden_size={hidden}, num_attention_heads=4, vocab_size=8192,
                           seq_length=64, share_embeddings_and_output_weights=False)
 state = setup_model_and_optimizer(TrainingConfig(model=model, train_iters=10, global_batch_size=8,

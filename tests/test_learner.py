@@ -138,7 +138,7 @@ def test_a_learner_blank_wrong_right_with_autosave(ws):
 
 
 @contextmanager
-def _busy(processes: int = 4):
+def _busy(processes: int = 2):
     """Keep every core busy (a machine shared with other learners' jobs)."""
     burners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(processes)]
     try:
