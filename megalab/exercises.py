@@ -137,7 +137,8 @@ def _files(root: Path, folder: str, suffix: str) -> list[Path]:
     base = root / folder
     if not base.is_dir():
         return []
-    return sorted(p for p in base.rglob(f"*{suffix}") if not _SKIP_DIRS.intersection(p.relative_to(root).parts))
+    return sorted(p for p in base.rglob(f"*{suffix}") if not _SKIP_DIRS.intersection(p.relative_to(root).parts)
+                  and not p.name.startswith("."))  # e.g. the grader's hidden notebook copies
 
 
 def _code_cells(nb) -> list[tuple[int, str]]:
@@ -261,10 +262,12 @@ class Registry:
 
 def find_root(start: str | Path = ".") -> Path:
     """The workspace around `start`: the nearest folder (upwards) holding megalab/__init__.py."""
+    from megalab import _tree_of
+
     start = Path(start).resolve()
-    for folder in (start, *start.parents):
-        if (folder / SOURCE_DIR / "__init__.py").is_file():
-            return folder
+    root = _tree_of(start)
+    if root is not None:
+        return root
     raise ExerciseError([f"{start} is not inside a megalab workspace (no {SOURCE_DIR}/__init__.py here or above)"])
 
 
