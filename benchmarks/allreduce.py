@@ -1,4 +1,4 @@
-"""Our ring all-reduce (megalab.comm.ring_all_reduce, send/recv only) vs dist.all_reduce.
+"""Our ring all-reduce (megalab.extras.comm.ring_all_reduce, send/recv only) vs dist.all_reduce.
 
     python benchmarks/allreduce.py            # 8 sizes, 1 KiB .. 16 MiB, on 4 ranks
     python benchmarks/allreduce.py --quick    # CI smoke: 3 small sizes, a few seconds
@@ -19,7 +19,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import report  # noqa: E402
 
-from megalab import comm, launch  # noqa: E402
+from megalab.extras import comm
+from megalab.lab import launch  # noqa: E402
 
 
 def main() -> None:

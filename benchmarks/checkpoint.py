@@ -16,16 +16,17 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import median, report  # noqa: E402
 
-from megalab import launch  # noqa: E402
+from megalab.lab import launch  # noqa: E402
 
 CODE = """
 import shutil, time
 from pathlib import Path
 import torch, torch.distributed as dist
-from megalab import checkpoint as ckpt, parallel_state
-from megalab import dist as mdist
-from megalab.config import TransformerConfig
-from megalab.training import TrainingConfig, setup_model_and_optimizer
+from megalab.training import checkpointing as ckpt
+from megalab.core import parallel_state
+from megalab.lab import dist as mdist
+from megalab.core.transformer.transformer_config import TransformerConfig
+from megalab.training.training import TrainingConfig, setup_model_and_optimizer
 
 rank, _ = mdist.init()
 root = mdist.scratch_dir("bench-checkpoint")

@@ -20,14 +20,16 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import median, report  # noqa: E402
 
-from megalab import launch  # noqa: E402
+from megalab.lab import launch  # noqa: E402
 
 CODE = """
 import time
 import torch
-from megalab import context_parallel as cpm, dist as mdist, parallel_state as ps
-from megalab.config import TransformerConfig
-from megalab.model import GPTModel
+from megalab.transformer_engine import context_parallel as cpm
+from megalab.lab import dist as mdist
+from megalab.core import parallel_state as ps
+from megalab.core.transformer.transformer_config import TransformerConfig
+from megalab.core.models.gpt.gpt_model import GPTModel
 
 torch.set_num_threads(1)
 rank, world = mdist.init()

@@ -1,4 +1,4 @@
-"""Our DDP and ZeRO (megalab.data_parallel) vs PyTorch's: step time and bytes per rank.
+"""Our DDP and ZeRO (megalab.core.distributed.distributed_data_parallel) vs PyTorch's: step time and bytes per rank.
 
     python benchmarks/data_parallel.py            # MLP 8 x 1024 x 1024 (8.4 M params), 4 ranks, 15 steps each
     python benchmarks/data_parallel.py --quick    # CI smoke: a small MLP, 3 steps, a few seconds
@@ -27,7 +27,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import report  # noqa: E402
 
-from megalab import calc, launch  # noqa: E402
+from megalab.extras import calc
+from megalab.lab import launch  # noqa: E402
 
 PAIRS = [("DDP", "ours stage 0", "torch DDP"), ("ZeRO-1", "ours stage 1", "torch ZeroRedundancyOptimizer"),
          ("ZeRO-2", "ours stage 2", None), ("ZeRO-3", "ours stage 3", "torch FSDP2 fully_shard")]
@@ -43,8 +44,12 @@ def measure(layers: int, hidden: int, batch: int, steps: int, warmup: int) -> di
     from torch.distributed.optim import ZeroRedundancyOptimizer
     from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
-    from megalab import dist as mdist
-    from megalab.data_parallel import DistributedDataParallel, DistributedOptimizer, optimizer_state_bytes
+    from megalab.core.distributed.distributed_data_parallel import (
+        DistributedDataParallel,
+        DistributedOptimizer,
+        optimizer_state_bytes,
+    )
+    from megalab.lab import dist as mdist
 
     rank, world = mdist.init()
     bucket_elements = 25 * 2**20 // 4  # torch DDP's default bucket_cap_mb=25, in float32 elements
@@ -111,7 +116,7 @@ def main() -> None:
     steps, warmup = (3, 1) if args.quick else (args.steps, 3)
 
     code = (f"import sys; sys.path.insert(0, {str(Path(__file__).resolve().parent)!r})\n"
-            "from megalab.dist import publish\n"
+            "from megalab.lab.dist import publish\n"
             "import data_parallel as bench\n"
             f"publish('result', bench.measure({layers}, {hidden}, {batch}, {steps}, {warmup}))\n")
     result = launch.run(code, args.n, timeout=600).results["result"][0]

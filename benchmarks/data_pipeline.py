@@ -26,11 +26,11 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import median, report  # noqa: E402
 
-from megalab.data import DATA_DIR  # noqa: E402
-from megalab.data.gpt_dataset import GPTDataset  # noqa: E402
-from megalab.data.indexed_dataset import DType, IndexedDataset, IndexedDatasetBuilder  # noqa: E402
-from megalab.data.preprocess import preprocess  # noqa: E402
-from megalab.data.tokenizer import Tokenizer  # noqa: E402
+from megalab.core.datasets import DATA_DIR  # noqa: E402
+from megalab.core.datasets.gpt_dataset import GPTDataset  # noqa: E402
+from megalab.core.datasets.indexed_dataset import DType, IndexedDataset, IndexedDatasetBuilder  # noqa: E402
+from megalab.core.tokenizers.tokenizer import Tokenizer  # noqa: E402
+from megalab.tools.preprocess_data import preprocess  # noqa: E402
 
 
 def tok_threads() -> str:

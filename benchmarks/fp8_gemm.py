@@ -18,7 +18,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import report  # noqa: E402
 
-from megalab import fp8  # noqa: E402
+from megalab.transformer_engine import fp8  # noqa: E402
 
 
 def main() -> None:

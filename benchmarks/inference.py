@@ -21,15 +21,15 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import median, report  # noqa: E402
 
-from megalab.config import TransformerConfig  # noqa: E402
-from megalab.inference import (  # noqa: E402
+from megalab.core.inference import (  # noqa: E402
     ContiguousKVCache,
     InferenceEngine,
     PagedKVCache,
     SamplingParams,
     generate_by_recompute,
 )
-from megalab.model import GPTModel  # noqa: E402
+from megalab.core.models.gpt.gpt_model import GPTModel  # noqa: E402
+from megalab.core.transformer.transformer_config import TransformerConfig  # noqa: E402
 
 
 def _timed(fns: dict, repeats: int) -> tuple[dict, dict]:

@@ -17,7 +17,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import median, report  # noqa: E402
 
-from megalab import launch  # noqa: E402
+from megalab.lab import launch  # noqa: E402
 
 SCRIPT = """
 import torch, torch.distributed as dist
@@ -64,7 +64,7 @@ def main() -> None:
         "launcher_overhead",
         ["launcher", "ranks", "repeats", "median s", "min s", "max s"],
         [["torchrun (bare)", args.n, args.repeats, median(bare), min(bare), max(bare)],
-         ["megalab.launch.run", args.n, args.repeats, median(mine), min(mine), max(mine)]],
+         ["megalab.lab.launch.run", args.n, args.repeats, median(mine), min(mine), max(mine)]],
         {"ratio_ours_over_bare": ratio, "target": 1.2, "bare_s": bare, "ours_s": mine},
     )
     print(f"median ratio ours / bare torchrun = {ratio:.3f} (target <= 1.2)")

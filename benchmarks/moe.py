@@ -17,13 +17,16 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import median, report  # noqa: E402
 
-from megalab import calc, launch  # noqa: E402
+from megalab.extras import calc
+from megalab.lab import launch  # noqa: E402
 
 CODE = """
 import torch
 from benchmarks._common import timed_steps
-from megalab import dist as mdist, moe, parallel_state as ps
-from megalab.config import TransformerConfig
+from megalab.lab import dist as mdist
+from megalab.core.transformer.moe import moe_layer as moe
+from megalab.core import parallel_state as ps
+from megalab.core.transformer.transformer_config import TransformerConfig
 
 torch.set_num_threads(1)
 rank, world = mdist.init()

@@ -18,14 +18,15 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import median, report  # noqa: E402
 
-from megalab import launch  # noqa: E402
-from megalab import pipeline_parallel as pp  # noqa: E402
+from megalab.core.pipeline_parallel import schedules as pp  # noqa: E402
+from megalab.lab import launch  # noqa: E402
 
 WORKER = """
 import time, torch, torch.distributed as dist
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
-from megalab import dist as mdist, parallel_state
-from megalab import pipeline_parallel as pp
+from megalab.lab import dist as mdist
+from megalab.core import parallel_state
+from megalab.core.pipeline_parallel import schedules as pp
 
 TORCH = {{"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved": ScheduleInterleaved1F1B}}
 rank, world = mdist.init()

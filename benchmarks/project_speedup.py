@@ -6,7 +6,7 @@
 1. a GPT training step (fwd, bwd, AdamW): the fixed step (remove_hotspots: fused core attention, no recompute) vs
    the slow one (LoopedAttention in float64, full recompute), same loss and gradients checked first;
 2. sliding-window attention fwd+bwd, 8 heads of 64, W = 64: blocked (2 s W scores) vs SDPA with the band mask (s^2).
-Both measured with megalab.speedup.interleaved_speedup (interleaved rounds, one warm-up, medians), one intra-op thread
+Both measured with megalab.extras.speedup.interleaved_speedup (interleaved rounds, one warm-up, medians), one intra-op thread
 by default (--threads); writes benchmarks/results/project_speedup.json.
 """
 
@@ -22,8 +22,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import report  # noqa: E402
 
-from megalab.model.sliding_window import blocked_sliding_window_attention, masked_sliding_window_attention  # noqa: E402
-from megalab.speedup import interleaved_speedup, make_train_step, remove_hotspots, slow_step_setup  # noqa: E402
+from megalab.extras.sliding_window import blocked_sliding_window_attention, masked_sliding_window_attention  # noqa: E402
+from megalab.extras.speedup import interleaved_speedup, make_train_step, remove_hotspots, slow_step_setup  # noqa: E402
 
 
 def bench_step(batch: int, seq: int, repeats: int) -> list:

@@ -1,4 +1,4 @@
-"""Training throughput on real-length documents: padded batches vs packed batches (megalab/packed_seq.py).
+"""Training throughput on real-length documents: padded batches vs packed batches (megalab/core/packed_seq_params.py).
 
 The documents are paragraphs of the shipped corpus (data/*.jsonl split at blank lines: speeches, stanzas,
 sonnets; at least 8 tokens), tokenized and cut to at most seq_length + 1 tokens, in corpus order. The same
@@ -28,11 +28,11 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from _common import report  # noqa: E402
 
-from megalab.config import TransformerConfig  # noqa: E402
-from megalab.data import DATA_DIR  # noqa: E402
-from megalab.data.tokenizer import Tokenizer  # noqa: E402
-from megalab.model import GPTModel  # noqa: E402
-from megalab.packed_seq import PackedSeqParams, pack_batch  # noqa: E402
+from megalab.core.datasets import DATA_DIR  # noqa: E402
+from megalab.core.models.gpt.gpt_model import GPTModel  # noqa: E402
+from megalab.core.packed_seq_params import PackedSeqParams, pack_batch  # noqa: E402
+from megalab.core.tokenizers.tokenizer import Tokenizer  # noqa: E402
+from megalab.core.transformer.transformer_config import TransformerConfig  # noqa: E402
 
 
 def corpus_documents(seq_length: int, count: int) -> list[torch.Tensor]:

@@ -21,7 +21,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import report  # noqa: E402
 
-from megalab import launch  # noqa: E402
+from megalab.lab import launch  # noqa: E402
 
 DDP_STEP = """
 import torch, torch.distributed as dist
@@ -81,7 +81,7 @@ def main() -> None:
     if args.quick:
         args.runs, args.n, args.control = 3, 2, 0
     failures, messages, times = soak(args.runs, args.n)
-    rows = [["megalab.launch.run (orderly teardown)", args.n, args.runs, failures]]
+    rows = [["megalab.lab.launch.run (orderly teardown)", args.n, args.runs, failures]]
     extra = {"megalab_failures": messages, "median_cell_s": sorted(times)[len(times) // 2]}
     if args.control:
         c_fail, c_codes = control(args.control, args.n)

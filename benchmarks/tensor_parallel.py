@@ -15,7 +15,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import median, report  # noqa: E402
 
-from megalab import launch  # noqa: E402
+from megalab.lab import launch  # noqa: E402
 
 CODE = """
 import torch
@@ -23,9 +23,11 @@ from benchmarks._common import timed_steps
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-from megalab import dist as mdist, parallel_state as ps, tensor_parallel as tp
-from megalab.config import TransformerConfig
-from megalab.model import init_method_normal
+from megalab.lab import dist as mdist
+from megalab.core import parallel_state as ps
+from megalab.core.tensor_parallel import layers as tp
+from megalab.core.transformer.transformer_config import TransformerConfig
+from megalab.core.utils import init_method_normal
 
 torch.set_num_threads(1)
 rank, world = mdist.init()

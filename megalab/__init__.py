@@ -1,6 +1,6 @@
 """megalab: learn how Megatron-LM trains and serves large language models by building it.
 
-`%load_ext megalab` in a notebook registers the `%%torchrun` cell magic and `%grade` (megalab/magic.py)
+`%load_ext megalab` in a notebook registers the `%%torchrun` cell magic and `%grade` (megalab/lab/magic.py)
 and says which `megalab` the kernel runs: the one of the workspace the notebook lives in. If the
 kernel imported another (the reference's, from its editable install), it switches to the notebook's
 before anything else is imported, so the kernel and every rank run your code, never the solutions.
@@ -24,7 +24,7 @@ def load_ipython_extension(ipython):
         _switch_to(root)
         return sys.modules["megalab"].load_ipython_extension(ipython)
 
-    from megalab.magic import TorchrunMagics
+    from megalab.lab.magic import TorchrunMagics
 
     ipython.register_magics(TorchrunMagics)
     ipython.register_magic_function(grade_magic, "line", "grade")
@@ -41,7 +41,7 @@ def grade_magic(line: str) -> None:
         print("usage: %grade EXERCISE_ID (e.g. %grade dist.shard_bounds), or %grade CHAPTER (e.g. %grade 01); "
               "`megalab exercises` lists the ids")
         return
-    proc = subprocess.run([sys.executable, "-m", "megalab.cli", "grade", *args], capture_output=True, text=True)
+    proc = subprocess.run([sys.executable, "-m", "megalab.lab.cli", "grade", *args], capture_output=True, text=True)
     print(proc.stdout, end="")
     if proc.stderr:
         print(proc.stderr, end="", file=sys.stderr)
@@ -70,7 +70,7 @@ def banner(root) -> str:
     """`megalab 0.1.0 · <which tree> · <progress>`: the line `%load_ext megalab` prints."""
     from pathlib import Path
 
-    from megalab.workspace import open_workspace, progress
+    from megalab.lab.workspace import open_workspace, progress
 
     done, total = progress(root)
     if open_workspace(root) is None and done == total:

@@ -6,7 +6,7 @@ assertion in an exercise test says in words what it compared, e.g.
     tp=2, rank 0, the Column -> GeLU -> Row MLP with sequence parallelism: the output differs
     from the single-device MLP's by up to 6.42 (tolerance 1e-05)
 
-never a bare tuple. Tensors compared in the test process go through megalab.checks (close /
+never a bare tuple. Tensors compared in the test process go through megalab.lab.checks (close /
 equal + require); the helpers here word the numbers that worker processes send back (their
 precomputed worst differences) and the errors they caught.
 """
@@ -17,7 +17,7 @@ import math
 
 import torch
 
-from megalab.checks import close, equal, require  # noqa: F401  (re-exported: one import for the tests)
+from megalab.lab.checks import close, equal, require  # noqa: F401  (re-exported: one import for the tests)
 
 
 def fmt(x: float) -> str:
@@ -66,7 +66,7 @@ def require_within(errors: dict[str, float | str], tol: float, *, where: str, ag
 
 def equal_lists(actual: list, expected: list, what: str, item: str = "item"):
     """equal() for long lists: the first differing item and how many differ, not both lists whole."""
-    from megalab.checks import RIGHT, wrong
+    from megalab.lab.checks import RIGHT, wrong
 
     actual, expected = list(actual), list(expected)
     if actual == expected:

@@ -21,7 +21,7 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from megalab.launch import free_port
+from megalab.lab.launch import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
@@ -199,7 +199,7 @@ def test_make_lab_in_a_workspace_opens_it_on_the_first_notebook(tmp_path):
     both in the file browser), on the first notebook, with a kernel that imports the workspace's megalab."""
     from playwright.sync_api import sync_playwright
 
-    from megalab.workspace import FIRST_NOTEBOOK, create
+    from megalab.lab.workspace import FIRST_NOTEBOOK, create
 
     _need_browser()
     ws = create(REPO, tmp_path / "megalab-workspace").dest

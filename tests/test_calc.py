@@ -2,7 +2,7 @@
 
 import pytest
 
-from megalab import calc
+from megalab.extras import calc
 
 # Narayanan et al. 2021, Table 1: (billions of parameters, heads, hidden size, layers); V=51200, s=2048.
 NARAYANAN_TABLE_1 = [(1.7, 24, 2304, 24), (3.6, 32, 3072, 30), (7.5, 32, 4096, 36), (18.4, 48, 6144, 40),

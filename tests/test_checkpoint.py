@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from megalab import checkpoint as ckpt
-from megalab import launch
+from megalab.lab import launch
+from megalab.training import checkpointing as ckpt
 from tests.test_training import dataset, reference_run, training_config
 
 
@@ -23,8 +23,8 @@ def _crash_worker(root: str):
 
     import torch.distributed.checkpoint as dcp
 
-    from megalab import dist as mdist
-    from megalab.training import pretrain
+    from megalab.lab import dist as mdist
+    from megalab.training.training import pretrain
 
     rank, _ = mdist.init()
     write_data = dcp.FileSystemWriter.write_data
@@ -49,9 +49,9 @@ def _try(fn):
 
 
 def _resume_worker(root: str):
-    from megalab import dist as mdist
-    from megalab import parallel_state
-    from megalab.training import pretrain, setup_model_and_optimizer
+    from megalab.core import parallel_state
+    from megalab.lab import dist as mdist
+    from megalab.training.training import pretrain, setup_model_and_optimizer
 
     mdist.init()
     out = {"resumed": [(r["iteration"], r["loss"]) for r in pretrain(

@@ -1,8 +1,8 @@
-"""megalab.checks: verdicts say which quantity is wrong and by how much; correct upcasts pass."""
+"""megalab.lab.checks: verdicts say which quantity is wrong and by how much; correct upcasts pass."""
 
 import torch
 
-from megalab.checks import RIGHT, all_of, close, equal, require
+from megalab.lab.checks import RIGHT, all_of, close, equal, require
 
 
 def test_close_names_the_quantity_the_index_and_the_error():

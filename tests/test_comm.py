@@ -1,4 +1,4 @@
-"""megalab.comm: collectives from send/recv checked against torch.distributed's own; the cost model
+"""megalab.extras.comm: collectives from send/recv checked against torch.distributed's own; the cost model
 against hand-computed values.
 
 One launch per world size (2, 3, 4) runs every collective on every length and dtype (and, on 4
@@ -11,8 +11,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megalab import comm, launch
-from megalab.dist import shard_bounds
+from megalab.extras import comm
+from megalab.lab import launch
+from megalab.lab.dist import shard_bounds
 
 # PyTorch 2.13 renamed all_gather_into_tensor / reduce_scatter_tensor (Megatron's names) to *_single.
 ALL_GATHER_SINGLE = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -141,7 +142,7 @@ CHECKS = {
 
 def _collectives_worker() -> dict[str, list[str]]:
     """On every rank: run each check on the world group (and on 4 ranks, the even/odd groups)."""
-    from megalab import dist as mdist
+    from megalab.lab import dist as mdist
 
     rank, world = mdist.init()
     groups = {"world": None}

@@ -2,7 +2,7 @@
 
 import pytest
 
-from megalab.config import TransformerConfig
+from megalab.core.transformer.transformer_config import TransformerConfig
 
 BASE = dict(num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=100, seq_length=16)
 

@@ -11,13 +11,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megalab import calc, launch
-from megalab import context_parallel as cpm
-from megalab import parallel_state as ps
-from megalab.config import TransformerConfig
-from megalab.model import GPTModel, TransformerLayer
-from megalab.model.recompute import SavedTensorsMeter
-from megalab.tensor_parallel import full_shard_of, tensor_parallel_layer_spec
+from megalab.core import parallel_state as ps
+from megalab.core.models.gpt.gpt_model import GPTModel
+from megalab.core.tensor_parallel.layers import full_shard_of, tensor_parallel_layer_spec
+from megalab.core.tensor_parallel.random import SavedTensorsMeter
+from megalab.core.transformer.transformer_block import TransformerLayer
+from megalab.core.transformer.transformer_config import TransformerConfig
+from megalab.extras import calc
+from megalab.lab import launch
+from megalab.transformer_engine import context_parallel as cpm
 from tests.feedback import close, equal, max_error, require, require_no_error, require_within
 
 TOL = 1e-5  # fp32, every output and gradient
@@ -157,7 +159,7 @@ def _ring(state):
 
 def _attention(state):
     """Ring and all-gather attention (plain and zigzag split) vs SDPA on the full sequence; work, bytes, memory."""
-    from megalab.comm_tracer import CollectiveTracer
+    from megalab.extras.comm_tracer import CollectiveTracer
 
     group, cp, rank = state.get_context_parallel_group(), state.get_context_parallel_world_size(), \
         state.get_context_parallel_rank()
@@ -242,7 +244,7 @@ CASES = {"ring": _ring, "attention": _attention, "layer_memory": _layer_memory, 
 
 
 def _worker(layouts):
-    from megalab import dist as mdist
+    from megalab.lab import dist as mdist
 
     mdist.init()
     results = {}

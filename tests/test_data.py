@@ -16,13 +16,18 @@ import numpy as np
 import pytest
 import torch
 
-from megalab.data import DATA_DIR
-from megalab.data.blended_dataset import BlendedDataset, build_blended_gpt_dataset, build_blending_indices
-from megalab.data.gpt_dataset import GPTDataset, build_sample_index, get_ltor_masks_and_position_ids, get_split_ranges
-from megalab.data.indexed_dataset import DataFormatError, DType, IndexedDataset, IndexedDatasetBuilder
-from megalab.data.preprocess import main as preprocess_main
-from megalab.data.preprocess import prepare_corpus, preprocess
-from megalab.data.tokenizer import Tokenizer, train_tokenizer
+from megalab.core.datasets import DATA_DIR
+from megalab.core.datasets.blended_dataset import BlendedDataset, build_blended_gpt_dataset, build_blending_indices
+from megalab.core.datasets.gpt_dataset import (
+    GPTDataset,
+    build_sample_index,
+    get_ltor_masks_and_position_ids,
+    get_split_ranges,
+)
+from megalab.core.datasets.indexed_dataset import DataFormatError, DType, IndexedDataset, IndexedDatasetBuilder
+from megalab.core.tokenizers.tokenizer import Tokenizer, train_tokenizer
+from megalab.tools.preprocess_data import main as preprocess_main
+from megalab.tools.preprocess_data import prepare_corpus, preprocess
 from tests.feedback import equal, equal_lists, require
 
 # numpy dtype of each code, from the format description (Megatron's DType enum)

@@ -1,4 +1,4 @@
-"""megalab.data_parallel: DDP against torch DDP and single-process training; ZeRO-1/2/3 against
+"""megalab.core.distributed.distributed_data_parallel: DDP against torch DDP and single-process training; ZeRO-1/2/3 against
 unsharded training; buckets, hooks and memory against what they should be.
 
 One launch per world size (2, 4) runs every case (each in a try, so one broken exercise does not
@@ -14,14 +14,15 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from megalab import calc, launch, toy
-from megalab.data_parallel import (
+from megalab.core.distributed.distributed_data_parallel import (
     DistributedDataParallel,
     DistributedOptimizer,
     all_reduce_gradients,
     build_buckets,
     optimizer_state_bytes,
 )
+from megalab.extras import calc, toy
+from megalab.lab import launch
 from tests.feedback import equal, require, require_no_error, require_within
 
 STEPS, MICRO_BATCH = 10, 4
@@ -91,7 +92,7 @@ def _check(report, name, fn):
 
 
 def _dp_worker() -> dict:
-    from megalab import dist as mdist
+    from megalab.lab import dist as mdist
 
     rank, world = mdist.init()
     report = {}

@@ -1,10 +1,10 @@
-"""megalab.dist: shard_bounds (exercise `dist.shard_bounds`), checked alone and across real ranks."""
+"""megalab.lab.dist: shard_bounds (exercise `dist.shard_bounds`), checked alone and across real ranks."""
 
 import pytest
 import torch
 
-from megalab import launch
-from megalab.dist import shard_bounds
+from megalab.lab import launch
+from megalab.lab.dist import shard_bounds
 
 LENGTHS = [0, 1, 2, 3, 7, 10, 16, 31, 100]
 
@@ -44,7 +44,7 @@ def _sum_of_shards(lengths):
     """On each rank: sum my shard of arange(length), all_reduce the sums; returns [(total, expected)]."""
     import torch.distributed as dist
 
-    from megalab import dist as mdist
+    from megalab.lab import dist as mdist
 
     rank, world = mdist.init()
     out = []

@@ -1,4 +1,4 @@
-"""Exercises from one source (megalab/exercises.py, megalab/grading.py, `megalab student|grade`).
+"""Exercises from one source (megalab/lab/exercises.py, megalab/lab/grading.py, `megalab student|grade`).
 
 The real tree: its registry is consistent; its student workspace differs only in the regions;
 the reference passes every exercise test; the student workspace fails each one with the
@@ -18,8 +18,8 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from megalab import cli
-from megalab.exercises import (
+from megalab.lab import cli
+from megalab.lab.exercises import (
     ExerciseError,
     blank,
     find_root,
@@ -29,7 +29,7 @@ from megalab.exercises import (
     scan_sources,
     write_student,
 )
-from megalab.grading import Outcome, exercise_row, failure_line, notebook_rows, run_checks, unimplemented
+from megalab.lab.grading import Outcome, exercise_row, failure_line, notebook_rows, run_checks, unimplemented
 
 REPO = Path(__file__).resolve().parent.parent
 RESTORED = "dist.shard_bounds"  # the exercise pasted back for check (d)
@@ -116,8 +116,10 @@ def _toy_tree(root: Path) -> Path:
     """A tiny repository: megalab/toy.py with two exercises, their tests and notebooks."""
     (root / "megalab").mkdir(parents=True)
     (root / "megalab" / "__init__.py").write_text("")
-    for module in ("exercises.py", "grading.py", "notebooks.py", "workspace.py"):  # `megalab grade` loads its plugin here
-        shutil.copy(REPO / "megalab" / module, root / "megalab" / module)
+    (root / "megalab" / "lab").mkdir()
+    (root / "megalab" / "lab" / "__init__.py").write_text("")
+    for module in ("exercises.py", "grading.py", "launch.py", "notebooks.py", "worker.py", "workspace.py"):  # `megalab grade` loads its plugin here
+        shutil.copy(REPO / "megalab" / "lab" / module, root / "megalab" / "lab" / module)
     (root / "megalab" / "toy.py").write_text(SOURCE)
     (root / "tests").mkdir()
     (root / "tests" / "__init__.py").write_text("")
@@ -258,7 +260,7 @@ def test_failure_lines_and_mapping():
     Ex.id, Ex.tests = "e.f", ["t::e"]
     row = exercise_row(Ex, tests, {})  # another exercise's stub is not this one's: failed, and the line says whose
     assert (row.status, row.detail) == ("failed", "NotImplementedError: exercise a.b: do it — see x")
-    tests["t::o"] = Outcome("t::o", "failed", ["o.p"], "E   megalab.launch.LaunchTimeoutError: cell timed out after "
+    tests["t::o"] = Outcome("t::o", "failed", ["o.p"], "E   megalab.lab.launch.LaunchTimeoutError: cell timed out after "
                             "300 s: cell still computing after 900 s on 4 ranks (timeout 300 s, hard timeout 900 s), not deadlocked\n")
     Ex.id, Ex.tests = "o.p", ["t::o"]
     assert exercise_row(Ex, tests, {}).status == "not graded"  # overloaded is not a verdict on the code
@@ -297,7 +299,7 @@ def test_student_workspace_differs_only_in_the_regions(student):
     for ex in registry.exercises.values():
         regions.setdefault(ex.path, []).append(ex)
     files = repository_files(REPO)
-    assert student.files == len(files) and "megalab/dist.py" in files
+    assert student.files == len(files) and "megalab/lab/dist.py" in files
     checked = 0
     for rel in files:
         ours, theirs = (REPO / rel).read_bytes(), (student.dest / rel).read_bytes()

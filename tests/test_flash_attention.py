@@ -8,10 +8,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megalab.config import TransformerConfig
+from megalab.core.transformer.attention import CoreAttention
+from megalab.core.transformer.transformer_config import TransformerConfig
 from megalab.kernels import INTERPRET, attention, resolve_attention_backend
 from megalab.kernels.flash_attention import flash_attention, online_softmax_attention
-from megalab.model.attention import CoreAttention
 from tests.feedback import close, require
 
 DEVICE = "cpu" if INTERPRET else "cuda"
@@ -127,7 +127,7 @@ def test_triton_matches_flash_attn_on_gpu():
 
 
 def test_doctor_reports_the_auto_attention_backend():
-    from megalab.doctor import facts, report
+    from megalab.lab.doctor import facts, report
 
     expected = resolve_attention_backend("auto", torch.device("cuda" if torch.cuda.is_available() else "cpu"), torch.bfloat16)
     assert facts()["attention_auto"] == expected

@@ -4,8 +4,8 @@ casts, the recipe's documented formula, fp32 matmuls and bf16 training."""
 import pytest
 import torch
 
-from megalab import fp8
-from megalab.toy import mlp, regression_data
+from megalab.extras.toy import mlp, regression_data
+from megalab.transformer_engine import fp8
 from tests.feedback import close, equal, require
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -212,7 +212,7 @@ def test_tensor_core_fp8_linear_in_bf16_tracks_bf16():
 
 
 def test_doctor_names_the_fp8_path():
-    from megalab import doctor
+    from megalab.lab import doctor
 
     fast = torch.cuda.is_available() and fp8.fp8_path("cuda") == "tensor cores"
-    assert f"megalab.fp8 path: {'tensor cores' if fast else 'emulated'}" in doctor.report()
+    assert f"megalab.transformer_engine.fp8 path: {'tensor cores' if fast else 'emulated'}" in doctor.report()

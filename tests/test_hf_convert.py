@@ -12,9 +12,9 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM
 
-from megalab.model import GPTModel
-from megalab.model.generate import greedy_generate
-from megalab.model.hf import (
+from megalab.core.models.gpt.gpt_model import GPTModel
+from megalab.extras.generate import greedy_generate
+from megalab.extras.hf import (
     config_from_hf,
     from_hf_state_dict,
     fuse_qkv,
@@ -24,7 +24,7 @@ from megalab.model.hf import (
     split_qkv,
     to_hf_state_dict,
 )
-from megalab.model.llama import llama_config
+from megalab.extras.presets import llama_config
 from tests.feedback import close, equal, require
 
 SMALL = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=8,

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from megalab import launch
+from megalab.lab import launch
 
 BASE = dict(num_layers=4, hidden_size=32, num_attention_heads=4, vocab_size=64, seq_length=16, hidden_dropout=0.0,
             attention_dropout=0.0)  # GPT: LayerNorm, learned positions, GeLU, tied embeddings
@@ -29,10 +29,10 @@ LAYOUTS = {  # name: (initialize_model_parallel sizes, config, zero stage, micro
 def _steps(layouts):
     import torch.distributed as dist
 
-    from megalab import dist as mdist
-    from megalab import hybrid
-    from megalab import parallel_state as ps
-    from megalab.config import TransformerConfig
+    from megalab.core import parallel_state as ps
+    from megalab.core.transformer.transformer_config import TransformerConfig
+    from megalab.extras import hybrid
+    from megalab.lab import dist as mdist
 
     mdist.init()
     out = {}

@@ -5,9 +5,7 @@ softmax for sampled frequencies, and the single-process model for tensor-paralle
 import pytest
 import torch
 
-from megalab import launch
-from megalab.config import TransformerConfig
-from megalab.inference import (
+from megalab.core.inference import (
     ContiguousKVCache,
     InferenceEngine,
     PagedKVCache,
@@ -18,7 +16,9 @@ from megalab.inference import (
     generate_by_recompute,
     sample,
 )
-from megalab.model import GPTModel
+from megalab.core.models.gpt.gpt_model import GPTModel
+from megalab.core.transformer.transformer_config import TransformerConfig
+from megalab.lab import launch
 from tests.feedback import close, equal, require
 
 BASE = dict(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=256, seq_length=64,
@@ -258,9 +258,9 @@ def test_engine_rejects_requests_it_cannot_serve(prompt, params, message):
 
 # ------------------------------------------------------------------ tensor-parallel inference
 def _tp_generate(variants, prompts, lengths):
-    from megalab import dist as mdist
-    from megalab import parallel_state as ps
-    from megalab.tensor_parallel import TensorParallelGPTModel
+    from megalab.core import parallel_state as ps
+    from megalab.core.tensor_parallel.layers import TensorParallelGPTModel
+    from megalab.lab import dist as mdist
 
     _, world = mdist.init()
     ps.initialize_model_parallel(tensor_model_parallel_size=world)
@@ -291,8 +291,8 @@ def test_tensor_parallel_inference_on_two_ranks_equals_single_process():
 
 # ------------------------------------------------------------------ the shipped tiny checkpoint
 def test_shipped_tiny_checkpoint_is_trained_on_the_corpus():
-    from megalab.data.tokenizer import Tokenizer
-    from megalab.inference.checkpoint import CHECKPOINT, load_tiny_gpt
+    from megalab.core.tokenizers.tokenizer import Tokenizer
+    from megalab.extras.tiny_gpt import CHECKPOINT, load_tiny_gpt
 
     assert CHECKPOINT.stat().st_size < 2.5e6
     model, tokenizer = load_tiny_gpt(), Tokenizer.from_file()

@@ -13,12 +13,12 @@ from pathlib import Path
 
 import pytest
 
-from megalab import launch
-from megalab.launch import LaunchError, LaunchTimeoutError, RankFailedError
+from megalab.lab import launch
+from megalab.lab.launch import LaunchError, LaunchTimeoutError, RankFailedError
 
 HELLO = """
 import torch, torch.distributed as dist
-from megalab import dist as mdist
+from megalab.lab import dist as mdist
 rank, world = mdist.init()
 t = torch.tensor([rank + 1.0])
 dist.all_reduce(t)
@@ -38,7 +38,7 @@ def _workers_alive() -> list[int]:
     alive = []
     for proc in Path("/proc").iterdir():
         try:
-            if b"megalab.worker" in (proc / "cmdline").read_bytes() and SESSION_TAG.encode() in (proc / "environ").read_bytes():
+            if b"megalab.lab.worker" in (proc / "cmdline").read_bytes() and SESSION_TAG.encode() in (proc / "environ").read_bytes():
                 alive.append(int(proc.name))
         except (OSError, ValueError):
             continue
@@ -67,7 +67,7 @@ def test_ranks_filter_and_progress_lines():
 def test_crash_names_rank_and_exception_quickly():
     code = textwrap.dedent("""
         import torch.distributed as dist
-        from megalab import dist as mdist
+        from megalab.lab import dist as mdist
         rank, world = mdist.init()
         if rank == 2:
             raise ValueError("bad shard size")
@@ -89,7 +89,7 @@ def test_crash_names_rank_and_exception_quickly():
 
 
 def test_rank_killed_by_signal_is_reported():
-    code = "import os, signal\nfrom megalab import dist as mdist\nrank, _ = mdist.init()\nif rank == 1:\n    os.kill(os.getpid(), signal.SIGKILL)\nimport time; time.sleep(30)\n"
+    code = "import os, signal\nfrom megalab.lab import dist as mdist\nrank, _ = mdist.init()\nif rank == 1:\n    os.kill(os.getpid(), signal.SIGKILL)\nimport time; time.sleep(30)\n"
     with pytest.raises(RankFailedError, match="rank 1 died"):
         launch.run(code, 2, timeout=60)
     assert not _workers_alive()
@@ -99,7 +99,7 @@ def test_killed_rank_is_blamed_not_the_peers_it_broke():
     # rank 2 vanishes mid-all_reduce: its peers then raise "Connection reset by peer" first,
     # but the report must name rank 2 and list the others as fallout.
     code = (
-        "import os, signal, time, torch, torch.distributed as dist\nfrom megalab import dist as mdist\n"
+        "import os, signal, time, torch, torch.distributed as dist\nfrom megalab.lab import dist as mdist\n"
         "rank, _ = mdist.init()\nfor i in range(100):\n    if rank == 2 and i == 3:\n"
         "        os.kill(os.getpid(), signal.SIGKILL)\n    dist.all_reduce(torch.ones(4)); time.sleep(0.02)\n"
     )
@@ -119,7 +119,7 @@ def test_exit_codes():
 def test_deadlock_timeout_shows_each_ranks_stuck_line():
     code = textwrap.dedent("""
         import torch, torch.distributed as dist
-        from megalab import dist as mdist
+        from megalab.lab import dist as mdist
         rank, world = mdist.init()
         x = torch.zeros(1)
         if rank == 0:
@@ -164,7 +164,7 @@ def test_interrupt_kills_every_rank(tmp_path):
     script = textwrap.dedent(f"""
         import signal
         signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a kernel, even if started with SIGINT ignored
-        from megalab import launch
+        from megalab.lab import launch
         code = "import time, pathlib\\npathlib.Path({str(marker)!r}).touch()\\ntime.sleep(600)\\n"
         try:
             launch.run(code, 3, timeout=600)
@@ -253,7 +253,7 @@ def test_run_function_returns_per_rank():
 
 
 def _rank_and_arg(x):
-    from megalab import dist as mdist
+    from megalab.lab import dist as mdist
 
     rank, world = mdist.init()
     return rank, world, x
@@ -263,7 +263,7 @@ def test_abort_after_the_cell_finished_does_not_fail_it():
     """The gloo teardown crash: a rank aborts (SIGABRT) after finishing the cell's code."""
     code = textwrap.dedent("""
         import os, threading, time, pathlib
-        from megalab import dist as mdist
+        from megalab.lab import dist as mdist
         rank, world = mdist.init()
         done = pathlib.Path(os.environ["MEGALAB_RUN_DIR"]) / f"rank{rank}.done"
         def abort_after_done():
@@ -311,7 +311,7 @@ def test_interrupt_while_ranks_are_still_starting_leaves_none_behind():
     script = textwrap.dedent("""
         import signal
         signal.signal(signal.SIGINT, signal.default_int_handler)
-        from megalab import launch
+        from megalab.lab import launch
         try:
             launch.run("import time\\ntime.sleep(600)\\n", 4, timeout=600)
         except KeyboardInterrupt:

@@ -15,7 +15,7 @@ import nbformat
 import pytest
 from nbclient import NotebookClient
 
-from megalab.workspace import create
+from megalab.lab.workspace import create
 
 REPO = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.slow
@@ -44,7 +44,7 @@ _BLANK: dict[Path, str] = {}  # each module as the workspace was written (its re
 
 def _solve(ws: Path, exercise_id: str, lines: list[str] | None) -> None:
     """Write `lines` (None: the reference solution) as the exercise's region, in the blank module."""
-    from megalab.exercises import load
+    from megalab.lab.exercises import load
 
     ref = load(ws / ".megalab" / "reference").exercises[exercise_id]
     begin, end = ref.solution
@@ -98,7 +98,7 @@ def _environ(env):
 
 
 def _grade(ws: Path, target: str) -> str:
-    out = subprocess.run([sys.executable, "-m", "megalab.cli", "grade", target], cwd=ws, capture_output=True, text=True)
+    out = subprocess.run([sys.executable, "-m", "megalab.lab.cli", "grade", target], cwd=ws, capture_output=True, text=True)
     return out.stdout + out.stderr
 
 

@@ -3,8 +3,8 @@
 import pytest
 from IPython.core.interactiveshell import InteractiveShell
 
-from megalab import launch
-from megalab.launch import RankFailedError
+from megalab.lab import launch
+from megalab.lab.launch import RankFailedError
 
 
 @pytest.fixture(scope="module")

@@ -4,9 +4,10 @@ fp32 training and the bytes-per-parameter table."""
 import pytest
 import torch
 
-from megalab import calc, launch
-from megalab import mixed_precision as mp
-from megalab.toy import mlp, regression_data
+from megalab.core.optimizer import optimizer as mp
+from megalab.extras import calc
+from megalab.extras.toy import mlp, regression_data
+from megalab.lab import launch
 from tests.feedback import close, equal, require
 
 INF, NAN = float("inf"), float("nan")
@@ -200,7 +201,7 @@ def _overflow_on_one_rank():
     """Rank 1's grad overflows; returns, per case, (step taken, new scale) on this rank."""
     import torch.distributed as dist
 
-    from megalab import dist as mdist
+    from megalab.lab import dist as mdist
 
     rank, _ = mdist.init()
     out = {}

@@ -7,18 +7,15 @@ import torch
 import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
-from megalab import calc
-from megalab.config import TransformerConfig
-from megalab.model import (
-    MLP,
-    CoreAttention,
-    GPTModel,
-    LayerSpec,
-    RMSNorm,
-    SavedTensorsMeter,
-    TransformerLayer,
-    checkpoint,
-)
+from megalab.core.models.gpt.gpt_model import GPTModel
+from megalab.core.tensor_parallel.random import SavedTensorsMeter, checkpoint
+from megalab.core.transformer.attention import CoreAttention
+from megalab.core.transformer.mlp import MLP
+from megalab.core.transformer.spec_utils import LayerSpec
+from megalab.core.transformer.torch_norm import RMSNorm
+from megalab.core.transformer.transformer_block import TransformerLayer
+from megalab.core.transformer.transformer_config import TransformerConfig
+from megalab.extras import calc
 from tests.feedback import close, equal, require
 
 TINY = dict(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=61, seq_length=12,
@@ -166,7 +163,7 @@ def test_transformer_layer_matches_reference(variant):
     x = torch.randn(c.seq_length, 2, c.hidden_size)
     rotary = None
     if c.position_embedding_type == "rope":
-        from megalab.model import RotaryEmbedding
+        from megalab.core.models.common.embeddings.language_model_embedding import RotaryEmbedding
 
         rotary = RotaryEmbedding(c.kv_channels, c.rotary_percent, c.rotary_base)(c.seq_length)
     sd = {"l." + k: v for k, v in layer.state_dict().items()}

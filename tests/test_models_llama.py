@@ -11,15 +11,19 @@ import torch
 import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
-from megalab import calc
-from megalab.config import TransformerConfig
-from megalab.model import GPTModel
-from megalab.model.embeddings import RotaryEmbedding, apply_rotary_pos_emb
-from megalab.model.gqa import grouped_query_attention, repeat_kv
-from megalab.model.llama import gpt_to_llama, llama_config, llama_preset
-from megalab.model.mixtral import deepseek_v3_style_config, mixtral_config, mixtral_preset
-from megalab.model.provider import get_gpt_layer_local_spec, model_provider
-from megalab.model.rope import half_split_to_interleaved, interleaved_to_half_split, rotate_interleaved
+from megalab.core.models.common.embeddings.language_model_embedding import RotaryEmbedding, apply_rotary_pos_emb
+from megalab.core.models.common.embeddings.rope_utils import (
+    half_split_to_interleaved,
+    interleaved_to_half_split,
+    rotate_interleaved,
+)
+from megalab.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec, model_provider
+from megalab.core.models.gpt.gpt_model import GPTModel
+from megalab.core.transformer.transformer_config import TransformerConfig
+from megalab.extras import calc
+from megalab.extras.gqa import grouped_query_attention, repeat_kv
+from megalab.extras.mixtral import deepseek_v3_style_config, mixtral_config, mixtral_preset
+from megalab.extras.presets import gpt_to_llama, llama_config, llama_preset
 from tests.feedback import close, equal, require
 
 TINY = dict(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=50, seq_length=16)
@@ -196,7 +200,7 @@ def test_counts_match_the_model_and_flop_counter(name):
 
 # ------------------------------------------------------------------ the short training run
 def test_pretrain_loss_falls_on_a_learnable_stream_and_rejects_short_data():
-    from megalab.model.pretrain import pretrain
+    from megalab.extras.pretrain_tiny import pretrain
 
     torch.manual_seed(0)
     model = GPTModel(llama_config(**{**TINY, "seq_length": 8}))

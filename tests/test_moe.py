@@ -14,10 +14,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megalab import calc, launch, moe
-from megalab import parallel_state as ps
-from megalab.config import TransformerConfig
-from megalab.model import GPTModel
+from megalab.core import parallel_state as ps
+from megalab.core.models.gpt.gpt_model import GPTModel
+from megalab.core.transformer.moe import moe_layer as moe
+from megalab.core.transformer.transformer_config import TransformerConfig
+from megalab.extras import calc
+from megalab.lab import launch
 from tests.feedback import close, equal, max_error, require, require_no_error, require_within
 
 TOL = 1e-5
@@ -408,7 +410,7 @@ def _ep_case(rank, world, tp, ep, change):
 def _gpt_case(rank):
     """A MoE GPT under TP2 x EP2 with sequence parallelism: the same seed builds the same model as on
     one device (experts drawn as there, the local ones kept), so the losses and the router's gradient match."""
-    from megalab import tensor_parallel as tp
+    from megalab.core.tensor_parallel import layers as tp
 
     config = TransformerConfig(**{**BASE, "num_layers": 2, "vocab_size": 64, "num_moe_experts": 4},
                                moe_token_dispatcher_type="alltoall", moe_aux_loss_coeff=0.01)
@@ -444,7 +446,7 @@ def _gpt_case(rank):
 
 
 def run_ep_cases():
-    from megalab import dist as mdist
+    from megalab.lab import dist as mdist
 
     rank, world = mdist.init()
     results = {}

@@ -9,7 +9,7 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from megalab.notebooks import BUDGET_SECONDS, course_timings, find_notebooks, study_minutes, timings_table
+from megalab.lab.notebooks import BUDGET_SECONDS, course_timings, find_notebooks, study_minutes, timings_table
 
 ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOKS = [p.relative_to(ROOT).as_posix() for p in find_notebooks([str(ROOT / "course")])]

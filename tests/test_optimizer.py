@@ -10,10 +10,10 @@ import pytest
 import torch
 from torch import nn
 
-from megalab import optimizer as opt
-from megalab.config import TransformerConfig
-from megalab.model import GPTModel
-from megalab.training import masked_loss
+from megalab.core.models.gpt.gpt_model import GPTModel
+from megalab.core.optimizer import clip_grads as opt
+from megalab.core.transformer.transformer_config import TransformerConfig
+from megalab.training.training import masked_loss
 from tests.feedback import close, require
 
 

@@ -1,4 +1,4 @@
-"""Sequence packing (megalab/packed_seq.py) through the real models, against each document run alone.
+"""Sequence packing (megalab/core/packed_seq_params.py) through the real models, against each document run alone.
 
 - helpers: boundaries and per-document positions of pack_documents; the document-causal mask against a loop over
   the documents and against Megatron's reset_attention_mask rule (cut the causal mask after every eod);
@@ -19,16 +19,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megalab import launch
-from megalab.config import TransformerConfig
-from megalab.data.gpt_dataset import GPTDataset, cu_seqlens_from_eod
-from megalab.data.indexed_dataset import IndexedDataset, IndexedDatasetBuilder
-from megalab.inference.forward import CachedAttention
-from megalab.kernels import flash_attn_available
-from megalab.model import GPTModel
-from megalab.model.embeddings import RotaryEmbedding
-from megalab.model.llama import llama_config
-from megalab.packed_seq import (
+from megalab.core.datasets.gpt_dataset import GPTDataset, cu_seqlens_from_eod
+from megalab.core.datasets.indexed_dataset import IndexedDataset, IndexedDatasetBuilder
+from megalab.core.inference.text_generation_controllers.text_generation_controller import CachedAttention
+from megalab.core.models.common.embeddings.language_model_embedding import RotaryEmbedding
+from megalab.core.models.gpt.gpt_model import GPTModel
+from megalab.core.packed_seq_params import (
     PackedSeqParams,
     collate_packed,
     document_causal_mask,
@@ -36,6 +32,10 @@ from megalab.packed_seq import (
     pack_documents,
     packed_position_ids,
 )
+from megalab.core.transformer.transformer_config import TransformerConfig
+from megalab.extras.presets import llama_config
+from megalab.kernels import flash_attn_available
+from megalab.lab import launch
 from tests.feedback import close, equal, require
 
 DOC_LENGTHS = [(5,), (3, 1, 4), (1, 1), (7, 2, 6, 3)]
@@ -316,10 +316,10 @@ def test_packed_model_on_gpu(backend):
 
 # ------------------------------------------------------------------ parallel models (2 ranks)
 def _parallel_worker():
-    from megalab import dist as mdist
-    from megalab import parallel_state as ps
-    from megalab import tensor_parallel as tp
-    from megalab.context_parallel import ContextParallelGPTModel
+    from megalab.core import parallel_state as ps
+    from megalab.core.tensor_parallel import layers as tp
+    from megalab.lab import dist as mdist
+    from megalab.transformer_engine.context_parallel import ContextParallelGPTModel
 
     rank, _ = mdist.init()
     docs = _docs([5, 9, 1, 12, 3])
@@ -368,7 +368,7 @@ def test_packed_tensor_parallel_equals_single_device_and_cp_refuses():
 
 
 def test_custom_core_attention_without_packing_support_says_so():
-    from megalab.model.sliding_window import sliding_window_spec
+    from megalab.extras.sliding_window import sliding_window_spec
 
     config = TransformerConfig(num_layers=1, hidden_size=16, num_attention_heads=2, vocab_size=32, seq_length=8,
                                hidden_dropout=0.0, attention_dropout=0.0)

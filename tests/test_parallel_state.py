@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 import torch
 
-from megalab import launch
-from megalab import parallel_state as ps
+from megalab.core import parallel_state as ps
+from megalab.lab import launch
 from tests.feedback import equal, equal_lists, require
 
 ORDERS = ["tp-cp-ep-dp-pp", "tp-cp-pp-ep-dp"]
@@ -228,7 +228,7 @@ LAYOUTS = [
 def _groups_worker(layouts):
     import torch.distributed as dist
 
-    from megalab import dist as mdist
+    from megalab.lab import dist as mdist
 
     rank, world = mdist.init()
     report = []

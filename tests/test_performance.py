@@ -1,4 +1,4 @@
-"""megalab/profiling.py: profiler traces and their summary, comm/compute overlap read from a trace.
+"""megalab/extras/profiling.py: profiler traces and their summary, comm/compute overlap read from a trace.
 (Sequence packing: tests/test_packed_seq.py.)"""
 
 import json
@@ -6,8 +6,8 @@ import json
 import pytest
 import torch
 
-from megalab import launch
-from megalab.profiling import overlap_from_trace, profile_ddp_step, profile_step, top_ops
+from megalab.extras.profiling import overlap_from_trace, profile_ddp_step, profile_step, top_ops
+from megalab.lab import launch
 
 
 def test_overlap_from_trace_counts_merged_intervals():

@@ -5,9 +5,9 @@ from collections import Counter
 import pytest
 import torch
 
-from megalab import launch
-from megalab import pipeline_parallel as pp
-from megalab.pipeline_parallel import Op
+from megalab.core.pipeline_parallel import schedules as pp
+from megalab.core.pipeline_parallel.schedules import Op
+from megalab.lab import launch
 from tests.feedback import equal, max_error, require, require_within
 
 CASES = [(p, m, 1, kind) for kind in ("gpipe", "1f1b") for p in (1, 2, 3, 4) for m in (1, 2, 3, 4, 8)]
@@ -202,16 +202,16 @@ def _loss(logits, labels):
 
 
 def _gpt(**overrides):
-    from megalab.config import TransformerConfig
-    from megalab.model import GPTModel
+    from megalab.core.models.gpt.gpt_model import GPTModel
+    from megalab.core.transformer.transformer_config import TransformerConfig
 
     torch.manual_seed(0)
     return GPTModel(TransformerConfig(**{**TINY, **overrides}))
 
 
 def _matches_unpipelined_worker(num_microbatches):
-    from megalab import dist as mdist
-    from megalab import parallel_state
+    from megalab.core import parallel_state
+    from megalab.lab import dist as mdist
 
     mdist.init()
     m = num_microbatches
@@ -293,7 +293,7 @@ def test_pipelined_gpt_matches_unpipelined():
 def _torch_pipelining_worker(num_microbatches):
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
-    from megalab import dist as mdist
+    from megalab.lab import dist as mdist
 
     rank, world = mdist.init()
     m = num_microbatches

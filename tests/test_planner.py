@@ -1,5 +1,5 @@
 """The parallelism planner against published model sizes, Megatron's theoretical_memory_usage.py
-(its arithmetic transcribed below from the file, independently of megalab.planner), and the
+(its arithmetic transcribed below from the file, independently of megalab.extras.planner), and the
 Ultra-Scale Playbook's memory table."""
 
 import math
@@ -7,8 +7,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from megalab import calc, viz
-from megalab import planner as P
+from megalab.extras import calc, viz
+from megalab.extras import planner as P
 
 
 @pytest.mark.parametrize("model, total, active", [
@@ -28,8 +28,8 @@ def test_published_parameter_counts(model, total, active):
 @pytest.mark.parametrize("model", [P.LLAMA3_8B, P.LLAMA3_70B, P.MIXTRAL_8X7B], ids=lambda m: m.name)
 def test_counts_equal_calc_model_parameters(model):
     """The planner's per-shard breakdown adds up to chapter 04's count of the same preset."""
-    from megalab.model.llama import llama_preset
-    from megalab.model.mixtral import mixtral_preset
+    from megalab.extras.mixtral import mixtral_preset
+    from megalab.extras.presets import llama_preset
 
     config = {"LLaMA-3 8B": llama_preset("llama3-8b"), "LLaMA-3 70B": llama_preset("llama3-70b"),
               "Mixtral 8x7B": mixtral_preset("mixtral-8x7b")}[model.name]

@@ -1,5 +1,5 @@
-"""Chapter 07, projects 2 and 3: a sliding-window attention through the layer spec (megalab/model/sliding_window.py)
-and a profiled training step made faster (megalab/speedup.py).
+"""Chapter 07, projects 2 and 3: a sliding-window attention through the layer spec (megalab/extras/sliding_window.py)
+and a profiled training step made faster (megalab/extras/speedup.py).
 
 References: a per-query loop written here (each query's softmax over its last W keys), PyTorch's causal SDPA
 (the window covering the whole sequence), the single-device model against the tensor-parallel one, and a fake
@@ -13,20 +13,21 @@ from functools import partial
 import pytest
 import torch
 
-from megalab import launch
-from megalab import parallel_state as ps
-from megalab import tensor_parallel as tp
-from megalab.config import TransformerConfig
-from megalab.model import CoreAttention, GPTModel, LayerSpec
-from megalab.model.sliding_window import (
+from megalab.core import parallel_state as ps
+from megalab.core.models.gpt.gpt_model import GPTModel
+from megalab.core.tensor_parallel import layers as tp
+from megalab.core.transformer.attention import CoreAttention
+from megalab.core.transformer.spec_utils import LayerSpec
+from megalab.core.transformer.transformer_config import TransformerConfig
+from megalab.extras.profiling import profile_step
+from megalab.extras.sliding_window import (
     SlidingWindowAttention,
     blocked_sliding_window_attention,
     masked_sliding_window_attention,
     sliding_window_mask,
     sliding_window_spec,
 )
-from megalab.profiling import profile_step
-from megalab.speedup import (
+from megalab.extras.speedup import (
     LoopedAttention,
     interleaved_speedup,
     make_train_step,
@@ -34,6 +35,7 @@ from megalab.speedup import (
     remove_hotspots,
     slow_step_setup,
 )
+from megalab.lab import launch
 from tests.feedback import close, equal, max_error, require, require_no_error, require_within
 
 SMALL = dict(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=64, seq_length=24,
@@ -179,7 +181,7 @@ def test_gpt_through_the_spec_equals_a_loop_reference_model_and_has_the_receptiv
 
 # ------------------------------------------------------------------ sliding window under tensor parallelism
 def _tp_worker(window):
-    from megalab import dist as mdist
+    from megalab.lab import dist as mdist
 
     rank, world = mdist.init()
     out = {}

@@ -10,13 +10,14 @@ import httpx
 import pytest
 import torch
 
-from megalab import launch, projects
-from megalab.checkpoint import CheckpointError
-from megalab.config import TransformerConfig
-from megalab.inference import InferenceEngine, PagedKVCache
-from megalab.inference.server import ServerThread, create_app, load_test
-from megalab.inference.tokenizer import ByteTokenizer
-from megalab.model import GPTModel
+from megalab.core.inference import InferenceEngine, PagedKVCache
+from megalab.core.inference.text_generation_server.text_generation_server import ServerThread, create_app, load_test
+from megalab.core.models.gpt.gpt_model import GPTModel
+from megalab.core.tokenizers.byte_tokenizer import ByteTokenizer
+from megalab.core.transformer.transformer_config import TransformerConfig
+from megalab.extras import projects
+from megalab.lab import launch
+from megalab.training.checkpointing import CheckpointError
 from tests.feedback import close, require
 
 REFERENCE = [(1, 9.01), (2, 8.9), (3, 8.7), (4, 8.41), (5, 8.3), (6, 8.2)]
@@ -60,10 +61,10 @@ def test_curves_match_rejects_a_negative_tolerance():
 def _train_and_reference_logits(root: str, tokens: torch.Tensor):
     """4 ranks: 3 iterations at tp2·pp2 saving at 3; then load that checkpoint at tp2 (dp2) with the training
     code's own loader and return the TP model's logits for `tokens` (gathered over the vocab)."""
-    from megalab import checkpoint as ckpt
-    from megalab import dist as mdist
-    from megalab import parallel_state
-    from megalab.training import pretrain, setup_model_and_optimizer
+    from megalab.core import parallel_state
+    from megalab.lab import dist as mdist
+    from megalab.training import checkpointing as ckpt
+    from megalab.training.training import pretrain, setup_model_and_optimizer
 
     mdist.init()
     dataset, tokenizer = projects.build_dataset()

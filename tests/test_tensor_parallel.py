@@ -12,11 +12,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megalab import calc, launch
-from megalab import parallel_state as ps
-from megalab import tensor_parallel as tp
-from megalab.config import TransformerConfig
-from megalab.model import GPTModel, Linear, TransformerLayer, init_method_normal
+from megalab.core import parallel_state as ps
+from megalab.core.models.gpt.gpt_model import GPTModel
+from megalab.core.tensor_parallel import layers as tp
+from megalab.core.transformer.transformer_block import TransformerLayer
+from megalab.core.transformer.transformer_config import TransformerConfig
+from megalab.core.utils import Linear, init_method_normal
+from megalab.extras import calc
+from megalab.lab import launch
 from tests.feedback import equal, max_error, require, require_no_error, require_within
 
 TOL = 1e-5
@@ -176,7 +179,7 @@ def _embedding(t, rank, group):
 
 
 def _cross_entropy(t, rank, group):
-    from megalab.comm_tracer import CollectiveTracer
+    from megalab.extras.comm_tracer import CollectiveTracer
 
     out, V = {}, 24
     logits = _rank_tensor(6, 3, 10, V) * 3
@@ -283,7 +286,7 @@ def _dtensor(t, rank, group):
 
 def _comm(t, rank, group):
     """Bytes of one layer's forward + backward vs Narayanan's 8 b s h (t-1)/t (fp32: 4 bytes)."""
-    from megalab.comm_tracer import CollectiveTracer
+    from megalab.extras.comm_tracer import CollectiveTracer
 
     out = {}
     s, b, h = 8, 2, 32
@@ -303,7 +306,7 @@ CASES = {"mappings": _mappings, "mlp": _mlp, "embedding": _embedding, "cross_ent
 
 
 def _worker(tp_sizes):
-    from megalab import dist as mdist
+    from megalab.lab import dist as mdist
 
     rank, world = mdist.init()
     results = {}

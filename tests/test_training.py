@@ -13,9 +13,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megalab import launch
-from megalab.config import TransformerConfig
-from megalab.model import GPTModel
+from megalab.core.models.gpt.gpt_model import GPTModel
+from megalab.core.transformer.transformer_config import TransformerConfig
+from megalab.lab import launch
 
 MODEL = dict(num_layers=4, hidden_size=32, num_attention_heads=4, vocab_size=128, seq_length=16,
              hidden_dropout=0.0, attention_dropout=0.0, share_embeddings_and_output_weights=False)
@@ -42,7 +42,7 @@ class SyntheticDataset(torch.utils.data.Dataset):
 
 def training_config(model: dict | None = None, **overrides):
     """TRAIN with overrides; model: changes to MODEL."""
-    from megalab.training import TrainingConfig
+    from megalab.training.training import TrainingConfig
 
     return TrainingConfig(model=TransformerConfig(**{**MODEL, **(model or {})}), **{**TRAIN, **overrides})
 
@@ -90,8 +90,8 @@ def reference_training(iters: int, **model_overrides) -> tuple[list[tuple[float,
 
 
 def _train_worker(root: str):
-    from megalab import dist as mdist
-    from megalab.training import pretrain
+    from megalab.lab import dist as mdist
+    from megalab.training.training import pretrain
 
     mdist.init()
     data = dataset()
@@ -138,6 +138,6 @@ def test_resharded_resume(runs, layout):
 
 def test_config_errors():
     with pytest.raises(ValueError, match="global_batch_size=6 is not a multiple"):
-        from megalab.training import num_microbatches
+        from megalab.training.training import num_microbatches
 
         num_microbatches(training_config(global_batch_size=6), dp=4)

@@ -14,18 +14,18 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from megalab import launch
-from megalab.checkpoint import checkpoint_dir
+from megalab.lab import launch
+from megalab.training.checkpointing import checkpoint_dir
 from tests.test_training import TRAIN, dataset, reference_training, training_config
 
 FINAL = TRAIN["train_iters"]
 
 
 def _distopt_worker(root: str):
-    from megalab import dist as mdist
-    from megalab import parallel_state
-    from megalab.data_parallel import optimizer_state_bytes
-    from megalab.training import pretrain, setup_model_and_optimizer, train_step
+    from megalab.core import parallel_state
+    from megalab.core.distributed.distributed_data_parallel import optimizer_state_bytes
+    from megalab.lab import dist as mdist
+    from megalab.training.training import pretrain, setup_model_and_optimizer, train_step
 
     mdist.init()
     data = dataset()
@@ -46,7 +46,7 @@ def _distopt_worker(root: str):
 
     from torch import nn
 
-    from megalab.data_parallel import DistributedDataParallel, DistributedOptimizer
+    from megalab.core.distributed.distributed_data_parallel import DistributedDataParallel, DistributedOptimizer
 
     ddp = DistributedDataParallel(nn.Linear(4, 4), zero_stage=1)
     try:

@@ -13,7 +13,7 @@ import tempfile
 import pytest
 import torch
 
-from megalab import launch
+from megalab.lab import launch
 from tests.test_training import MODEL, TRAIN, reference_training, training_config
 
 TIED = dict(share_embeddings_and_output_weights=True)
@@ -33,8 +33,8 @@ SWIGLU_RESUMES = {"swiglu resume tp2·pp2": (2, 2), "swiglu resume tp1·pp4": (1
 
 
 def _layouts_worker(root: str):
-    from megalab import dist as mdist
-    from megalab.training import pretrain
+    from megalab.lab import dist as mdist
+    from megalab.training.training import pretrain
     from tests.test_training import dataset
 
     mdist.init()

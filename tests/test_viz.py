@@ -7,7 +7,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import pytest  # noqa: E402
 
-from megalab import viz  # noqa: E402
+from megalab.extras import viz  # noqa: E402
 
 
 @pytest.mark.exercise("parallel_state.get_ranks")
@@ -37,7 +37,7 @@ def test_explorer_builds():
 @pytest.mark.exercise("pp.num_warmup")
 @pytest.mark.exercise("pp.one_f_one_b")
 def test_pipeline_timeline_draws_every_op():
-    from megalab import pipeline_parallel as pp
+    from megalab.core.pipeline_parallel import schedules as pp
 
     records = pp.simulate(4, 8, kind="1f1b")
     fig = viz.pipeline_timeline(records, time_unit="")

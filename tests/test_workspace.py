@@ -1,4 +1,4 @@
-"""A learner's workspace (megalab/workspace.py, `megalab workspace|grade|restore|update`) on a small tree.
+"""A learner's workspace (megalab/lab/workspace.py, `megalab workspace|grade|restore|update`) on a small tree.
 
 What it must guarantee: grading one exercise names that exercise whatever else is blank or wrong
 (the others run the reference); saving a notebook never changes a verdict (grading compares with
@@ -12,17 +12,10 @@ import textwrap
 import nbformat
 import pytest
 
-from megalab import cli
-from megalab.exercises import ExerciseError
-from megalab.grading import grade
-from megalab.workspace import (
-    BACKUP,
-    create,
-    enclosing_function,
-    open_workspace,
-    progress,
-    swap_functions,
-)
+from megalab.lab import cli
+from megalab.lab.exercises import ExerciseError
+from megalab.lab.grading import grade
+from megalab.lab.workspace import BACKUP, create, enclosing_function, open_workspace, progress, swap_functions
 from tests.test_exercises import _notebook, _toy_tree
 
 CHAIN = '''\

@@ -61,7 +61,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: str = 
               dropout_p: float = 0.0, causal: bool = True, packed_seq_params=None) -> torch.Tensor:
     """Attention on [b, h, s, d] tensors through the chosen backend (see resolve_attention_backend).
 
-    With packed_seq_params (megalab/packed_seq.py) the tokens are packed documents: causal attention
+    With packed_seq_params (megalab/core/packed_seq_params.py) the tokens are packed documents: causal attention
     within each document only."""
     backend = resolve_attention_backend(backend, q.device, q.dtype, dropout_p, packed=packed_seq_params is not None)
     if packed_seq_params is not None:

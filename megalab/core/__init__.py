@@ -1,0 +1,1 @@
+"""Megatron-Core in small: each file here sits at the path of its counterpart under megatron/core/."""

@@ -1,0 +1,1 @@
+"""Key/value caches for inference (megatron/core/inference/contexts/)."""

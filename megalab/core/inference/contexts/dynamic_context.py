@@ -1,0 +1,149 @@
+"""KV caches: keep every past token's keys and values so a decode step computes one new token only.
+
+Without a cache, token t+1 costs a forward over all t+1 tokens (O(t) work per token, O(t^2) per
+sequence). With one, a step runs the model on the newest token and its attention reads the cached
+K/V of the earlier ones. Two layouts, one interface (reserve / write / read / free):
+
+    contiguous   one [max_seq_len] row per sequence slot, reserved up front
+                 key[layer, slot, 0 : max_seq_len, ng, hn]           (Megatron's static
+                 key_value_memory_dict: [s, b, ng, hn] per layer)   most of it never used
+
+    paged        fixed-size blocks from one shared pool; a sequence owns a block table
+                 block table of seq 7:  [5, 2, 9]   block_size = 4
+                 token position p  ->  block table[p // 4], offset p % 4
+                 pool  key[layer, num_blocks, block_size, ng, hn]    blocks come and go with
+                                                                      the sequences (vLLM's
+                 PagedAttention; Megatron's dynamic_context.py + block_allocator.py)
+
+ng = key/value groups on this device (num_query_groups, divided by the TP size), hn = kv_channels.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megalab.core.transformer.transformer_config import TransformerConfig
+
+
+def local_query_groups(config: TransformerConfig, tp_size: int = 1) -> int:
+    """Key/value groups each rank caches: column-parallel linear_qkv gives it ng / tp whole groups."""
+    if config.num_query_groups % tp_size:
+        raise ValueError(f"num_query_groups {config.num_query_groups} is not divisible by the TP size {tp_size}")
+    return config.num_query_groups // tp_size
+
+
+class ContiguousKVCache:
+    """max_batch_size slots of max_seq_len positions each, allocated once."""
+
+    def __init__(self, config: TransformerConfig, max_batch_size: int, max_seq_len: int | None = None,
+                 tp_size: int = 1, dtype: torch.dtype = torch.float32, device=None):
+        self.max_seq_len = max_seq_len or config.seq_length
+        shape = (config.num_layers, max_batch_size, self.max_seq_len, local_query_groups(config, tp_size),
+                 config.kv_channels)
+        self.key = torch.zeros(shape, dtype=dtype, device=device)  # [L, slots, max_seq_len, ng, hn]
+        self.value = torch.zeros_like(self.key)
+        self.free_slots = list(range(max_batch_size))
+        self.slot_of: dict[int, int] = {}  # sequence id -> slot
+
+    def fits(self, lengths: list[int]) -> bool:
+        """Would sequences of these final lengths fit at once? One slot each."""
+        return len(lengths) <= len(self.slot_of) + len(self.free_slots) and all(n <= self.max_seq_len for n in lengths)
+
+    def reserve(self, seq_id: int, length: int) -> None:
+        """Make room for positions 0..length-1 of a sequence (a whole slot, the first time)."""
+        if length > self.max_seq_len or (seq_id not in self.slot_of and not self.free_slots):
+            raise RuntimeError(f"no room for sequence {seq_id} ({length} tokens): free a slot or raise max_batch_size")
+        if seq_id not in self.slot_of:
+            self.slot_of[seq_id] = self.free_slots.pop(0)
+
+    def write(self, layer: int, seq_id: int, start: int, key: torch.Tensor, value: torch.Tensor) -> None:
+        # key/value [n, ng, hn] -> positions start .. start+n-1
+        slot = self.slot_of[seq_id]
+        self.key[layer, slot, start:start + key.shape[0]] = key
+        self.value[layer, slot, start:start + key.shape[0]] = value
+
+    def read(self, layer: int, seq_id: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        slot = self.slot_of[seq_id]
+        return self.key[layer, slot, :length], self.value[layer, slot, :length]  # [length, ng, hn] each
+
+    def free(self, seq_id: int) -> None:
+        """Give the sequence's slot back (nothing to do for one that never got a slot: a failed step)."""
+        if seq_id in self.slot_of:
+            self.free_slots.append(self.slot_of.pop(seq_id))
+
+    def bytes_reserved(self) -> int:
+        """Bytes held for the sequences now in the cache (a whole slot each)."""
+        per_slot = 2 * self.key[:, 0].numel() * self.key.element_size()
+        return per_slot * len(self.slot_of)
+
+
+class BlockAllocator:
+    """A free list of block ids. Megatron: BlockAllocator (inference/contexts/dynamic_block_allocator.py)."""
+
+    def __init__(self, num_blocks: int):
+        self.num_blocks = num_blocks
+        self.free_blocks = list(range(num_blocks))
+
+    def allocate(self, n: int) -> list[int]:
+        if n > len(self.free_blocks):
+            raise RuntimeError(f"out of KV-cache blocks: asked for {n}, {len(self.free_blocks)} free")
+        blocks, self.free_blocks = self.free_blocks[:n], self.free_blocks[n:]
+        return blocks
+
+    def release(self, blocks: list[int]) -> None:
+        self.free_blocks.extend(blocks)
+
+
+class PagedKVCache:
+    """A pool of num_blocks blocks of block_size positions, handed out as sequences grow."""
+
+    def __init__(self, config: TransformerConfig, num_blocks: int, block_size: int = 16, tp_size: int = 1,
+                 dtype: torch.dtype = torch.float32, device=None):
+        self.block_size = block_size
+        shape = (config.num_layers, num_blocks, block_size, local_query_groups(config, tp_size), config.kv_channels)
+        self.key = torch.zeros(shape, dtype=dtype, device=device)  # [L, num_blocks, block_size, ng, hn]
+        self.value = torch.zeros_like(self.key)
+        self.allocator = BlockAllocator(num_blocks)
+        self.block_tables: dict[int, list[int]] = {}  # sequence id -> its blocks, in position order
+
+    def blocks_needed(self, seq_id: int, length: int) -> int:
+        have = len(self.block_tables.get(seq_id, ()))
+        return max(0, -(-length // self.block_size) - have)  # ceil(length / block_size) - have
+
+    def fits(self, lengths: list[int]) -> bool:
+        """Would sequences of these final lengths fit at once? ceil(length / block_size) blocks each."""
+        return sum(-(-n // self.block_size) for n in lengths) <= self.allocator.num_blocks
+
+    def reserve(self, seq_id: int, length: int) -> None:
+        """Grow the sequence's block table until it covers positions 0..length-1."""
+        table = self.block_tables.setdefault(seq_id, [])
+        table.extend(self.allocator.allocate(self.blocks_needed(seq_id, length)))
+
+    def slots(self, seq_id: int, start: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(block id, offset in block) of positions start .. start+n-1 through the block table."""
+        # EXERCISE inference.paged_slots: map each position to (its block from the block table, its offset)
+        ### BEGIN SOLUTION
+        positions = torch.arange(start, start + n, device=self.key.device)
+        table = torch.tensor(self.block_tables[seq_id], device=self.key.device)
+        return table[positions // self.block_size], positions % self.block_size
+        ### END SOLUTION
+
+    def write(self, layer: int, seq_id: int, start: int, key: torch.Tensor, value: torch.Tensor) -> None:
+        # key/value [n, ng, hn] -> positions start .. start+n-1
+        blocks, offsets = self.slots(seq_id, start, key.shape[0])
+        self.key[layer, blocks, offsets] = key
+        self.value[layer, blocks, offsets] = value
+
+    def read(self, layer: int, seq_id: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        blocks, offsets = self.slots(seq_id, 0, length)
+        return self.key[layer, blocks, offsets], self.value[layer, blocks, offsets]  # [length, ng, hn] each
+
+    def free(self, seq_id: int) -> None:
+        """Give the sequence's blocks back (nothing to do for one that never got any: a failed step)."""
+        if seq_id in self.block_tables:
+            self.allocator.release(self.block_tables.pop(seq_id))
+
+    def bytes_reserved(self) -> int:
+        """Bytes held for the sequences now in the cache (their blocks only)."""
+        per_block = 2 * self.key[:, 0].numel() * self.key.element_size()
+        return per_block * sum(len(t) for t in self.block_tables.values())

@@ -1,0 +1,1 @@
+"""The inference engine: static and continuous batching (megatron/core/inference/engines/)."""

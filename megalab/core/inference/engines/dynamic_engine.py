@@ -1,0 +1,195 @@
+"""The inference engine: requests in, tokens out, one forward step at a time.
+
+    waiting queue ──admit (scheduler)──> active batch ──step: one forward──> each active request
+                                              ^                              gets its next token
+                                              └────── finished ones leave ────┘
+
+A step runs the prefill of the newly admitted requests (all their prompt tokens) and the
+decode of the active ones (one token each) in a single forward (forward.py). The scheduler
+admits waiting requests in arrival order while the step stays within
+
+    max_batch_size  requests in the batch
+    max_tokens      tokens in one forward (a prefill costs its prompt length, a decode 1)
+    the KV cache    the final lengths of all admitted requests must fit
+
+Static batching admits a new batch only when the previous one has completely finished, so
+short requests leave holes; continuous batching (Orca, vLLM, Megatron's DynamicInferenceEngine
+in megatron/core/inference/engines/dynamic_engine.py) lets requests join and leave every step.
+Megatron's names: InferenceRequest, add_request, step, has_unfinished_requests, generate.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from megalab.core.inference.sampling_params import SamplingParams, make_generator, sample
+from megalab.core.inference.text_generation_controllers.text_generation_controller import Segment, forward_step
+
+MODES = ("continuous", "static")
+
+
+@dataclass
+class InferenceRequest:
+    """One prompt and what has been generated for it. Megatron: InferenceRequest (inference_request.py)."""
+    request_id: int
+    prompt_tokens: list[int]
+    sampling_params: SamplingParams
+    on_token: Callable | None = None  # called as on_token(request, token_id) after each new token
+    generated_tokens: list[int] = field(default_factory=list)
+    generated_log_probs: list[float] = field(default_factory=list)
+    status: str = "waiting"  # waiting -> active -> completed
+    finish_reason: str | None = None  # "length" or "stop" (the termination_id came out)
+    arrival_time: float = field(default_factory=time.perf_counter)
+    finish_time: float | None = None
+    generator: torch.Generator | None = None
+
+    @property
+    def final_length(self) -> int:
+        return len(self.prompt_tokens) + self.sampling_params.num_tokens_to_generate
+
+
+class InferenceEngine:
+    def __init__(self, model, cache, max_batch_size: int = 8, max_tokens: int = 256, mode: str = "continuous"):
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        self.model, self.cache, self.mode = model.eval(), cache, mode
+        self.max_batch_size, self.max_tokens = max_batch_size, max_tokens
+        self.waiting: deque[InferenceRequest] = deque()
+        self.active: list[InferenceRequest] = []
+        self.ids = itertools.count()
+        self.steps = 0
+
+    def add_request(self, prompt_tokens: list[int], sampling_params: SamplingParams | None = None,
+                    on_token: Callable | None = None) -> InferenceRequest:
+        params = sampling_params or SamplingParams()
+        config = self.model.config
+        if not prompt_tokens:
+            raise ValueError("the prompt is empty: give at least one token")
+        if not all(0 <= t < config.vocab_size for t in prompt_tokens):
+            raise ValueError(f"prompt token ids must be in [0, vocab_size={config.vocab_size})")
+        total = len(prompt_tokens) + params.num_tokens_to_generate
+        if total > config.seq_length:
+            raise ValueError(f"prompt ({len(prompt_tokens)} tokens) + num_tokens_to_generate "
+                             f"({params.num_tokens_to_generate}) = {total} exceeds the model's seq_length "
+                             f"{config.seq_length}: shorten the prompt or generate fewer tokens")
+        if len(prompt_tokens) > self.max_tokens:
+            raise ValueError(f"prompt of {len(prompt_tokens)} tokens exceeds the engine's max_tokens "
+                             f"{self.max_tokens} per step: shorten it or raise max_tokens")
+        if not self.cache.fits([total]):
+            raise ValueError(f"a request of {total} tokens can never fit in the KV cache: make the cache larger")
+        request = InferenceRequest(next(self.ids), list(prompt_tokens), params, on_token)
+        request.generator = make_generator(params)
+        self.waiting.append(request)
+        return request
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.active)
+
+    def schedule(self) -> list[InferenceRequest]:
+        """Admit waiting requests (first come, first served) within the budgets; return the newcomers."""
+        if self.mode == "static" and self.active:
+            return []  # a static batch runs to its end before anyone joins
+        admitted = []
+        tokens = len(self.active)  # one decode token per active request
+        # EXERCISE inference.schedule: admit in arrival order while batch size, token budget and KV cache allow
+        ### BEGIN SOLUTION
+        while self.waiting and len(self.active) + len(admitted) < self.max_batch_size:
+            request = self.waiting[0]
+            if tokens + len(request.prompt_tokens) > self.max_tokens:
+                break
+            if not self.cache.fits([r.final_length for r in (*self.active, *admitted, request)]):
+                break
+            admitted.append(self.waiting.popleft())
+            tokens += len(request.prompt_tokens)
+        ### END SOLUTION
+        return admitted
+
+    @torch.inference_mode()
+    def step(self) -> list[InferenceRequest]:
+        """One forward: prefill the newcomers, decode one token for the others. Returns those that finished."""
+        admitted = self.schedule()
+        for request in admitted:
+            request.status = "active"
+        ids, positions, segments = [], [], []
+        for request in self.active:  # decode: the newest token, at the end of the sequence
+            start = len(request.prompt_tokens) + len(request.generated_tokens) - 1
+            segments.append(Segment(request.request_id, start, 1))
+            ids.append(request.generated_tokens[-1])
+        for request in admitted:  # prefill: the whole prompt
+            segments.append(Segment(request.request_id, 0, len(request.prompt_tokens)))
+            ids.extend(request.prompt_tokens)
+        self.active.extend(admitted)
+        if not segments:
+            return []
+        for seg in segments:
+            positions.extend(range(seg.start, seg.start + seg.length))
+            self.cache.reserve(seg.seq_id, seg.start + seg.length)
+        device = self.model.embedding.word_embeddings.weight.device
+        logits = forward_step(self.model, torch.tensor(ids, device=device), torch.tensor(positions, device=device),
+                              segments, self.cache)  # [T, V]
+        last_rows = torch.tensor([s.length for s in segments]).cumsum(0) - 1  # each request's last token
+        finished = []
+        for request, row in zip(self.active, logits[last_rows]):
+            self._append(request, row)
+            if request.finish_reason is not None:
+                finished.append(request)
+        for request in finished:
+            self.active.remove(request)
+            self.cache.free(request.request_id)
+        self.steps += 1
+        return finished
+
+    def abort_all(self, reason: str = "error") -> None:
+        """End every request in flight or waiting (e.g. after a failed step) and free their cache."""
+        for request in self.active:
+            self.cache.free(request.request_id)
+        for request in [*self.active, *self.waiting]:
+            request.status, request.finish_reason, request.finish_time = "completed", reason, time.perf_counter()
+            if request.on_token is not None:
+                request.on_token(request, None)
+        self.active.clear()
+        self.waiting.clear()
+
+    def _append(self, request: InferenceRequest, logits: torch.Tensor) -> None:
+        params = request.sampling_params
+        token = sample(logits, params, request.generator)
+        request.generated_tokens.append(token)
+        if params.return_log_probs:
+            request.generated_log_probs.append(float(logits.float().log_softmax(-1)[token]))
+        if token == params.termination_id:
+            request.finish_reason = "stop"
+        elif len(request.generated_tokens) == params.num_tokens_to_generate:
+            request.finish_reason = "length"
+        if request.finish_reason is not None:
+            request.status, request.finish_time = "completed", time.perf_counter()
+        if request.on_token is not None:
+            request.on_token(request, token)
+
+    def generate(self, prompts: list[list[int]], sampling_params: SamplingParams | list[SamplingParams] | None = None
+                 ) -> list[InferenceRequest]:
+        """Run the given prompts to completion; the requests come back in prompt order."""
+        params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
+        requests = [self.add_request(p, sp) for p, sp in zip(prompts, params)]
+        while self.has_unfinished_requests():
+            self.step()
+        return requests
+
+
+@torch.inference_mode()
+def generate_by_recompute(model, prompt_tokens: list[int], sampling_params: SamplingParams) -> list[int]:
+    """The reference without a cache: every new token runs the full forward over the whole sequence."""
+    model.eval()
+    device = model.embedding.word_embeddings.weight.device
+    generator, tokens = make_generator(sampling_params), list(prompt_tokens)
+    for _ in range(sampling_params.num_tokens_to_generate):
+        logits = model(torch.tensor([tokens], device=device))[0, -1]  # [V]: a forward over all len(tokens) positions
+        tokens.append(sample(logits, sampling_params, generator))
+        if tokens[-1] == sampling_params.termination_id:
+            break
+    return tokens[len(prompt_tokens):]

@@ -1,0 +1,1 @@
+"""One forward step over a ragged batch of requests (megatron/core/inference/text_generation_controllers/)."""

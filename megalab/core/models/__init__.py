@@ -1,0 +1,1 @@
+"""Models built from the transformer pieces (megatron/core/models/)."""

@@ -1,0 +1,1 @@
+"""Word, position and rotary embeddings (megatron/core/models/common/embeddings/)."""

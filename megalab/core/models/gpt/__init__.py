@@ -1,0 +1,1 @@
+"""GPTModel and its layer specs (megatron/core/models/gpt/)."""

@@ -1,0 +1,1 @@
+"""Optimizers: param groups, clipping, mixed precision, the distributed optimizer (megatron/core/optimizer/)."""

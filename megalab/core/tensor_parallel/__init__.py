@@ -1,0 +1,1 @@
+"""Tensor and sequence parallelism (megatron/core/tensor_parallel/)."""

@@ -1,0 +1,1 @@
+"""Tokenizers: the course BPE and a byte-level one (megatron/core/tokenizers/)."""

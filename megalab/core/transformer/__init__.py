@@ -1,0 +1,1 @@
+"""The transformer: config, specs, attention, MLP, layers, blocks, MoE (megatron/core/transformer/)."""

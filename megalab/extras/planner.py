@@ -1,0 +1,411 @@
+"""Parallelism planner: which tp·pp·cp·ep·dp layouts fit a model on N GPUs, and what each costs.
+
+For one model and one cluster it enumerates every valid layout and, for the most loaded GPU (the
+first pipeline stage, which holds the embedding and the most in-flight micro-batches), adds up
+
+    weights + grads + optimizer   bf16 params (2 B), fp32 main grads (4 B), Adam in fp32 (12 B):
+                                  18 B per parameter held, or 6 + 12/d with the distributed
+                                  optimizer (Megatron's theoretical_memory_usage.py);
+                                  dense params split by tp (and pp), expert params by ep·etp (and pp)
+    activations                   Korthikanti Table 2 per layer and micro-batch (calc), times the
+                                  layers of a stage, times the micro-batches in flight
+    bubble                        (p - 1) / (v m)                      (pipeline_parallel)
+    communication                 bytes each GPU sends per step, per kind of parallelism
+
+and flags the layouts that do not fit. `plan(...)` returns them best first: fitting layouts, then
+the smallest pipeline bubble, then the least communication.
+
+    model ─┐                      ┌─ Layout(tp, pp, cp, ep, dp, vpp, mbs) ── valid? ── memory, bubble, bytes
+    GPUs  ─┴─ enumerate_layouts ──┤─ ...
+                                  └─ ...
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from megalab.core.pipeline_parallel.schedules import bubble_fraction
+from megalab.core.transformer.transformer_config import TransformerConfig
+from megalab.extras import calc
+from megalab.extras.mixtral import mixtral_preset
+from megalab.extras.presets import llama_preset
+
+GB = 1e9
+BF16, FP32 = 2, 4
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """The sizes the planner needs, with Megatron's argument names."""
+
+    name: str
+    num_layers: int
+    hidden_size: int
+    num_attention_heads: int
+    ffn_hidden_size: int
+    vocab_size: int
+    num_query_groups: int | None = None  # None: MHA
+    kv_channels: int | None = None  # None: hidden_size / heads
+    swiglu: bool = True
+    normalization: str = "RMSNorm"
+    untie_embeddings_and_output_weights: bool = True
+    # MoE (num_experts None: dense)
+    num_experts: int | None = None
+    moe_router_topk: int = 2
+    moe_ffn_hidden_size: int | None = None
+    moe_shared_expert_intermediate_size: int | None = None
+    moe_first_dense_layers: int = 0  # DeepSeek-V3: the first 3 layers are dense
+    # Multi-latent attention (DeepSeek-V2/V3); None: standard attention
+    q_lora_rank: int | None = None
+    kv_lora_rank: int | None = None
+    qk_head_dim: int = 128
+    qk_pos_emb_head_dim: int = 64
+    v_head_dim: int = 128
+
+    @classmethod
+    def from_config(cls, name: str, config: TransformerConfig) -> ModelSpec:
+        """The sizes of a TransformerConfig (e.g. chapter 04's presets)."""
+        return cls(name, config.num_layers, config.hidden_size, config.num_attention_heads, config.ffn_hidden_size,
+                   config.vocab_size, num_query_groups=config.num_query_groups, kv_channels=config.kv_channels,
+                   swiglu=config.gated_linear_unit, normalization=config.normalization,
+                   untie_embeddings_and_output_weights=not config.share_embeddings_and_output_weights,
+                   num_experts=config.num_moe_experts, moe_router_topk=config.moe_router_topk,
+                   moe_ffn_hidden_size=config.moe_ffn_hidden_size,
+                   moe_shared_expert_intermediate_size=config.moe_shared_expert_intermediate_size)
+
+    @property
+    def groups(self) -> int:
+        return self.num_query_groups or self.num_attention_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.kv_channels or self.hidden_size // self.num_attention_heads
+
+    @property
+    def num_moe_layers(self) -> int:
+        return 0 if self.num_experts is None else self.num_layers - self.moe_first_dense_layers
+
+    def attention_params(self) -> float:
+        """Weights of one attention block (no biases). MLA as in Megatron's multi_latent_attention."""
+        h, n = self.hidden_size, self.num_attention_heads
+        if self.kv_lora_rank is not None:
+            norm = 1 if self.normalization == "RMSNorm" else 2
+            q = (h * n * (self.qk_head_dim + self.qk_pos_emb_head_dim) if self.q_lora_rank is None else
+                 self.q_lora_rank * (h + n * (self.qk_head_dim + self.qk_pos_emb_head_dim) + norm))
+            kv = self.kv_lora_rank * (h + n * (self.qk_head_dim + self.v_head_dim) + norm)
+            return q + kv + h * self.qk_pos_emb_head_dim + n * self.v_head_dim * h
+        q = n * self.head_dim
+        return 2 * h * q * (1 + self.groups / n)  # qkv (q + 2 kv) and the output projection
+
+    def mlp_params(self, ffn: int) -> float:
+        return (3 if self.swiglu else 2) * self.hidden_size * ffn
+
+    def layer_params(self) -> dict[str, float]:
+        """Per layer: replicated-by-ep ("dense") and per-expert-shard ("expert") weights, averaged over layers."""
+        h, norm = self.hidden_size, (1 if self.normalization == "RMSNorm" else 2) * 2 * self.hidden_size
+        dense = self.attention_params() + norm
+        dense_layers, moe_layers = self.num_layers - self.num_moe_layers, self.num_moe_layers
+        dense_mlp = self.mlp_params(self.ffn_hidden_size)
+        expert = 0.0
+        if moe_layers:
+            shared = self.mlp_params(self.moe_shared_expert_intermediate_size or 0)
+            router = self.num_experts * h
+            expert = self.num_experts * self.mlp_params(self.moe_ffn_hidden_size)
+            dense_mlp = (dense_layers * dense_mlp + moe_layers * (shared + router)) / self.num_layers
+            expert = expert * moe_layers / self.num_layers
+        return {"dense": dense + dense_mlp, "expert": expert}
+
+    def embedding_params(self) -> float:
+        return self.vocab_size * self.hidden_size
+
+    def final_norm_params(self) -> float:
+        return (1 if self.normalization == "RMSNorm" else 2) * self.hidden_size
+
+    def num_parameters(self) -> float:
+        per_layer = self.layer_params()
+        embeddings = self.embedding_params() * (2 if self.untie_embeddings_and_output_weights else 1)
+        return self.num_layers * (per_layer["dense"] + per_layer["expert"]) + embeddings + self.final_norm_params()
+
+    def num_active_parameters(self) -> float:
+        """Parameters one token passes through: top-k (plus shared) experts instead of all of them."""
+        if self.num_experts is None:
+            return self.num_parameters()
+        per_expert = self.mlp_params(self.moe_ffn_hidden_size) * self.num_moe_layers
+        return self.num_parameters() - (self.num_experts - self.moe_router_topk) * per_expert
+
+
+# Published configurations: chapter 04's presets, and DeepSeek-V3 (MLA, 3 dense layers first) from its report.
+LLAMA3_8B = ModelSpec.from_config("LLaMA-3 8B", llama_preset("llama3-8b"))
+LLAMA3_70B = ModelSpec.from_config("LLaMA-3 70B", llama_preset("llama3-70b"))
+MIXTRAL_8X7B = ModelSpec.from_config("Mixtral 8x7B", mixtral_preset("mixtral-8x7b"))
+DEEPSEEK_V3 = ModelSpec("DeepSeek-V3", 61, 7168, 128, 18432, 129280, num_experts=256, moe_router_topk=8,
+                        moe_ffn_hidden_size=2048, moe_shared_expert_intermediate_size=2048, moe_first_dense_layers=3,
+                        q_lora_rank=1536, kv_lora_rank=512)
+MODELS = {m.name: m for m in (LLAMA3_8B, LLAMA3_70B, MIXTRAL_8X7B, DEEPSEEK_V3)}
+
+
+@dataclass(frozen=True)
+class Training:
+    """What the step looks like, independent of the layout."""
+
+    seq_length: int = 8192
+    global_batch_size: int = 512  # sequences per optimizer step
+    micro_batch_size: int = 1
+    sequence_parallel: bool = True
+    recompute: str = "selective"  # "selective" (= FlashAttention: no s^2 scores), "none", "full"
+    use_distributed_optimizer: bool = True
+    # bytes per parameter: Megatron keeps bf16 params, fp32 main grads and fp32 Adam (master, m, v):
+    # 2 + 4 + 12 = 18. The Ultra-Scale Playbook counts bf16 grads (2: 16 in all) plus an fp32
+    # accumulation copy (2 + 4: 20 in all).
+    param_bytes: float = BF16
+    grad_bytes: float = FP32
+    optimizer_bytes: float = 12
+    gpu_memory_gb: float = 80.0
+    memory_headroom: float = 0.1  # kept free: allocator fragmentation, NCCL buffers, the CUDA context
+    gpus_per_node: int = 8
+    # for the step-time estimate (H100 SXM: 989 dense bf16 TFLOP/s, NVLink 450 GB/s a direction,
+    # one 400 Gb/s InfiniBand port = 50 GB/s per GPU); communication counted as not overlapped
+    peak_tflops: float = 989.0
+    mfu: float = 0.4
+    nvlink_gbps: float = 450.0
+    network_gbps: float = 50.0
+
+
+@dataclass(frozen=True)
+class Layout:
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    dp: int = 1
+    ep: int = 1
+    etp: int = 1  # expert tensor parallel (Megatron recommends 1 with EP)
+    vpp: int = 1  # virtual pipeline chunks per rank (interleaved 1F1B)
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.pp * self.cp * self.dp
+
+    def __str__(self) -> str:
+        parts = [f"{k}{v}" for k, v in (("tp", self.tp), ("pp", self.pp), ("cp", self.cp), ("ep", self.ep),
+                                           ("dp", self.dp)) if v > 1 or k == "dp"]
+        return "·".join(parts) + (f" (vpp {self.vpp})" if self.vpp > 1 else "")
+
+
+@dataclass
+class Plan:
+    layout: Layout
+    num_microbatches: int
+    memory: dict[str, float]  # bytes on the most loaded GPU: params, grads, optimizer, activations, total
+    bubble: float  # (p - 1) / (v m)
+    communication: dict[str, float] = field(default_factory=dict)  # bytes sent per GPU per step
+    fits: bool = True
+    step_time: float = 0.0  # estimated seconds: compute (1 + bubble) + communication
+
+    def row(self) -> str:
+        gb = {k: v / GB for k, v in self.memory.items()}
+        return (f"{str(self.layout):<24} {self.num_microbatches:>4} {gb['params'] + gb['grads'] + gb['optimizer']:>8.1f} "
+                f"{gb['activations']:>8.1f} {gb['total']:>8.1f} {self.bubble:>7.1%} "
+                f"{sum(self.communication.values()) / GB:>8.1f} {self.step_time:>7.1f}  {'yes' if self.fits else 'NO'}")
+
+
+HEADER = f"{'layout':<24} {'m':>4} {'W+G+O':>8} {'act':>8} {'total':>8} {'bubble':>7} {'comm':>8} {'step':>7}  fits"
+UNITS = f"{'':<24} {'':>4} {'GB':>8} {'GB':>8} {'GB':>8} {'':>7} {'GB':>8} {'s':>7}"
+
+
+def check_layout(model: ModelSpec, layout: Layout, train: Training) -> int:
+    """Raise ValueError (saying what to change) if `layout` cannot run; return the micro-batch count."""
+    t, p, c, d, e = layout.tp, layout.pp, layout.cp, layout.dp, layout.ep
+    problems = []
+    if t > train.gpus_per_node:
+        problems.append(f"tp={t} spans nodes (gpus_per_node={train.gpus_per_node}): keep tensor parallel inside a node")
+    if model.num_attention_heads % t or (model.kv_lora_rank is None and model.groups % t):
+        problems.append(f"tp={t} must divide the {model.num_attention_heads} heads and {model.groups} query groups")
+    if model.num_layers % (p * layout.vpp):
+        problems.append(f"pp·vpp={p * layout.vpp} must divide the {model.num_layers} layers")
+    if c > 1 and train.seq_length % (2 * c):
+        problems.append(f"seq_length {train.seq_length} must be divisible by 2·cp={2 * c} (zigzag split)")
+    if model.num_experts is None and e > 1:
+        problems.append(f"ep={e} needs a MoE model")
+    if model.num_experts is not None and model.num_experts % e:
+        problems.append(f"ep={e} must divide the {model.num_experts} experts")
+    if (t * c * d) % (e * layout.etp):
+        problems.append(f"ep·etp={e * layout.etp} must divide tp·cp·dp={t * c * d} (expert layers re-slice those ranks)")
+    if train.global_batch_size % (train.micro_batch_size * d):
+        problems.append(f"global batch {train.global_batch_size} must be divisible by micro batch × dp "
+                        f"= {train.micro_batch_size * d}")
+    if problems:
+        raise ValueError(f"layout {layout} is not valid: " + "; ".join(problems))
+    m = train.global_batch_size // (train.micro_batch_size * d)
+    if layout.vpp > 1 and m % p:
+        raise ValueError(f"layout {layout}: the interleaved schedule needs the {m} micro-batches to be a multiple of pp={p}")
+    return m
+
+
+def weight_memory(model: ModelSpec, layout: Layout, train: Training) -> dict[str, float]:
+    """Bytes of params, grads and optimizer state on the first pipeline stage's GPU."""
+    per_layer = model.layer_params()
+    # EXERCISE planner.weight_memory: params held (dense / tp, experts / (ep·etp), embeddings / tp), then param, grad and optimizer bytes (optimizer sharded over its DP group with the distributed optimizer)
+    ### BEGIN SOLUTION
+    layers = model.num_layers / layout.pp
+    dense = layers * per_layer["dense"] / layout.tp + model.embedding_params() / layout.tp
+    if layout.pp == 1:  # the first stage is also the last: final norm (replicated) and an untied output layer
+        dense += model.final_norm_params()
+        if model.untie_embeddings_and_output_weights:
+            dense += model.embedding_params() / layout.tp
+    expert = layers * per_layer["expert"] / (layout.ep * layout.etp)
+    dense_dp = layout.dp * layout.cp  # dense grads are reduced (and the optimizer sharded) over dp-cp
+    expert_dp = layout.tp * layout.cp * layout.dp // (layout.ep * layout.etp)  # expert data parallel
+    shard = (lambda n: 1) if not train.use_distributed_optimizer else (lambda n: n)
+    params = dense + expert
+    optimizer = train.optimizer_bytes * (dense / shard(dense_dp) + expert / shard(expert_dp))
+    return {"params": train.param_bytes * params, "grads": train.grad_bytes * params, "optimizer": optimizer}
+    ### END SOLUTION
+
+
+def in_flight_microbatches(layout: Layout, num_microbatches: int) -> float:
+    """Micro-batches whose activations the first stage holds at its peak (1F1B warmup depth).
+
+    1F1B: min(m, p). Interleaved: p (1 + (p - 1)/(p v)), Megatron's interleaving penalty.
+    """
+    p, v = layout.pp, layout.vpp
+    if v > 1:
+        return p * (1 + (p - 1) / (p * v))
+    return min(num_microbatches, p)
+
+
+def activation_memory(model: ModelSpec, layout: Layout, train: Training, num_microbatches: int) -> float:
+    """Bytes of activations on the first stage's GPU at its peak (Korthikanti Table 2 per layer)."""
+    s, b, h, t = train.seq_length, train.micro_batch_size, model.hidden_size, layout.tp
+    sp = train.sequence_parallel and t > 1
+    # tokens go through topk (+ shared) experts: the MLP's ffn-wide tensors grow by that much
+    ffn = model.ffn_hidden_size
+    if model.num_experts is not None:
+        moe_ffn = model.moe_router_topk * model.moe_ffn_hidden_size + (model.moe_shared_expert_intermediate_size or 0)
+        ffn = (model.moe_first_dense_layers * ffn + model.num_moe_layers * moe_ffn) / model.num_layers
+    # EXERCISE planner.activation_memory: layer bytes (calc, s/cp tokens) x layers of a stage x micro-batches in flight, plus the embedding's 8sb + sbh per micro-batch in flight
+    ### BEGIN SOLUTION
+    per_layer = calc.activation_memory_per_layer(s, b, h, model.num_attention_heads, t, sp, train.recompute,
+                                                 ffn_hidden_size=ffn, context_parallel_size=layout.cp)
+    in_flight = in_flight_microbatches(layout, num_microbatches)
+    tokens = s / layout.cp * b
+    embedding = (8 * tokens + tokens * h) * in_flight  # input ids (int64) and the embedding dropout mask
+    total = per_layer * model.num_layers / layout.pp * in_flight + embedding / (t if sp else 1)
+    ### END SOLUTION
+    if layout.pp == 1:  # the output layer's input and the logits for the loss (Megatron's two forms)
+        total += (4 * tokens * h * (1 + model.vocab_size / h) / t if sp
+                  else 2 * (tokens * model.vocab_size / t + tokens * h))
+    return total
+
+
+def communication(model: ModelSpec, layout: Layout, train: Training, num_microbatches: int) -> dict[str, float]:
+    """Bytes each GPU sends in one step, per kind of parallelism (ring algorithms, bf16 payloads).
+
+        dp  gradient reduction (all-reduce, or reduce-scatter + param all-gather): 2 (d-1)/d x bytes
+        tp  8 b s h (t-1)/t per layer and micro-batch (calc; the same with SP)
+        cp  ring attention: cp-1 K/V blocks forward, cp-1 K/V blocks and cp dK/dV blocks backward (calc)
+        ep  dispatch + combine all-to-all, forward and backward: 4 (ep-1)/ep x routed tokens x h
+        pp  one activation forward and one gradient backward per micro-batch
+    """
+    s, b, h, m = train.seq_length / layout.cp, train.micro_batch_size, model.hidden_size, num_microbatches
+    t, layers = layout.tp, model.num_layers / layout.pp
+    per_layer = model.layer_params()
+    ring = lambda n: 2 * (n - 1) / n
+    dense_dp, expert_dp = layout.dp * layout.cp, layout.tp * layout.cp * layout.dp // (layout.ep * layout.etp)
+    out = {
+        "dp": BF16 * layers * (ring(dense_dp) * per_layer["dense"] / t
+                               + ring(expert_dp) * per_layer["expert"] / (layout.ep * layout.etp)),
+        "tp": calc.tensor_parallel_communication_per_layer(s, b, h, t) * layers * m,
+        "cp": calc.context_parallel_communication_per_layer(
+            train.seq_length, b, model.groups / t, model.head_dim, layout.cp, bytes_per_element=BF16)["total"] * layers * m,
+        "ep": 0.0,
+        "pp": 2 * s * b * h * BF16 / (t if train.sequence_parallel else 1) * m if layout.pp > 1 else 0.0,
+    }
+    if model.num_experts is not None:
+        moe_layers = model.num_moe_layers / layout.pp
+        routed = s * b / t * model.moe_router_topk  # SP: each tp rank routes its share of the tokens
+        out["ep"] = 4 * (layout.ep - 1) / layout.ep * routed * h * BF16 * moe_layers * m
+    return out
+
+
+def crosses_nodes(layout: Layout, train: Training) -> dict[str, bool]:
+    """Whether each kind's groups span nodes, with Megatron's order tp-cp-ep-dp-pp (tp fastest):
+    a group of size n whose ranks are `stride` apart spans stride * n consecutive ranks."""
+    # "dp" is the dp-cp group the gradients are reduced over: cp and dp ranks together, tp apart
+    stride = {"tp": 1, "cp": layout.tp, "dp": layout.tp, "pp": layout.tp * layout.cp * layout.dp,
+              "ep": layout.etp}  # expert layers: etp-ep-edp-pp
+    size = {"tp": layout.tp, "cp": layout.cp, "dp": layout.dp * layout.cp, "pp": layout.pp, "ep": layout.ep}
+    return {k: stride[k] * size[k] > train.gpus_per_node for k in stride}
+
+
+def step_time(model: ModelSpec, layout: Layout, train: Training, bubble: float, comm: dict[str, float]) -> float:
+    """A rough step time: the model FLOPs at `mfu` of peak, stretched by the bubble, plus every byte
+    sent over NVLink or the network (no overlap assumed). Model FLOPs per token are PaLM's
+    6 N + 12 L s (heads x head_dim) (Chowdhery et al. 2022, Appendix B), N the active parameters."""
+    tokens = train.global_batch_size * train.seq_length
+    per_token = 6 * model.num_active_parameters() + 12 * model.num_layers * train.seq_length * (
+        model.num_attention_heads * model.head_dim)
+    compute = per_token * tokens / (layout.world_size * train.peak_tflops * 1e12 * train.mfu)
+    spans = crosses_nodes(layout, train)
+    link = lambda kind: (train.network_gbps if spans[kind] else train.nvlink_gbps) * GB
+    return compute * (1 + bubble) + sum(nbytes / link(kind) for kind, nbytes in comm.items())
+
+
+def evaluate(model: ModelSpec, layout: Layout, train: Training) -> Plan:
+    m = check_layout(model, layout, train)
+    memory = weight_memory(model, layout, train)
+    memory["activations"] = activation_memory(model, layout, train, m)
+    memory["total"] = sum(memory.values())
+    bubble = bubble_fraction(layout.pp, m, layout.vpp) if layout.pp > 1 else 0.0
+    comm = communication(model, layout, train, m)
+    usable = train.gpu_memory_gb * GB * (1 - train.memory_headroom)
+    return Plan(layout, m, memory, bubble, comm, fits=memory["total"] <= usable,
+                step_time=step_time(model, layout, train, bubble, comm))
+
+
+def _divisors(n: int) -> list[int]:
+    return [k for k in range(1, n + 1) if n % k == 0]
+
+
+def enumerate_layouts(model: ModelSpec, num_gpus: int, train: Training, max_vpp: int = 1) -> list[Plan]:
+    """Every valid layout of `num_gpus` (tp·pp·cp·dp = N; ep re-slices tp·cp·dp for expert layers)."""
+    plans = []
+    for tp in _divisors(num_gpus):
+        for pp in _divisors(num_gpus // tp):
+            for cp in _divisors(num_gpus // (tp * pp)):
+                dp = num_gpus // (tp * pp * cp)
+                eps = [1] if model.num_experts is None else _divisors(model.num_experts)
+                for ep in eps:
+                    for vpp in range(1, max_vpp + 1) if pp > 1 else [1]:
+                        try:
+                            plans.append(evaluate(model, Layout(tp, pp, cp, dp, ep, vpp=vpp), train))
+                        except ValueError:
+                            continue
+    return plans
+
+
+def plan(model: ModelSpec, num_gpus: int, train: Training | None = None, max_vpp: int = 1) -> list[Plan]:
+    """Valid layouts, best first: those that fit, then the shortest estimated step."""
+    train = train or Training()
+    if num_gpus < 1:
+        raise ValueError(f"num_gpus must be a positive integer, got {num_gpus}")
+    plans = enumerate_layouts(model, num_gpus, train, max_vpp)
+    return sorted(plans, key=lambda p: (not p.fits, p.step_time))
+
+
+def table(plans: list[Plan], top: int = 10) -> str:
+    rows = [p.row() for p in plans[:top]]
+    return "\n".join([HEADER, UNITS, "-" * len(HEADER), *rows])
+
+
+def llama3_70b_on_64_gpus() -> tuple[Layout, Training]:
+    """The course's exercise: a layout for LLaMA-3 70B on 64 GPUs of 80 GB (seq 8192, 512 sequences a step)."""
+    train = Training(seq_length=8192, global_batch_size=512, micro_batch_size=1, gpu_memory_gb=80.0)
+    # EXERCISE planner.llama3_70b_layout: choose tp, pp, cp, dp (product 64) that fits in 80 GB with a small bubble; justify it in a comment
+    ### BEGIN SOLUTION
+    # tp=8 keeps the four per-layer all-gathers/reduce-scatters on NVLink inside a node and cuts
+    # the 70B weights and the 8k-token activations 8 ways; pp=2 halves the weights again (~40 GB
+    # of weights, fp32 grads and sharded Adam state) and leaves ~20 GB of headroom; 8k tokens fit
+    # without CP; dp=4 leaves m = 512/4 = 128 micro-batches: the 1F1B bubble (p-1)/m is < 1%.
+    layout = Layout(tp=8, pp=2, cp=1, dp=4)
+    ### END SOLUTION
+    return layout, train

@@ -1,0 +1,102 @@
+"""Where a training step spends its time: profiler traces, and communication/computation overlap.
+
+    profile_step(step)  ──> torch.profiler trace ──> Chrome trace file (chrome://tracing, Perfetto)
+                                                 └─> top_ops(): the ops that cost the most, as rows
+
+Sequence packing, the other speed-up of chapter 06 · 04, lives in megalab/core/packed_seq_params.py.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile, schedule
+
+
+def profile_step(step: Callable[[], None], steps: int = 2, warmup: int = 1,
+                 trace_path: str | Path | None = None) -> profile:
+    """Run `step` warmup + steps times under torch.profiler (CPU, and CUDA when present), record the last `steps`.
+
+    With trace_path, also writes the Chrome trace JSON there. Returns the profiler (see top_ops).
+    """
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=activities, schedule=schedule(wait=0, warmup=warmup, active=steps, repeat=1),
+                 record_shapes=True, profile_memory=True) as prof:
+        for _ in range(warmup + steps):
+            step()
+            prof.step()
+    if trace_path is not None:
+        prof.export_chrome_trace(str(trace_path))
+    return prof
+
+
+def top_ops(prof: profile, n: int = 8) -> list[dict]:
+    """The n ops with the most self time (time in the op itself, not in ops it calls): name, calls, ms, share."""
+    device = torch.cuda.is_available()
+    events = [e for e in prof.key_averages() if not e.key.startswith("ProfilerStep")]
+    self_us = (lambda e: e.self_device_time_total) if device else (lambda e: e.self_cpu_time_total)
+    total = sum(self_us(e) for e in events) or 1.0
+    events.sort(key=self_us, reverse=True)
+    return [dict(name=e.key, calls=e.count, self_ms=self_us(e) / 1e3, share=self_us(e) / total) for e in events[:n]]
+
+
+def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    merged: list[list[float]] = []
+    for start, end in sorted(intervals):
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    return [(a, b) for a, b in merged]
+
+
+def overlap_from_trace(events: list[dict], comm: Callable[[str], bool], compute: Callable[[str], bool]) -> dict:
+    """Milliseconds of communication, and how many of them ran while computation ran, from Chrome trace events.
+
+    comm/compute select events (complete events, "ph": "X") by name; each set is merged into disjoint
+    intervals first, so nested or repeated events count once.
+    """
+    def spans(select):
+        return _union([(e["ts"], e["ts"] + e["dur"]) for e in events if e.get("ph") == "X" and select(e["name"])])
+
+    comm_spans, compute_spans = spans(comm), spans(compute)
+    overlap = sum(max(0.0, min(b, d) - max(a, c)) for a, b in comm_spans for c, d in compute_spans)
+    comm_us = sum(b - a for a, b in comm_spans)
+    return dict(comm_ms=comm_us / 1e3, compute_ms=sum(b - a for a, b in compute_spans) / 1e3,
+                overlap_ms=overlap / 1e3, overlap_share=overlap / comm_us if comm_us else 0.0)
+
+
+def profile_ddp_step(trace_dir: str, width: int = 256, layers: int = 6) -> dict[str, dict]:
+    """On every rank of a torchrun launch: profile one DDP step of an MLP stack with and without
+    overlap_grad_reduce, write the Chrome traces to trace_dir/ddp_{overlapped,serial}_rank{r}.json, and
+    return overlap_from_trace of bucket all-reduces vs backward ops for each ("overlapped", "serial")."""
+    import json
+
+    import torch.distributed as dist
+    from torch import nn
+
+    from megalab.core.distributed.distributed_data_parallel import DistributedDataParallel
+    from megalab.lab import dist as mdist
+
+    rank, _ = mdist.init()
+    x = torch.randn(512, width, generator=torch.Generator().manual_seed(rank))
+    results = {}
+    for name, overlap in (("overlapped", True), ("serial", False)):
+        torch.manual_seed(0)
+        model = nn.Sequential(*[nn.Sequential(nn.Linear(width, width), nn.GELU()) for _ in range(layers)])
+        ddp = DistributedDataParallel(model, bucket_size=width * width + width, overlap_grad_reduce=overlap)
+
+        def step(ddp=ddp):
+            ddp.zero_grad_buffer()
+            ddp(x).square().mean().backward()
+            ddp.finish_grad_sync()
+
+        path = Path(trace_dir) / f"ddp_{name}_rank{rank}.json"
+        profile_step(step, steps=1, warmup=1, trace_path=path)
+        events = json.loads(path.read_text())["traceEvents"]
+        results[name] = overlap_from_trace(events, comm=lambda n: "all_reduce" in n or "allreduce" in n,
+                                           compute=lambda n: n.endswith("Backward0"))
+    dist.barrier()
+    return results

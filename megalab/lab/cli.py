@@ -1,0 +1,228 @@
+"""The `megalab` command: doctor, notebooks, timings; the learner's tools (workspace, grade, restore, update) and the
+instructor's (exercises, student, report)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+
+def _doctor(args: argparse.Namespace) -> int:
+    from megalab.lab.doctor import report
+
+    print(report())
+    return 0
+
+
+def _notebooks(args: argparse.Namespace) -> int:
+    from megalab.lab.notebooks import execute_all
+
+    return execute_all(args.paths, timeout=args.timeout)
+
+
+def _timings(args: argparse.Namespace) -> int:
+    from megalab.lab.exercises import find_root
+    from megalab.lab.notebooks import course_timings, timings_table
+
+    print(timings_table(course_timings(find_root() / "course")))
+    return 0
+
+
+def _exercises(args: argparse.Namespace) -> int:
+    from megalab.lab.exercises import ExerciseError, find_root, load
+
+    try:
+        registry = load(find_root())
+    except ExerciseError as exc:
+        print(f"megalab exercises: {exc}", file=sys.stderr)
+        return 2
+    rows = [(ex.id, ex.where, ex.notebook or "(no notebook)", f"{len(ex.tests)} test(s)") for ex in registry.select(None)]
+    widths = [max(len(r[i]) for r in rows) for i in range(3)] if rows else []
+    for row in rows:
+        print("  ".join(f"{cell:<{w}}" for cell, w in zip(row, widths)), row[3])
+    problems = registry.problems()
+    for problem in problems:
+        print(f"problem: {problem}", file=sys.stderr)
+    print(f"{len(registry.exercises)} exercise(s), {len(problems)} problem(s)")
+    return 1 if problems else 0
+
+
+def _student(args: argparse.Namespace) -> int:
+    from megalab.lab.exercises import ExerciseError, find_root, write_student
+
+    try:
+        ws = write_student(find_root(), args.dir, force=args.force)
+    except ExerciseError as exc:
+        print(f"megalab student: {exc}", file=sys.stderr)
+        return 1
+    for ex in ws.blanked:
+        print(f"  blanked {ex.id:<28} {ex.where:<28} -> see {ex.notebook or '(no notebook yet)'}")
+    for warning in ws.warnings:
+        print(f"warning: {warning}", file=sys.stderr)
+    print(f"wrote the student workspace {ws.dest}: {ws.files} files copied, {len(ws.blanked)} exercise(s) blanked "
+          f"in {len(ws.changed)} file(s)")
+    return 0
+
+
+def _grade(args: argparse.Namespace) -> int:
+    import json
+
+    from megalab.lab.exercises import find_root
+    from megalab.lab.grading import grade
+
+    try:
+        report = grade(find_root(), args.target, timeout=args.timeout, notebooks=not args.no_notebooks)
+    except (ValueError, RuntimeError) as exc:  # ExerciseError is a ValueError
+        print(f"megalab grade: {exc}", file=sys.stderr)
+        return 2
+    print(report.table())
+    for problem in report.problems:
+        print(f"warning: {problem}", file=sys.stderr)
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)  # e.g. grades/$USER.json for a class
+        with open(args.json, "w") as f:
+            json.dump(report.to_json(), f, indent=1, ensure_ascii=False)
+        print(f"wrote {args.json}")
+    return 0 if report.ok else 1
+
+
+def _workspace(args: argparse.Namespace) -> int:
+    from megalab.lab.exercises import ExerciseError, find_root
+    from megalab.lab.workspace import FIRST_NOTEBOOK, WorkspaceError, create
+
+    start = time.perf_counter()
+    try:
+        ws = create(find_root(), args.dir, force=args.force)
+    except (ExerciseError, WorkspaceError) as exc:
+        print(f"megalab workspace: {exc}", file=sys.stderr)
+        return 1
+    for warning in ws.warnings:
+        print(f"warning: {warning}", file=sys.stderr)
+    print(f"Your workspace is ready in {ws.dest} ({time.perf_counter() - start:.1f} s): {len(ws.blanked)} exercises "
+          f"to implement, in megalab/.\n\nNext:\n  cd {ws.dest}\n  make lab          # JupyterLab here, on "
+          f"{FIRST_NOTEBOOK}\n  megalab grade dist.shard_bounds   # check one exercise (or %grade ID in a notebook)")
+    return 0
+
+
+def _restore(args: argparse.Namespace) -> int:
+    from megalab.lab.exercises import find_root
+    from megalab.lab.workspace import WorkspaceError, open_workspace, restore
+
+    ws = open_workspace(find_root())
+    if ws is None:
+        print("megalab restore: this is not a workspace (no .megalab/workspace.json); in the reference repository "
+              "use `git checkout -- NOTEBOOK`", file=sys.stderr)
+        return 2
+    try:
+        for notebook in args.notebooks:
+            backup = restore(ws, notebook)
+            saved = f" (your copy is in {backup.relative_to(ws.root)})" if backup else ""
+            print(f"restored {notebook} with its expected outputs{saved}")
+    except WorkspaceError as exc:
+        print(f"megalab restore: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _update(args: argparse.Namespace) -> int:
+    from megalab.lab.exercises import ExerciseError, find_root
+    from megalab.lab.workspace import WorkspaceError, open_workspace, update
+
+    ws = open_workspace(find_root())
+    if ws is None:
+        print("megalab update: run it inside a workspace (made by `megalab workspace DIR`)", file=sys.stderr)
+        return 2
+    try:
+        result = update(ws)
+    except (ExerciseError, WorkspaceError) as exc:
+        print(f"megalab update: {exc}", file=sys.stderr)
+        return 2
+    for rel in result.merged:
+        print(f"  merged   {rel}: the new version, with the exercises you implemented carried over")
+    for rel in result.replaced:
+        print(f"  updated  {rel}")
+    for rel in result.kept:
+        print(f"  kept     {rel} (your edit; the course did not change it)")
+    if result.backups:
+        print(f"your previous copies of changed files are in {result.backups.relative_to(ws.root)}")
+    print(f"workspace up to date with {ws.source}: {len(result.replaced) + len(result.merged)} file(s) changed")
+    return 0
+
+
+def _report(args: argparse.Namespace) -> int:
+    import csv
+
+    from megalab.lab.grading import class_report
+
+    try:
+        table, rows = class_report(args.files)
+    except ValueError as exc:
+        print(f"megalab report: {exc}", file=sys.stderr)
+        return 2
+    print(table)
+    if args.csv:
+        with open(args.csv, "w", newline="") as f:
+            csv.writer(f).writerows(rows)
+        print(f"wrote {args.csv}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="megalab", description="megalab: build Megatron-LM's ideas yourself")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("doctor", help="what this machine can run: versions, GPUs, FP8, flash-attn, Triton")
+    p.set_defaults(func=_doctor)
+
+    p = sub.add_parser("notebooks", help="re-execute notebooks in place, top to bottom, in a clean kernel")
+    p.add_argument("paths", nargs="*", default=["course"], help="notebooks or folders (default: course)")
+    p.add_argument("--timeout", type=float, default=600, help="seconds per cell")
+    p.set_defaults(func=_notebooks)
+
+    p = sub.add_parser("timings", help="per chapter: study time (the notebooks' headers) and recorded run time")
+    p.set_defaults(func=_timings)
+
+    p = sub.add_parser("exercises", help="list the exercises (id, where, notebook, tests) and check their markers")
+    p.set_defaults(func=_exercises)
+
+    p = sub.add_parser("student", help="instructors: a plain blank copy of this repository (learners: `workspace`)")
+    p.add_argument("dir", help="an empty folder to create the workspace in")
+    p.add_argument("--force", action="store_true", help="write into a non-empty folder (overwrites its files)")
+    p.set_defaults(func=_student)
+
+    p = sub.add_parser("workspace", help="learners start here: write your workspace (every exercise blank) in DIR")
+    p.add_argument("dir", help="an empty folder for the workspace, e.g. ~/megalab-work")
+    p.add_argument("--force", action="store_true", help="write into a non-empty folder (overwrites its files)")
+    p.set_defaults(func=_workspace)
+
+    p = sub.add_parser("restore", help="put a notebook's expected outputs back (your copy is kept in .megalab/backup)")
+    p.add_argument("notebooks", nargs="+", help="the notebook(s), e.g. course/01_foundations/01_setup_and_torchrun.ipynb")
+    p.set_defaults(func=_restore)
+
+    p = sub.add_parser("update", help="bring this workspace up to the course's current version, keeping your work")
+    p.set_defaults(func=_update)
+
+    p = sub.add_parser("grade", help="grade one exercise (in isolation, seconds), a chapter, or everything")
+    p.add_argument("target", nargs="?", help="an exercise id (dist.shard_bounds), a chapter (01 or 01_foundations); "
+                   "default: everything")
+    p.add_argument("--json", metavar="FILE", help="also write the results as JSON (for instructors)")
+    p.add_argument("--timeout", type=float, default=300, help="seconds per test and per notebook cell (default 300)")
+    p.add_argument("--no-notebooks", action="store_true", help="run the exercise tests only")
+    p.set_defaults(func=_grade)
+
+    p = sub.add_parser("report", help="merge a class's `grade --json` files: one row per student (file name)")
+    p.add_argument("files", nargs="+", help="the students' JSON files, e.g. grades/*.json")
+    p.add_argument("--csv", metavar="FILE", help="also write the table as CSV")
+    p.set_defaults(func=_report)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,264 @@
+"""Sharded, reshardable, atomic checkpoints with torch.distributed.checkpoint (DCP).
+
+Every tensor is saved under its GLOBAL name and full shape, the way the unsplit model names it,
+so any tp/pp/dp layout can load it (Megatron's dist_checkpointing: a ShardedTensor knows its
+global key and offset). TP slices are gathered to the full tensor (a gated linear_fc1 slice is
+[gate_r; up_r]: its `partition_stride` 2 says to reassemble [gate; up]); DCP's planner then picks ONE
+writer per key, so the pipeline stages (and DP replicas) write disjoint parts in parallel:
+
+    tp2·pp2 save:  rank 0,1 (stage 0) -> layers 0-1 (+ embedding)    one file per rank, one
+                   rank 2,3 (stage 1) -> layers 2-3 (+ output layer)  .metadata for the lot
+    tp1·pp4 load:  rank k reads layers k (any file), slices nothing; tp2 load slices its half
+
+On disk (Megatron's layout and tracker file):
+
+    save_dir/latest_checkpointed_iteration.txt       "20"  (written last, atomically)
+    save_dir/iter_0000020/  __0_0.distcp ... .metadata  (DCP: model, optimizer, per-rank RNG)
+                            common.pt                   (iteration, consumed samples, scheduler,
+                                                         model config; torch.load(weights_only=True))
+
+The distributed optimizer's AdamW state is sharded over DP as flat ranges; it is gathered per
+parameter before the save and each rank keeps its range after the load (Megatron's
+"dp_zero_gather_scatter" format), so the optimizer state, too, loads at any dp (or into a plain AdamW).
+
+Atomic: every rank writes into iter_0000020.tmp; only when all finished does rank 0 rename it
+and then replace the tracker. A crash mid-save leaves a .tmp folder that loading never reads.
+
+Megatron-LM: megatron/training/checkpointing.py (`save_checkpoint`, `load_checkpoint`,
+`get_checkpoint_tracker_filename`, `read_metadata`), megatron/core/dist_checkpointing/.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
+
+from megalab.core.distributed.distributed_data_parallel import DistributedOptimizer
+from megalab.core.optimizer.clip_grads import tensor_parallel_dims
+
+TRACKER = "latest_checkpointed_iteration.txt"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be loaded: missing, incomplete, corrupt or from another model."""
+
+
+def checkpoint_dir(save_dir: str | Path, iteration: int) -> Path:
+    return Path(save_dir) / f"iter_{iteration:07d}"
+
+
+def read_tracker(load_dir: str | Path) -> int | None:
+    """The iteration named in the tracker file, or None if the folder holds no checkpoint yet."""
+    tracker = Path(load_dir) / TRACKER
+    if not tracker.exists():
+        return None
+    text = tracker.read_text().strip()
+    if not text.isdigit():
+        raise CheckpointError(f"{tracker} should hold an iteration number, found {text!r}: fix or delete the file")
+    return int(text)
+
+
+# ------------------------------------------------------------------ TP slices <-> full tensors
+def _gather_tp(tensor: torch.Tensor, dim: int | None, tp_group, stride: int = 1) -> torch.Tensor:
+    """The full tensor from every TP rank's slice along `dim` (dim None: replicated, returned as is).
+
+    stride k: the full tensor is k concatenated parts and each slice holds its share of every part
+    (a gated linear_fc1: rank r holds [gate_r; up_r], the full tensor is [gate; up]).
+    """
+    if dim is None or tp_group is None or dist.get_world_size(tp_group) == 1:
+        return tensor.detach()
+    slices = [torch.empty_like(tensor) for _ in range(dist.get_world_size(tp_group))]
+    dist.all_gather(slices, tensor.detach().contiguous(), group=tp_group)
+    parts = zip(*(s.chunk(stride, dim) for s in slices))  # part k of every rank's slice
+    return torch.cat([torch.cat(part, dim) for part in parts], dim)
+
+
+def _tp_slice(full: torch.Tensor, dim: int | None, tp_group, stride: int = 1) -> torch.Tensor:
+    """This TP rank's slice of a full tensor along `dim` (with stride k: its share of each of k parts)."""
+    if dim is None or tp_group is None or dist.get_world_size(tp_group) == 1:
+        return full
+    t, rank = dist.get_world_size(tp_group), dist.get_rank(tp_group)
+    return torch.cat([part.chunk(t, dim)[rank] for part in full.chunk(stride, dim)], dim)
+
+
+def _owned(model: nn.Module, params: list[nn.Parameter]) -> dict[str, nn.Parameter]:
+    """Global name -> parameter for the parameters this rank holds (its pipeline stages)."""
+    ids = {id(p) for p in params}
+    return {name: p for name, p in model.named_parameters() if id(p) in ids}
+
+
+def _parameter_state(optimizer, params: list[nn.Parameter]) -> dict[nn.Parameter, dict[str, torch.Tensor]]:
+    """Each parameter's optimizer state, shaped like the parameter (collective for a DistributedOptimizer:
+    its DP shards are gathered, Megatron's "dp_zero_gather_scatter" format, so any DP size can load it)."""
+    if isinstance(optimizer, DistributedOptimizer):
+        init_optimizer_state(optimizer.optimizer)
+        return optimizer.get_parameter_state()
+    init_optimizer_state(optimizer)
+    return {p: optimizer.state[p] for p in params}
+
+
+def _global_state(model, params, opt_state, tp_group, full: bool) -> dict[str, torch.Tensor]:
+    """The DCP state dict of this rank: model.<name> and optimizer.<name>.<key>, full tensors.
+
+    opt_state: _parameter_state's dict. full=True gathers the live values (save); full=False
+    allocates empty full-shape tensors (load).
+    """
+    dims = tensor_parallel_dims(model)
+    tp = 1 if tp_group is None else dist.get_world_size(tp_group)
+    state = {}
+    for name, p in _owned(model, params).items():
+        dim = dims.get(name)
+        entries = {f"model.{name}": p}
+        entries.update({f"optimizer.{name}.{k}": v for k, v in opt_state[p].items()})
+        stride = getattr(p, "partition_stride", 1)
+        for key, t in entries.items():
+            split = dim if t.ndim > 0 else None
+            if full:
+                state[key] = _gather_tp(t, split, tp_group, stride).clone()
+            else:
+                shape = list(t.shape)
+                if split is not None:
+                    shape[split] *= tp
+                state[key] = torch.empty(shape, dtype=t.dtype)
+    return state
+
+
+def full_state_dict(model, params, optimizer, tp_group) -> dict[str, torch.Tensor]:
+    """Collective: this rank's model.<name> and optimizer.<name>.<key> entries as full (TP- and DP-gathered)
+    tensors, what save_checkpoint writes. Gathering them all onto one rank is the unsharded baseline."""
+    return _global_state(model, params, _parameter_state(optimizer, params), tp_group, full=True)
+
+
+def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+    """Create Adam's state (step, exp_avg, exp_avg_sq) before the first step, so a checkpoint can fill it."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if not optimizer.state[p]:
+                optimizer.state[p] = {"step": torch.zeros((), dtype=torch.float32),
+                                      "exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
+
+
+# ------------------------------------------------------------------ save
+def commit_checkpoint(tmp: Path, save_dir: str | Path, iteration: int) -> Path:
+    """Publish a fully written tmp folder as iter_<iteration> and point the tracker at it (rank 0 only)."""
+    final, tracker = checkpoint_dir(save_dir, iteration), Path(save_dir) / TRACKER
+    # EXERCISE checkpoint.commit: rename tmp to final (replacing an old one), then replace the tracker atomically
+    ### BEGIN SOLUTION
+    if final.exists():
+        shutil.rmtree(final)
+    os.rename(tmp, final)  # atomic on one file system: the folder exists whole or not at all
+    tracker.with_suffix(".tmp").write_text(str(iteration))
+    os.replace(tracker.with_suffix(".tmp"), tracker)  # readers see the old or the new number, never half
+    ### END SOLUTION
+    return final
+
+
+def save_checkpoint(save_dir: str | Path, iteration: int, model: nn.Module, params: list[nn.Parameter],
+                    optimizer: torch.optim.Optimizer, scheduler, consumed_samples: int, tp_group=None) -> Path:
+    """Collective: save model, optimizer, RNG and data position of `iteration` (see the module docstring).
+
+    params: the parameters this rank holds (its stages); model: the full model they belong to.
+    """
+    rank = dist.get_rank()
+    final = checkpoint_dir(save_dir, iteration)
+    tmp = final.with_name(final.name + ".tmp")
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)  # a crashed earlier attempt
+        tmp.mkdir(parents=True)
+    dist.barrier()
+    state = full_state_dict(model, params, optimizer, tp_group)
+    state[f"rng.rank{rank}"] = torch.get_rng_state()
+    dcp.save(state, checkpoint_id=tmp)
+    if rank == 0:
+        common = {"iteration": iteration, "consumed_samples": consumed_samples, "scheduler": scheduler.state_dict(),
+                  "model_config": dataclasses.asdict(model.config), "world_size": dist.get_world_size()}
+        torch.save(common, tmp / "common.pt")
+        commit_checkpoint(tmp, save_dir, iteration)
+    dist.barrier()
+    return final
+
+
+# ------------------------------------------------------------------ load
+def read_common(path: Path) -> dict:
+    """common.pt of a checkpoint folder (iteration, consumed_samples, scheduler, model_config, world_size)."""
+    if not (path / ".metadata").exists() or not (path / "common.pt").exists():
+        raise CheckpointError(f"{path} is incomplete (no .metadata or common.pt): it was not written to the end. "
+                              f"Point {TRACKER} at an earlier iteration or delete the folder")
+    try:
+        return torch.load(path / "common.pt", weights_only=True)
+    except Exception as e:
+        raise CheckpointError(f"{path / 'common.pt'} cannot be loaded with weights_only=True: it is corrupt or holds "
+                              f"objects other than tensors and plain data ({type(e).__name__}); load an earlier "
+                              "iteration") from e
+
+
+def find_checkpoint(load_dir: str | Path, iteration: int | None = None) -> Path:
+    """The folder of `iteration` in load_dir (default: the one the tracker names); a clear error if there is none."""
+    iteration = read_tracker(load_dir) if iteration is None else iteration
+    if iteration is None:
+        raise CheckpointError(f"no checkpoint in {load_dir} (no {TRACKER}); train from scratch or fix the path")
+    path = checkpoint_dir(load_dir, iteration)
+    if not path.is_dir():
+        raise CheckpointError(f"no checkpoint of iteration {iteration}: {path} does not exist (check {TRACKER} or the iteration asked for)")
+    return path
+
+
+def read_state(path: Path, state: dict[str, torch.Tensor], no_dist: bool = False) -> None:
+    """Fill `state`'s full-shape tensors from the checkpoint at path (collective unless no_dist), after checking
+    that it holds every key at that shape; a corrupt or truncated file is a CheckpointError."""
+    metadata = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    for key, t in state.items():
+        if key not in metadata:
+            raise CheckpointError(f"{path} lacks {key!r}: saved from a different model or optimizer")
+        if hasattr(metadata[key], "size") and tuple(metadata[key].size) != tuple(t.shape):
+            raise CheckpointError(f"{path}: {key} has shape {tuple(metadata[key].size)}, this model {tuple(t.shape)}")
+    try:
+        dcp.load(state, checkpoint_id=path, no_dist=no_dist)
+    except (Exception, CheckpointException) as e:  # DCP's exception is a BaseException, one failure per rank
+        cause = next(iter(e.failures.values())) if isinstance(e, CheckpointException) else e
+        cause = cause[0] if isinstance(cause, tuple) else cause  # (exception, traceback) from another rank
+        detail = (str(cause).strip().splitlines() or [""])[0][:200]
+        raise CheckpointError(f"{path} could not be read ({type(cause).__name__}: {detail}): a file is corrupt "
+                              "or truncated; load an earlier iteration") from e
+
+
+def load_checkpoint(load_dir: str | Path, model: nn.Module, params: list[nn.Parameter],
+                    optimizer: torch.optim.Optimizer, scheduler, tp_group=None, iteration: int | None = None) -> dict:
+    """Collective: restore what save_checkpoint wrote, into any tp/pp/dp layout; returns common.pt's dict.
+
+    The RNG state comes back only if the world size is the one saved (otherwise ranks do not map).
+    """
+    path = find_checkpoint(load_dir, iteration)
+    common = read_common(path)
+    saved, ours = common["model_config"], dataclasses.asdict(model.config)
+    diff = {k: (saved.get(k), v) for k, v in ours.items() if saved.get(k) != v}
+    if diff:
+        raise CheckpointError(f"{path} was saved from another model: (saved, this run) differ in {diff}")
+    opt_state = _parameter_state(optimizer, params)
+    state = _global_state(model, params, opt_state, tp_group, full=False)
+    same_world = common["world_size"] == dist.get_world_size()
+    if same_world:
+        state[f"rng.rank{dist.get_rank()}"] = torch.get_rng_state()
+    read_state(path, state)
+    dims = tensor_parallel_dims(model)
+    with torch.no_grad():
+        for name, p in _owned(model, params).items():
+            stride = getattr(p, "partition_stride", 1)
+            p.copy_(_tp_slice(state[f"model.{name}"], dims.get(name), tp_group, stride))  # in place: DDP's buffers stay
+            for k, v in opt_state[p].items():
+                v.copy_(_tp_slice(state[f"optimizer.{name}.{k}"], dims.get(name) if v.ndim else None, tp_group,
+                                  stride))
+    if isinstance(optimizer, DistributedOptimizer):
+        optimizer.load_parameter_state(opt_state)
+    if same_world:
+        torch.set_rng_state(state[f"rng.rank{dist.get_rank()}"])
+    scheduler.load_state_dict(common["scheduler"])
+    return common

@@ -1,0 +1,418 @@
+"""Context parallelism: split the SEQUENCE of every layer across the CP ranks; attention passes K/V.
+
+Everything but attention works token by token, so a rank can run it on its own s/cp tokens.
+Attention needs every earlier key: ring attention (Megatron's "p2p" CP, Transformer Engine's
+AttnFuncWithCPAndKVP2P) passes the K/V blocks around the CP ring, cp steps, computing the next
+block's attention while the following one is in flight, and merges the partial results exactly
+with their log-sum-exp (the online softmax of FlashAttention):
+
+    step 0: rank r attends to its own K/V block        send K/V_r     -> r+1, recv K/V_{r-1}
+    step 1: rank r attends to K/V_{r-1}                send K/V_{r-1} -> r+1, recv K/V_{r-2}
+    ...     out = merge(out, block_out) by lse        (cp-1 blocks received, forward)
+
+Under a causal mask a plain split is lopsided (rank 0 attends to one block, the last rank to
+all). The zigzag (load-balanced) split cuts the sequence into 2 cp chunks and gives rank r the
+chunks r and 2cp-1-r, so every rank does the same work (cp=2: rank 0 holds 0,3; rank 1 holds 1,2):
+
+    chunks  0 1 2 3          query chunk i vs key chunk j:  j < i full,  j == i causal,  j > i skip
+    rank    0 1 1 0
+
+Backward runs the ring again: K/V travel once more (cp-1 hops) and their gradients dK/dV travel
+with them, each rank adding its share, until they are back home (cp hops). The all-gather variant
+(TE's AttnFuncWithCPAndKVAllGather) gathers all K/V instead, keeps them for backward, and
+reduce-scatters dK/dV: fewer messages, no overlap, the full K/V in memory on every rank.
+
+Megatron: the CP group is `get_context_parallel_group()` (rank order tp-cp-ep-dp-pp); the batch is
+split by `get_batch_on_this_cp_rank` (megatron/training/utils.py), RoPE angles by
+`get_pos_emb_on_this_cp_rank` (rotary_pos_embedding.py); the attention is TE's
+`attn_forward_func_with_cp` (transformer_engine/pytorch/attention/.../context_parallel.py) behind
+TEDotProductAttention; gradients are reduced over the dp-cp group. Here the online-softmax math is
+written out in fp32 on [b, heads, tokens, hn] tensors; TE calls flash-attention kernels per block.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from megalab.core import parallel_state as ps
+from megalab.core.models.common.embeddings.language_model_embedding import RotaryEmbedding
+from megalab.core.tensor_parallel.layers import TensorParallelGPTModel
+from megalab.core.transformer.attention import CoreAttention
+from megalab.core.transformer.transformer_config import TransformerConfig
+
+
+def _group(group):
+    return group if group is not None else ps.get_context_parallel_group()
+
+
+# ------------------------------------------------------------------ the split
+def check_seq_length(seq_length: int, cp_size: int) -> int:
+    """The chunk length seq_length / (2 cp), or a clear error: both splits cut 2 cp equal chunks."""
+    if seq_length % (2 * cp_size):
+        raise ValueError(f"sequence length {seq_length} is not divisible by 2 * context_parallel_size = "
+                         f"{2 * cp_size}: context parallelism cuts the sequence into 2*cp equal chunks; "
+                         "pad or trim the sequence, or change context_parallel_size")
+    return seq_length // (2 * cp_size)
+
+
+def rank_chunks(cp_size: int, cp_rank: int, zigzag: bool = True) -> tuple[int, int]:
+    """The two chunk ids (of 2 cp) rank cp_rank holds: (r, 2cp-1-r) zigzag, (2r, 2r+1) plain."""
+    # EXERCISE cp.zigzag_split: the load-balanced pair of chunks, or the plain contiguous pair
+    ### BEGIN SOLUTION
+    if zigzag:
+        return cp_rank, 2 * cp_size - 1 - cp_rank
+    return 2 * cp_rank, 2 * cp_rank + 1
+    ### END SOLUTION
+
+
+def cp_rank_positions(seq_length: int, cp_size: int, cp_rank: int, zigzag: bool = True) -> torch.Tensor:
+    """Positions (token indices) of this rank's tokens in the full sequence, [seq_length / cp]."""
+    c = check_seq_length(seq_length, cp_size)
+    return torch.cat([torch.arange(i * c, (i + 1) * c) for i in rank_chunks(cp_size, cp_rank, zigzag)])
+
+
+def get_batch_on_this_cp_rank(batch: dict[str, torch.Tensor], cp_size: int, cp_rank: int,
+                              zigzag: bool = True) -> dict[str, torch.Tensor]:
+    """This rank's tokens of every [b, s] tensor in the batch (Megatron's name and split);
+    position_ids are added (the global positions of the kept tokens) if the batch has none."""
+    s = next(iter(batch.values())).shape[1]
+    positions = cp_rank_positions(s, cp_size, cp_rank, zigzag)
+    out = {name: t[:, positions.to(t.device)] for name, t in batch.items()}
+    if "position_ids" not in out:
+        b = next(iter(batch.values())).shape[0]
+        out["position_ids"] = positions.to(next(iter(batch.values())).device).expand(b, -1)
+    return out
+
+
+# ------------------------------------------------------------------ one block pair, exactly
+def causal_block_mask(q_chunk: int, kv_chunk: int) -> str:
+    """How chunk q_chunk's queries see chunk kv_chunk's keys under a causal mask:
+    "full" (all earlier), "causal" (the same chunk: lower triangle) or "skip" (all later)."""
+    # EXERCISE cp.causal_block_mask: compare the chunk ids
+    ### BEGIN SOLUTION
+    if kv_chunk < q_chunk:
+        return "full"
+    return "causal" if kv_chunk == q_chunk else "skip"
+    ### END SOLUTION
+
+
+def _expand_kv(t: torch.Tensor, heads: int) -> torch.Tensor:
+    """GQA: [b, ng, s, hn] -> [b, np, s, hn], each key/value head serving np/ng query heads."""
+    return t if t.shape[1] == heads else t.repeat_interleave(heads // t.shape[1], dim=1)
+
+
+def _scores(q, k, mask):
+    scores = q @ _expand_kv(k, q.shape[1]).transpose(-1, -2) * (1.0 / math.sqrt(q.shape[-1]))  # [b, np, sq, sk]
+    return scores if mask is None else scores.masked_fill(mask, float("-inf"))
+
+
+def block_attention(q, k, v, mask=None):
+    """softmax(q k^T / sqrt(hn)) v on one block pair, and the log-sum-exp of each query's scores.
+
+    q [b, np, sq, hn], k/v [b, ng, sk, hn], mask [sq, sk] bool (True: hidden) or None
+    -> out [b, np, sq, hn], lse [b, np, sq]   (every query must see at least one key)
+    """
+    scores = _scores(q, k, mask)
+    lse = torch.logsumexp(scores, dim=-1)
+    out = torch.exp(scores - lse.unsqueeze(-1)) @ _expand_kv(v, q.shape[1])
+    return out, lse
+
+
+def block_attention_backward(q, k, v, out, lse, dout, mask=None):
+    """Gradients of one block pair given the FINAL out and lse of the merged attention (as
+    FlashAttention's backward): p = exp(scores - lse), dS = p * (dP - rowsum(dout * out)).
+    Returns dq [b, np, sq, hn] and dk, dv [b, ng, sk, hn] (GQA: summed over each group's heads)."""
+    np_, ng = q.shape[1], k.shape[1]
+    p = torch.exp(_scores(q, k, mask) - lse.unsqueeze(-1))  # [b, np, sq, sk]
+    dv = p.transpose(-1, -2) @ dout
+    dp = dout @ _expand_kv(v, np_).transpose(-1, -2)
+    ds = p * (dp - (dout * out).sum(-1, keepdim=True)) * (1.0 / math.sqrt(q.shape[-1]))
+    dq = ds @ _expand_kv(k, np_)
+    dk = ds.transpose(-1, -2) @ q
+    if ng != np_:
+        dk, dv = (t.unflatten(1, (ng, np_ // ng)).sum(2) for t in (dk, dv))
+    return dq, dk, dv
+
+
+def merge_attention(out, lse, block_out, block_lse):
+    """Combine two partial attentions over disjoint key sets into the attention over both.
+
+    out, block_out [b, np, sq, hn], lse, block_lse [b, np, sq] -> (out, lse), out weighted by
+    each part's share of the total softmax mass: exp(lse_part - lse_total). lse may be -inf
+    (nothing seen yet). TE: flash_attn_fwd_out_correction / softmax_lse correction.
+    """
+    # EXERCISE cp.lse_merge: new lse = log(e^lse + e^block_lse); rescale both outputs by their share and add
+    ### BEGIN SOLUTION
+    new_lse = torch.logaddexp(lse, block_lse)
+    out = out * torch.exp(lse - new_lse).unsqueeze(-1) + block_out * torch.exp(block_lse - new_lse).unsqueeze(-1)
+    return out, new_lse
+    ### END SOLUTION
+
+
+def _mask(kind: str, c: int, device) -> torch.Tensor | None:
+    """The [c, c] mask of a block pair: none for "full", the upper triangle for "causal"."""
+    return torch.ones(c, c, dtype=torch.bool, device=device).triu(1) if kind == "causal" else None
+
+
+@dataclass
+class AttentionWork:
+    """What one rank's attention computed: block pairs, as a causal kernel counts them
+    (a diagonal block is half a block), their FLOPs (QK^T and PV, 4 b np sq sk hn per full block)
+    and the CPU seconds this thread spent computing them (forward only; thread time, so other
+    processes sharing the cores do not count)."""
+
+    blocks: float = 0.0
+    flops: float = 0.0
+    seconds: float = 0.0
+
+    def add(self, kind: str, q: torch.Tensor, num_keys: int, seconds: float) -> None:
+        """One computed block pair: q [b, np, sq, hn] its queries against num_keys keys."""
+        share = 0.5 if kind == "causal" else 1.0
+        b, np_, sq, hn = q.shape
+        self.blocks += share
+        self.flops += share * 4 * b * np_ * sq * num_keys * hn
+        self.seconds += seconds
+
+
+def _block_pairs(q_chunks, kv_chunks, c):
+    """(rows, cols, kind) of the block pairs a causal mask does not skip;
+    rows/cols slice this rank's queries and the K/V block (two chunks of c tokens each)."""
+    return [(slice(i * c, (i + 1) * c), slice(j * c, (j + 1) * c), causal_block_mask(qc, kc))
+            for i, qc in enumerate(q_chunks) for j, kc in enumerate(kv_chunks) if causal_block_mask(qc, kc) != "skip"]
+
+
+# ------------------------------------------------------------------ the ring
+def ring_step(tensor: torch.Tensor, group) -> tuple[torch.Tensor, list]:
+    """Post the exchange around the CP ring: send `tensor` to the next rank, receive the previous
+    rank's into a new buffer. Returns (buffer, requests); wait on the requests before reading it."""
+    ranks = dist.get_process_group_ranks(group)
+    me = ranks.index(dist.get_rank())
+    # EXERCISE cp.ring_step: isend to ranks[me+1], irecv from ranks[me-1] (mod cp), both asynchronous
+    ### BEGIN SOLUTION
+    buffer = torch.empty_like(tensor)
+    requests = [dist.isend(tensor.contiguous(), ranks[(me + 1) % len(ranks)], group=group),
+                dist.irecv(buffer, ranks[(me - 1) % len(ranks)], group=group)]
+    return buffer, requests
+    ### END SOLUTION
+
+
+def _wait(requests):
+    for request in requests:
+        request.wait()
+
+
+class RingAttention(torch.autograd.Function):
+    """Ring attention over the CP group: q [b, np, s/cp, hn], kv [2, b, ng, s/cp, hn] (K and V in
+    one buffer, one message per step) -> out [b, np, s/cp, hn]. fp32 throughout."""
+
+    @staticmethod
+    def forward(ctx, q, kv, group, zigzag, work):
+        cp, rank = dist.get_world_size(group), dist.get_rank(group)
+        q_chunks, c = rank_chunks(cp, rank, zigzag), q.shape[2] // 2
+        out = torch.zeros_like(q)
+        lse = torch.full(q.shape[:-1], float("-inf"), dtype=q.dtype, device=q.device)
+        block = kv
+        for step in range(cp):
+            owner = (rank - step) % cp  # whose K/V this is
+            if step + 1 < cp:
+                next_block, requests = ring_step(block, group)  # in flight while we compute
+            for rows, cols, kind in _block_pairs(q_chunks, rank_chunks(cp, owner, zigzag), c):
+                start = time.thread_time()
+                block_out, block_lse = block_attention(q[:, :, rows], block[0][:, :, cols], block[1][:, :, cols],
+                                                       _mask(kind, c, q.device))
+                out[:, :, rows], lse[:, :, rows] = merge_attention(out[:, :, rows], lse[:, :, rows],
+                                                                   block_out, block_lse)
+                if work is not None:
+                    work.add(kind, q[:, :, rows], c, time.thread_time() - start)
+            if step + 1 < cp:
+                _wait(requests)
+                block = next_block
+        ctx.save_for_backward(q, kv, out, lse)
+        ctx.group, ctx.zigzag = group, zigzag
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, kv, out, lse = ctx.saved_tensors
+        group, zigzag = ctx.group, ctx.zigzag
+        cp, rank = dist.get_world_size(group), dist.get_rank(group)
+        q_chunks, c = rank_chunks(cp, rank, zigzag), q.shape[2] // 2
+        dq = torch.zeros_like(q)
+        block, dkv = kv, None
+        # K/V go round again; each rank adds to its dq, and adds its share of the visiting block's dK/dV to
+        # the dkv travelling with that block; one last hop brings every dkv home to its owner.
+        # EXERCISE cp.backward_ring: the backward ring: K/V and their dK/dV around the CP group, dq accumulated locally
+        ### BEGIN SOLUTION
+        for step in range(cp):
+            owner = (rank - step) % cp
+            if dkv is None:
+                dkv = torch.zeros_like(kv)
+            else:  # the previous step's dkv moves one hop, with its block
+                dkv, dkv_requests = ring_step(dkv, group)
+                _wait(dkv_requests)
+            if step + 1 < cp:
+                next_block, kv_requests = ring_step(block, group)  # in flight while we compute
+            for rows, cols, kind in _block_pairs(q_chunks, rank_chunks(cp, owner, zigzag), c):
+                dq_ij, dk, dv = block_attention_backward(
+                    q[:, :, rows], block[0][:, :, cols], block[1][:, :, cols], out[:, :, rows], lse[:, :, rows],
+                    dout[:, :, rows], _mask(kind, c, q.device))
+                dq[:, :, rows] += dq_ij
+                dkv[0][:, :, cols] += dk
+                dkv[1][:, :, cols] += dv
+            if step + 1 < cp:
+                _wait(kv_requests)
+                block = next_block
+        if cp > 1:  # the last hop home
+            dkv, dkv_requests = ring_step(dkv, group)
+            _wait(dkv_requests)
+        ### END SOLUTION
+        return dq, dkv, None, None, None
+
+
+class AllGatherAttention(torch.autograd.Function):
+    """The all-gather variant: gather every rank's K/V ([cp, 2, b, ng, s/cp, hn]), attend with a
+    mask built from the global positions, keep the gathered K/V for backward, reduce-scatter dK/dV."""
+
+    @staticmethod
+    def forward(ctx, q, kv, group, zigzag, work):
+        cp, rank = dist.get_world_size(group), dist.get_rank(group)
+        gathered = kv.new_empty(cp * kv.shape[0], *kv.shape[1:])  # the ranks' blocks along dim 0
+        dist.all_gather_single(gathered, kv.contiguous(), group=group)
+        gathered = gathered.unflatten(0, (cp, 2))  # [cp, 2, b, ng, s/cp, hn]
+        k, v = gathered.permute(1, 2, 3, 0, 4, 5).flatten(3, 4).unbind(0)  # [b, ng, s, hn], rank-major tokens
+        s_local = q.shape[2]
+        positions = [cp_rank_positions(s_local * cp, cp, r, zigzag) for r in range(cp)]
+        mask = (positions[rank][:, None] < torch.cat(positions)[None, :]).to(q.device)  # key after query: hidden
+        start = time.thread_time()
+        out, lse = block_attention(q, k, v, mask)
+        if work is not None:
+            work.add("masked", q, k.shape[2], time.thread_time() - start)
+        ctx.save_for_backward(q, k, v, out, lse, mask)
+        ctx.group = group
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse, mask = ctx.saved_tensors
+        cp = dist.get_world_size(ctx.group)
+        dq, dk, dv = block_attention_backward(q, k, v, out, lse, dout, mask)
+        dkv_all = torch.stack([dk, dv]).unflatten(3, (cp, -1)).permute(3, 0, 1, 2, 4, 5)  # [cp, 2, b, ng, s/cp, hn]
+        dkv = dkv_all.new_empty(dkv_all.shape[1:])
+        dist.reduce_scatter_single(dkv, dkv_all.flatten(0, 1).contiguous(), group=ctx.group)  # summed, this rank's
+        return dq, dkv, None, None, None
+
+
+VARIANTS = {"p2p": RingAttention, "all_gather": AllGatherAttention}
+
+
+def context_parallel_attention(q, k, v, group=None, zigzag=True, variant="p2p", work=None):
+    """Causal attention of this rank's tokens over the whole CP-split sequence.
+
+    q [b, np, s/cp, hn], k/v [b, ng, s/cp, hn] (this rank's two chunks, rank_chunks order)
+    -> [b, np, s/cp, hn], computed in fp32 and returned in q's dtype.
+    """
+    if variant not in VARIANTS:
+        raise ValueError(f"variant must be one of {sorted(VARIANTS)}, got {variant!r}")
+    if q.shape[2] % 2:
+        raise ValueError(f"this rank holds {q.shape[2]} tokens: it must hold two equal chunks; split the "
+                         "sequence with get_batch_on_this_cp_rank (length divisible by 2 * context_parallel_size)")
+    kv = torch.stack([k, v]).float()
+    return VARIANTS[variant].apply(q.float(), kv, _group(group), zigzag, work).to(q.dtype)
+
+
+# ------------------------------------------------------------------ in the model
+def check_not_packed(packed_seq_params) -> None:
+    """Packed documents would need each document split across the CP ranks (Megatron: cu_seqlens_q_padded)."""
+    if packed_seq_params is not None:
+        raise ValueError("context parallelism here takes whole sequences, not packed documents (PackedSeqParams): "
+                         "use context_parallel_size=1 for packed batches, or pad the documents")
+
+
+class ContextParallelAttention(CoreAttention):
+    """Core attention over the CP group, for LayerSpec.core_attention: the same [s, b, heads, hn]
+    in, [s, b, np * hn] out as CoreAttention, but s is this rank's s/cp tokens. `work` accumulates
+    what the forward computed (AttentionWork)."""
+
+    def __init__(self, config: TransformerConfig, cp_group=None, zigzag: bool = True, variant: str = "p2p"):
+        super().__init__(config)
+        if config.attention_dropout > 0:
+            raise ValueError("context-parallel attention here has no attention dropout: set attention_dropout=0.0")
+        self.cp_group, self.zigzag, self.variant = _group(cp_group), zigzag, variant
+        self.work = AttentionWork()
+
+    def extra_repr(self) -> str:
+        return f"cp={dist.get_world_size(self.cp_group)}, zigzag={self.zigzag}, variant={self.variant!r}"
+
+    def forward(self, query, key, value, packed_seq_params=None):
+        check_not_packed(packed_seq_params)
+        s, b, np_, hn = query.shape
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, heads, s/cp, hn]
+        context = context_parallel_attention(q, k, v, self.cp_group, self.zigzag, self.variant, self.work)
+        return context.permute(2, 0, 1, 3).reshape(s, b, np_ * hn)
+
+
+class ContextParallelRotaryEmbedding(RotaryEmbedding):
+    """RoPE angles of this rank's tokens: forward(s/cp) -> the angles of its chunks' positions.
+    Megatron: RotaryEmbedding.forward calls get_pos_emb_on_this_cp_rank."""
+
+    def __init__(self, kv_channels, rotary_percent, rotary_base, cp_group, zigzag):
+        super().__init__(kv_channels, rotary_percent, rotary_base)
+        self.cp_group, self.zigzag = cp_group, zigzag
+
+    def forward(self, seq_length: int, packed_seq_params=None) -> torch.Tensor:
+        check_not_packed(packed_seq_params)
+        cp = dist.get_world_size(self.cp_group)
+        positions = cp_rank_positions(seq_length * cp, cp, dist.get_rank(self.cp_group), self.zigzag)
+        return super().forward(seq_length * cp)[positions.to(self.inv_freq.device)]  # [s/cp, 1, 1, dim]
+
+
+class ContextParallelGPTModel(TensorParallelGPTModel):
+    """The TP GPT (tp may be 1) with CP core attention: takes this rank's tokens
+    (get_batch_on_this_cp_rank) and returns their logits or per-token loss [b, s/cp].
+
+    Built with the same random draws as GPTModel(config). Train with the loss summed over local
+    tokens divided by the tokens of the whole batch, then finalize_context_parallel_grads.
+    """
+
+    def __init__(self, config: TransformerConfig, tp_group=None, cp_group=None, zigzag: bool = True,
+                 variant: str = "p2p"):
+        self.cp_group, self.zigzag = _group(cp_group), zigzag
+        check_seq_length(config.seq_length, dist.get_world_size(self.cp_group))
+        super().__init__(config, tp_group, core_attention=partial(
+            ContextParallelAttention, cp_group=self.cp_group, zigzag=zigzag, variant=variant))
+        if self.rotary_pos_emb is not None:
+            self.rotary_pos_emb = ContextParallelRotaryEmbedding(
+                config.kv_channels, config.rotary_percent, config.rotary_base, self.cp_group, zigzag)
+
+    def local_position_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """[b, s/cp]: the positions in the full sequence of this rank's tokens."""
+        cp = dist.get_world_size(self.cp_group)
+        return cp_rank_positions(input_ids.shape[1] * cp, cp, dist.get_rank(self.cp_group),
+                                 self.zigzag).to(input_ids.device).expand(input_ids.shape[0], -1)
+
+    def forward(self, input_ids, position_ids=None, labels=None, packed_seq_params=None):
+        check_not_packed(packed_seq_params)
+        if position_ids is None:
+            position_ids = self.local_position_ids(input_ids)
+        return super().forward(input_ids, position_ids, labels)
+
+
+def finalize_context_parallel_grads(model: nn.Module, state: ps.ParallelState | None = None) -> None:
+    """Sum gradients over the CP ranks (each saw other tokens of the same sequences) and average
+    over DP: one all-reduce over the dp-cp group, divided by the DP size. Megatron reduces over
+    the same group (get_data_parallel_group(with_context_parallel=True)) in finalize_model_grads,
+    averaging, with the loss multiplied by cp to turn the CP average into this sum."""
+    state = state or ps.get_parallel_state()
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat, group=state.get_data_parallel_group(with_context_parallel=True))
+    flat /= state.get_data_parallel_world_size()
+    for g, new in zip(grads, torch.split(flat, [g.numel() for g in grads])):
+        g.copy_(new.view_as(g))
