@@ -25,7 +25,9 @@ from megalab.lab import launch  # noqa: E402
 CODE = """
 import time
 import torch
-from megalab.transformer_engine import context_parallel as cpm
+from megalab.core.distributed.finalize_model_grads import finalize_context_parallel_grads
+from megalab.core.models.gpt.gpt_model import ContextParallelGPTModel
+from megalab.core.utils import get_batch_on_this_cp_rank
 from megalab.lab import dist as mdist
 from megalab.core import parallel_state as ps
 from megalab.core.transformer.transformer_config import TransformerConfig
@@ -39,12 +41,12 @@ config = TransformerConfig(num_layers={layers}, hidden_size={hidden}, num_attent
 models = {{}}
 for name in ("p2p", "all_gather"):
     torch.manual_seed(0)
-    models[name] = cpm.ContextParallelGPTModel(config, variant=name)
+    models[name] = ContextParallelGPTModel(config, variant=name)
 torch.manual_seed(0)
 models["single"] = GPTModel(config)
 ids = torch.randint(0, 256, (1, {seq}), generator=torch.Generator().manual_seed(1))
 labels = torch.roll(ids, -1, 1)
-local = cpm.get_batch_on_this_cp_rank(dict(tokens=ids, labels=labels), world, state.get_context_parallel_rank())
+local = get_batch_on_this_cp_rank(dict(tokens=ids, labels=labels), world, state.get_context_parallel_rank())
 
 
 def step(name):
@@ -54,7 +56,7 @@ def step(name):
         model(ids, labels=labels).mean().backward()
     else:
         (model(local["tokens"], local["position_ids"], local["labels"]).sum() / ids.numel()).backward()
-        cpm.finalize_context_parallel_grads(model, state)
+        finalize_context_parallel_grads(model, state)
 
 
 times = {{name: [] for name in models}}

@@ -44,11 +44,8 @@ def measure(layers: int, hidden: int, batch: int, steps: int, warmup: int) -> di
     from torch.distributed.optim import ZeroRedundancyOptimizer
     from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
-    from megalab.core.distributed.distributed_data_parallel import (
-        DistributedDataParallel,
-        DistributedOptimizer,
-        optimizer_state_bytes,
-    )
+    from megalab.core.distributed.distributed_data_parallel import DistributedDataParallel
+    from megalab.core.optimizer.distrib_optimizer import DistributedOptimizer, optimizer_state_bytes
     from megalab.lab import dist as mdist
 
     rank, world = mdist.init()

@@ -21,7 +21,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import median, report  # noqa: E402
 
-from megalab.core.inference import (  # noqa: E402
+from megalab.core.inference import (
     ContiguousKVCache,
     InferenceEngine,
     PagedKVCache,

@@ -18,7 +18,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import median, report  # noqa: E402
 
-from megalab.core.pipeline_parallel import schedules as pp  # noqa: E402
+from megalab.extras.pipeline_sim import bubble_fraction_of_total
 from megalab.lab import launch  # noqa: E402
 
 WORKER = """
@@ -36,14 +36,14 @@ for kind, p, m, v in {configs}:
     group, pp_rank = state.get_pipeline_model_parallel_group(), state.get_pipeline_model_parallel_rank()
     bubbles, ours, theirs = [], [], []
     for _ in range({repeats}):
-        res = pp.run_fixed_duration_pipeline(m, kind, v, {fwd}, {bwd}, group=group)
+        res = run_fixed_duration_pipeline(m, kind, v, {fwd}, {bwd}, group=group)
         records = [None] * p
         dist.all_gather_object(records, res.timeline, group=group)
         records = [r for rs in records for r in rs]
-        bubbles.append(pp.measured_bubble(records))
+        bubbles.append(measured_bubble(records))
         ours.append(max(r.end for r in records) - min(r.start for r in records))
     if p == world:  # the reference: same stages, same schedule; its first step (shape inference) not timed
-        chunks = [pp.FixedDurationStage({fwd} / v, {bwd} / v) for _ in range(v)]
+        chunks = [FixedDurationStage({fwd} / v, {bwd} / v) for _ in range(v)]
         stages = [PipelineStage(c, pp.virtual_stage(p, pp_rank, k), p * v, torch.device("cpu"), group=group)
                   for k, c in enumerate(chunks)]
         sched = TORCH[kind](stages if v > 1 else stages[0], n_microbatches=m, loss_fn=lambda o, t: (o * t).sum())
@@ -98,7 +98,7 @@ def main() -> None:
     rows = []
     for world, configs in runs.items():
         for (kind, p, m, v), (bubbles, ours, theirs, peaks) in measure(configs, world, repeats, args.forward_ms).items():
-            theory = pp.bubble_fraction_of_total(p, m, v)
+            theory = bubble_fraction_of_total(p, m, v)
             measured = median(bubbles)
             step_ours = median(ours) * 1e3
             step_torch = median(theirs) * 1e3 if theirs else None

@@ -12,12 +12,15 @@ import torch
 import torch.nn.functional as F
 
 from megalab.core import parallel_state as ps
-from megalab.core.models.gpt.gpt_model import GPTModel
-from megalab.core.tensor_parallel.layers import full_shard_of, tensor_parallel_layer_spec
-from megalab.core.tensor_parallel.random import SavedTensorsMeter
-from megalab.core.transformer.transformer_block import TransformerLayer
+from megalab.core.distributed.finalize_model_grads import finalize_context_parallel_grads
+from megalab.core.models.gpt.gpt_layer_specs import tensor_parallel_layer_spec
+from megalab.core.models.gpt.gpt_model import ContextParallelGPTModel, GPTModel
+from megalab.core.tensor_parallel.layers import full_shard_of
 from megalab.core.transformer.transformer_config import TransformerConfig
+from megalab.core.transformer.transformer_layer import TransformerLayer
+from megalab.core.utils import check_seq_length, cp_rank_positions, get_batch_on_this_cp_rank
 from megalab.extras import calc
+from megalab.extras.profiling import SavedTensorsMeter
 from megalab.lab import launch
 from megalab.transformer_engine import context_parallel as cpm
 from tests.feedback import close, equal, max_error, require, require_no_error, require_within
@@ -48,16 +51,16 @@ def _qkv(s, seed=0):
 # ------------------------------------------------------------------ single process
 @pytest.mark.exercise("cp.zigzag_split")
 def test_zigzag_split_balances_causal_work():
-    require(equal(cpm.cp_rank_positions(8, 2, 0).tolist(), [0, 1, 6, 7],
+    require(equal(cp_rank_positions(8, 2, 0).tolist(), [0, 1, 6, 7],
                   "cp_rank_positions(s=8, cp=2, rank 0) (zigzag: chunks 0 and 3 of 4)"))
-    require(equal(cpm.cp_rank_positions(8, 2, 1).tolist(), [2, 3, 4, 5],
+    require(equal(cp_rank_positions(8, 2, 1).tolist(), [2, 3, 4, 5],
                   "cp_rank_positions(s=8, cp=2, rank 1) (zigzag: chunks 1 and 2 of 4)"))
-    require(equal(cpm.cp_rank_positions(8, 2, 1, zigzag=False).tolist(), [4, 5, 6, 7],
+    require(equal(cp_rank_positions(8, 2, 1, zigzag=False).tolist(), [4, 5, 6, 7],
                   "cp_rank_positions(s=8, cp=2, rank 1, zigzag=False) (the second half)"))
     for cp in (1, 2, 3, 4):
         s = 4 * cp
         for zigzag in (True, False):
-            positions = [cpm.cp_rank_positions(s, cp, r, zigzag) for r in range(cp)]
+            positions = [cp_rank_positions(s, cp, r, zigzag) for r in range(cp)]
             where = f"cp_rank_positions(s={s}, cp={cp}, rank, zigzag={zigzag}) for ranks 0..{cp - 1}"
             require(equal(sorted(torch.cat(positions).tolist()), list(range(s)),
                           f"{where}, all positions sorted (each of 0..{s - 1} exactly once)"))
@@ -74,15 +77,15 @@ def test_zigzag_split_balances_causal_work():
 
 def test_bad_sequence_length_names_the_rule():
     with pytest.raises(ValueError, match=r"not divisible by 2 \* context_parallel_size = 8"):
-        cpm.check_seq_length(12, 4)
+        check_seq_length(12, 4)
     with pytest.raises(ValueError, match="2\\*cp equal chunks"):
-        cpm.get_batch_on_this_cp_rank({"tokens": torch.zeros(1, 10, dtype=torch.long)}, 2, 0)
+        get_batch_on_this_cp_rank({"tokens": torch.zeros(1, 10, dtype=torch.long)}, 2, 0)
 
 
 @pytest.mark.exercise("cp.zigzag_split")
 def test_get_batch_on_this_cp_rank_slices_every_tensor():
     ids = torch.arange(16).view(2, 8)
-    batch = cpm.get_batch_on_this_cp_rank({"tokens": ids, "labels": ids + 100}, 2, 0)
+    batch = get_batch_on_this_cp_rank({"tokens": ids, "labels": ids + 100}, 2, 0)
     where = "get_batch_on_this_cp_rank(2 rows of 8 tokens, cp=2, rank 0)"
     require(equal(batch["tokens"].tolist(), [[0, 1, 6, 7], [8, 9, 14, 15]], f"{where}['tokens']"))
     require(equal(batch["labels"].tolist(), [[100, 101, 106, 107], [108, 109, 114, 115]], f"{where}['labels']"))
@@ -171,7 +174,7 @@ def _attention(state):
     out = {}
     for variant in ("p2p", "all_gather"):
         for zigzag in (True, False):
-            pos = cpm.cp_rank_positions(s, cp, rank, zigzag)
+            pos = cp_rank_positions(s, cp, rank, zigzag)
             local = [t[:, :, pos].clone().requires_grad_() for t in (q, k, v)]
             work = cpm.AttentionWork()
             with CollectiveTracer() as trace, SavedTensorsMeter() as meter:
@@ -215,15 +218,15 @@ def _gpt(state):
             torch.manual_seed(0)
             ref = GPTModel(config)
             torch.manual_seed(0)
-            model = cpm.ContextParallelGPTModel(config, tp_group, state.get_context_parallel_group(), variant=variant)
+            model = ContextParallelGPTModel(config, tp_group, state.get_context_parallel_group(), variant=variant)
             ids = torch.randint(0, config.vocab_size, (2, config.seq_length), generator=torch.Generator().manual_seed(3))
             labels = torch.roll(ids, -1, 1)
             ref_loss = ref(ids, labels=labels)
             ref_loss.mean().backward()
-            batch = cpm.get_batch_on_this_cp_rank(dict(tokens=ids, labels=labels), cp, rank)
+            batch = get_batch_on_this_cp_rank(dict(tokens=ids, labels=labels), cp, rank)
             loss = model(batch["tokens"], batch["position_ids"], batch["labels"])  # [b, s/cp]
             (loss.sum() / ids.numel()).backward()  # local sum over the tokens of the whole batch
-            cpm.finalize_context_parallel_grads(model, state)
+            finalize_context_parallel_grads(model, state)
             pos = batch["position_ids"][0]
             errors = {"the per-token loss (this rank's positions)": max_error(loss, ref_loss[:, pos])}
             ref_params, names = dict(ref.named_parameters()), set()

@@ -14,13 +14,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from megalab.core.distributed.distributed_data_parallel import (
-    DistributedDataParallel,
-    DistributedOptimizer,
-    all_reduce_gradients,
-    build_buckets,
-    optimizer_state_bytes,
-)
+from megalab.core.distributed.distributed_data_parallel import DistributedDataParallel, all_reduce_gradients
+from megalab.core.distributed.param_and_grad_buffer import build_buckets
+from megalab.core.optimizer.distrib_optimizer import DistributedOptimizer, optimizer_state_bytes
 from megalab.extras import calc, toy
 from megalab.lab import launch
 from tests.feedback import equal, require, require_no_error, require_within

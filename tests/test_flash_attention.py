@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megalab.core.transformer.attention import CoreAttention
+from megalab.core.transformer.dot_product_attention import CoreAttention
 from megalab.core.transformer.transformer_config import TransformerConfig
 from megalab.kernels import INTERPRET, attention, resolve_attention_backend
 from megalab.kernels.flash_attention import flash_attention, online_softmax_attention

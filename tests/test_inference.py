@@ -259,7 +259,7 @@ def test_engine_rejects_requests_it_cannot_serve(prompt, params, message):
 # ------------------------------------------------------------------ tensor-parallel inference
 def _tp_generate(variants, prompts, lengths):
     from megalab.core import parallel_state as ps
-    from megalab.core.tensor_parallel.layers import TensorParallelGPTModel
+    from megalab.core.models.gpt.gpt_model import TensorParallelGPTModel
     from megalab.lab import dist as mdist
 
     _, world = mdist.init()

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from megalab.core.optimizer import optimizer as mp
+from megalab.core.optimizer.grad_scaler import ConstantGradScaler, DynamicGradScaler
 from megalab.extras import calc
 from megalab.extras.toy import mlp, regression_data
 from megalab.lab import launch
@@ -33,7 +34,7 @@ def test_dynamic_scaler_matches_torch_grad_scaler():
     torch_scaler.scale(torch.ones(()))  # creates its scale tensor
     model_param = torch.nn.Parameter(torch.ones(6, dtype=torch.float16))
     ours = mp.Float16OptimizerWithFloat16Params(
-        torch.optim.SGD([model_param], lr=0.5), mp.DynamicGradScaler(2.0**4, min_scale=2.0**-24, hysteresis=1, **kw))
+        torch.optim.SGD([model_param], lr=0.5), DynamicGradScaler(2.0**4, min_scale=2.0**-24, hysteresis=1, **kw))
     skipped = []
     for step, grad in enumerate(_grad_sequence()):
         torch_param.grad = grad * torch_scaler.get_scale()  # the grad of the scaled loss
@@ -59,7 +60,7 @@ def test_hysteresis_follows_megatron_rule():
     # Megatron's rule by hand: an overflow restarts growth and uses up one unit of hysteresis; with
     # none left the scale halves (again on every overflow until the next growth); growth_interval
     # clean steps double it and refill the hysteresis.
-    scaler = mp.DynamicGradScaler(1024.0, min_scale=1.0, growth_interval=3, hysteresis=2)
+    scaler = DynamicGradScaler(1024.0, min_scale=1.0, growth_interval=3, hysteresis=2)
     found_inf = [True, False, True, True, False, False, False, True, True, False, False, True]
     expected = [1024, 1024, 512, 256, 256, 256, 512, 512, 256, 256, 256, 128]
     scales = []
@@ -72,13 +73,13 @@ def test_hysteresis_follows_megatron_rule():
 
 @pytest.mark.exercise("mixed_precision.dynamic_update")
 def test_scale_never_below_min_scale_and_state_dict_round_trip():
-    scaler = mp.DynamicGradScaler(8.0, min_scale=2.0, growth_interval=2, hysteresis=1)
+    scaler = DynamicGradScaler(8.0, min_scale=2.0, growth_interval=2, hysteresis=1)
     for _ in range(5):
         scaler.update(True)
     require(equal(scaler.scale.item(), 2.0, "DynamicGradScaler(8, min_scale=2): the scale after 5 overflows (never "
                                             "below min_scale)"))
     scaler.update(False)
-    copy = mp.DynamicGradScaler(8.0, min_scale=2.0, growth_interval=2, hysteresis=1)
+    copy = DynamicGradScaler(8.0, min_scale=2.0, growth_interval=2, hysteresis=1)
     copy.load_state_dict(scaler.state_dict())
     for s in (scaler, copy):
         s.update(False)
@@ -113,7 +114,7 @@ def test_loss_scaling_rescues_fp16_gradients_from_underflow():
     def grads(scale):
         model = mlp(dtype=torch.float32).half()
         opt = mp.Float16OptimizerWithFloat16Params(torch.optim.SGD(model.parameters(), lr=0.0),
-                                                   mp.ConstantGradScaler(scale))
+                                                   ConstantGradScaler(scale))
         loss = 1e-6 * (model(x.half()).float() - y).square().mean()  # a tiny loss: tiny grads
         opt.scale_loss(loss).backward()
         assert opt.step()[0], f"loss scale {scale:g}: the step was skipped; the gradients are finite"
@@ -171,7 +172,7 @@ def test_bytes_per_parameter_match_megatron_table(precision):
     else:
         model = model.half() if precision == "fp16" else model.bfloat16()
         opt = mp.Float16OptimizerWithFloat16Params(
-            torch.optim.Adam(model.parameters()), mp.DynamicGradScaler(2.0**8) if precision == "fp16" else None,
+            torch.optim.Adam(model.parameters()), DynamicGradScaler(2.0**8) if precision == "fp16" else None,
             accumulate_grads_in_fp32=precision == "bf16")
     x = regression_data(samples=8, dtype=torch.float32).tensors[0].to(next(model.parameters()).dtype)
     loss = model(x).float().square().mean()
@@ -188,11 +189,11 @@ def test_bad_input_says_what_to_do():
     with pytest.raises(ValueError, match="grad_scaler"):
         mp.Float16OptimizerWithFloat16Params(torch.optim.SGD(mlp().half().parameters(), lr=0.1))
     with pytest.raises(ValueError, match="min_scale"):
-        mp.DynamicGradScaler(1.0, min_scale=2.0)
+        DynamicGradScaler(1.0, min_scale=2.0)
     with pytest.raises(ValueError, match="backoff_factor"):
-        mp.DynamicGradScaler(backoff_factor=2.0)
+        DynamicGradScaler(backoff_factor=2.0)
     with pytest.raises(ValueError, match="hysteresis"):
-        mp.DynamicGradScaler(hysteresis=0)
+        DynamicGradScaler(hysteresis=0)
     with pytest.raises(ValueError, match="precision"):
         calc.mixed_precision_bytes_per_parameter("fp8")
 
@@ -208,7 +209,7 @@ def _overflow_on_one_rank():
     for case, group in (("alone", None), ("group", dist.group.WORLD)):
         param = torch.nn.Parameter(torch.ones(4, dtype=torch.float16))
         opt = mp.Float16OptimizerWithFloat16Params(torch.optim.SGD([param], lr=0.1),
-                                                   mp.DynamicGradScaler(16.0, hysteresis=1), found_inf_group=group)
+                                                   DynamicGradScaler(16.0, hysteresis=1), found_inf_group=group)
         param.grad = torch.tensor([INF if rank == 1 else 1.0, 1.0, 1.0, 1.0], dtype=torch.float16)
         ok, _ = opt.step()
         out[case] = (ok, opt.get_loss_scale().item())

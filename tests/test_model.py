@@ -8,14 +8,15 @@ import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
 from megalab.core.models.gpt.gpt_model import GPTModel
-from megalab.core.tensor_parallel.random import SavedTensorsMeter, checkpoint
-from megalab.core.transformer.attention import CoreAttention
+from megalab.core.tensor_parallel.random import checkpoint
+from megalab.core.transformer.dot_product_attention import CoreAttention
 from megalab.core.transformer.mlp import MLP
 from megalab.core.transformer.spec_utils import LayerSpec
 from megalab.core.transformer.torch_norm import RMSNorm
-from megalab.core.transformer.transformer_block import TransformerLayer
 from megalab.core.transformer.transformer_config import TransformerConfig
+from megalab.core.transformer.transformer_layer import TransformerLayer
 from megalab.extras import calc
+from megalab.extras.profiling import SavedTensorsMeter
 from tests.feedback import close, equal, require
 
 TINY = dict(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=61, seq_length=12,
@@ -163,7 +164,7 @@ def test_transformer_layer_matches_reference(variant):
     x = torch.randn(c.seq_length, 2, c.hidden_size)
     rotary = None
     if c.position_embedding_type == "rope":
-        from megalab.core.models.common.embeddings.language_model_embedding import RotaryEmbedding
+        from megalab.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 
         rotary = RotaryEmbedding(c.kv_channels, c.rotary_percent, c.rotary_base)(c.seq_length)
     sd = {"l." + k: v for k, v in layer.state_dict().items()}

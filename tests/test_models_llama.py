@@ -11,19 +11,27 @@ import torch
 import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
-from megalab.core.models.common.embeddings.language_model_embedding import RotaryEmbedding, apply_rotary_pos_emb
 from megalab.core.models.common.embeddings.rope_utils import (
+    apply_rotary_pos_emb,
     half_split_to_interleaved,
     interleaved_to_half_split,
     rotate_interleaved,
 )
-from megalab.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec, model_provider
+from megalab.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+from megalab.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megalab.core.models.gpt.gpt_model import GPTModel
 from megalab.core.transformer.transformer_config import TransformerConfig
 from megalab.extras import calc
 from megalab.extras.gqa import grouped_query_attention, repeat_kv
-from megalab.extras.mixtral import deepseek_v3_style_config, mixtral_config, mixtral_preset
-from megalab.extras.presets import gpt_to_llama, llama_config, llama_preset
+from megalab.extras.presets import (
+    deepseek_v3_style_config,
+    gpt_to_llama,
+    llama_config,
+    llama_preset,
+    mixtral_config,
+    mixtral_preset,
+)
+from megalab.training.pretrain_gpt import model_provider
 from tests.feedback import close, equal, require
 
 TINY = dict(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=50, seq_length=16)

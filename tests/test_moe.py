@@ -15,8 +15,19 @@ import torch
 import torch.nn.functional as F
 
 from megalab.core import parallel_state as ps
+from megalab.core.distributed.finalize_model_grads import finalize_moe_grads, update_expert_bias
 from megalab.core.models.gpt.gpt_model import GPTModel
 from megalab.core.transformer.moe import moe_layer as moe
+from megalab.core.transformer.moe.experts import GroupedMLP, SequentialMLP
+from megalab.core.transformer.moe.moe_utils import (
+    MoEAuxLossAutoScaler,
+    get_aux_losses_tracker,
+    permute,
+    sort_chunks_by_idxs,
+    switch_load_balancing_loss_func,
+    topk_softmax_with_capacity,
+    unpermute,
+)
 from megalab.core.transformer.transformer_config import TransformerConfig
 from megalab.extras import calc
 from megalab.lab import launch
@@ -78,7 +89,7 @@ def load_into(layer, p, local_experts):
         layer.router.weight.copy_(p["router"])
         experts = layer.experts
         for i, e in enumerate(local_experts):
-            if isinstance(experts, moe.GroupedMLP):
+            if isinstance(experts, GroupedMLP):
                 experts.weight1[i].copy_(p["w1"][e].T)
                 experts.weight2[i].copy_(p["w2"][e].T)
                 experts.bias1[i].copy_(p["b1"][e])
@@ -93,7 +104,7 @@ def load_into(layer, p, local_experts):
 def expert_grads(layer, local_experts):
     """The local experts' gradients in the reference's layout: {key: [L, ...]}."""
     experts = layer.experts
-    if isinstance(experts, moe.GroupedMLP):
+    if isinstance(experts, GroupedMLP):
         return dict(w1=experts.weight1.grad.transpose(1, 2), w2=experts.weight2.grad.transpose(1, 2),
                     b1=experts.bias1.grad, b2=experts.bias2.grad)
     mlps = experts.local_experts
@@ -124,7 +135,7 @@ def test_topk_routing_matches_reference(score, topk):
     x, p = _tokens(0, 16), reference_params()
     bias = torch.tensor([0.5, -0.5, 0.0, 0.2]) if score == "sigmoid" else None
     logits = x @ p["router"].T
-    probs, routing_map, counts = moe.topk_softmax_with_capacity(logits, topk, score_function=score, expert_bias=bias)
+    probs, routing_map, counts = topk_softmax_with_capacity(logits, topk, score_function=score, expert_bias=bias)
     _, _, _, ref_counts, kept = reference_moe(x, p, topk, score, bias)
     where = f"topk_softmax_with_capacity(16 tokens, {E} experts, top-{topk}, {score}{', expert bias' if bias is not None else ''})"
     _require_routes(routing_map, kept, where)
@@ -147,12 +158,12 @@ def test_load_balancing_loss_is_switch_formula():
     _, _, _, counts, _ = reference_moe(x, p, 2)
     scores = torch.softmax(logits, -1)
     expected = 0.01 * E * sum((counts[i] / (32 * 2)) * scores[:, i].mean() for i in range(E))
-    got = moe.switch_load_balancing_loss_func(scores, counts, 32, 2, E, 0.01)
+    got = switch_load_balancing_loss_func(scores, counts, 32, 2, E, 0.01)
     require(close(got, expected, f"switch_load_balancing_loss_func(32 tokens, top-2, {E} experts, coeff 0.01) (coeff * "
                                  "E * sum_i tokens_i / (T k) * mean_t probs_ti)", rtol=0, atol=1e-7))
     # uniform load and uniform probabilities give exactly coeff; one expert taking everything gives coeff * E
-    uniform = moe.switch_load_balancing_loss_func(torch.full((8, E), 1 / E), torch.full((E,), 4.0), 8, 2, E, 0.5)
-    collapsed = moe.switch_load_balancing_loss_func(
+    uniform = switch_load_balancing_loss_func(torch.full((8, E), 1 / E), torch.full((E,), 4.0), 8, 2, E, 0.5)
+    collapsed = switch_load_balancing_loss_func(
         F.one_hot(torch.zeros(8, dtype=torch.long), E).float(), torch.tensor([8.0, 0, 0, 0]), 8, 1, E, 0.5)
     require(equal(round(uniform.item(), 6), 0.5, "the load-balancing loss of a uniform load and uniform probabilities "
                                                  "(exactly coeff = 0.5)"))
@@ -166,14 +177,14 @@ def test_dropped_tokens_are_exactly_those_past_capacity(capacity_factor):
     x, p = _tokens(2, 20), reference_params()
     p["router"][0] += 1.0  # skew the routing so that some experts overflow
     logits = x @ p["router"].T
-    probs, routing_map, counts = moe.topk_softmax_with_capacity(logits, 2, capacity_factor)
+    probs, routing_map, counts = topk_softmax_with_capacity(logits, 2, capacity_factor)
     _, _, _, ref_counts, kept = reference_moe(x, p, 2, capacity_factor=capacity_factor)
     capacity = math.ceil(20 * 2 / E * capacity_factor)
     where = f"topk_softmax_with_capacity(20 tokens, top-2, capacity_factor={capacity_factor}: {capacity} per expert)"
     _require_routes(routing_map, kept, where + " (each expert keeps its first tokens, in token order)")
     require(equal(counts.tolist(), ref_counts.tolist(), f"{where}: the tokens per expert, counted BEFORE dropping"))
     assert bool((probs[~routing_map] == 0).all()), f"{where}: dropped (token, expert) pairs should have weight 0"
-    padded_probs, padded_map, _ = moe.topk_softmax_with_capacity(logits, 2, capacity_factor, pad_to_capacity=True)
+    padded_probs, padded_map, _ = topk_softmax_with_capacity(logits, 2, capacity_factor, pad_to_capacity=True)
     where += " with pad_to_capacity"
     require(equal(padded_map.sum(0).tolist(), [min(capacity, 20)] * E,
                   f"{where}: the rows each expert gets (exactly the capacity)"))
@@ -182,13 +193,13 @@ def test_dropped_tokens_are_exactly_those_past_capacity(capacity_factor):
         f"{where}: the padded routing map should contain every routed (token, expert) pair")
 
 
-@pytest.mark.exercise("moe.permute")
+@pytest.mark.exercise("permute")
 def test_permute_groups_by_expert_and_unpermute_inverts():
     x, p = _tokens(3, 10), reference_params()
     top_logits, chosen = (x @ p["router"].T).topk(2)
     routing_map = torch.zeros(10, E, dtype=torch.bool).scatter(1, chosen, True)
     probs = torch.zeros(10, E).scatter(1, chosen, torch.softmax(top_logits, -1))
-    permuted, permuted_probs, sorted_indices = moe.permute(x, routing_map, probs)
+    permuted, permuted_probs, sorted_indices = permute(x, routing_map, probs)
     expected = [(e, t) for e in range(E) for t in range(10) if routing_map[t, e]]  # expert-major, token order
     where = f"permute(10 tokens, top-2 of {E} experts)"
     require(equal(sorted_indices.tolist(), [t for _, t in expected],
@@ -197,7 +208,7 @@ def test_permute_groups_by_expert_and_unpermute_inverts():
                   rtol=0, atol=0))
     require(close(permuted_probs, torch.stack([probs[t, e] for e, t in expected]),
                   f"{where}: the permuted weights (probs[token, expert] of each row)", rtol=0, atol=0))
-    restored = moe.unpermute(permuted, sorted_indices, 10, permuted_probs)
+    restored = unpermute(permuted, sorted_indices, 10, permuted_probs)
     require(close(restored, x * probs.sum(-1, keepdim=True),  # the k weights of each token sum to 1
                   "unpermute(permute(x)) with the weights vs x times the sum of its weights (each row added back to "
                   "its token)", rtol=0, atol=TOL))
@@ -205,7 +216,7 @@ def test_permute_groups_by_expert_and_unpermute_inverts():
 
 def test_sort_chunks_by_idxs():
     x = torch.arange(6.0).unsqueeze(1)
-    out = moe.sort_chunks_by_idxs(x, torch.tensor([1, 2, 3]), [2, 0, 1])
+    out = sort_chunks_by_idxs(x, torch.tensor([1, 2, 3]), [2, 0, 1])
     assert out.squeeze(1).tolist() == [3.0, 4.0, 5.0, 0.0, 1.0, 2.0]
 
 
@@ -243,7 +254,7 @@ def test_moe_layer_matches_reference(case):
                                                    config.moe_router_score_function, bias,
                                                    config.moe_expert_capacity_factor)
     ((ref_out * g.view(12, H)).sum() + 0.1 * balance + 0.01 * z).backward()
-    tracker = moe.get_aux_losses_tracker()
+    tracker = get_aux_losses_tracker()
     assert _diff(out.view(12, H), ref_out) < TOL
     assert abs(tracker["load_balancing_loss"][1] - balance) < TOL and abs(tracker["z_loss"][1] - 0.01 * z) < TOL
     assert torch.equal(layer.router.tokens_per_expert.float(), counts)  # routing counts == independent count
@@ -255,7 +266,7 @@ def test_moe_layer_matches_reference(case):
 def test_grouped_mlp_equals_the_loop_of_mlps_gated():
     """SwiGLU experts without biases: one batched matmul == a loop of MLPs, forward and backward."""
     config = TransformerConfig(**BASE, gated_linear_unit=True, activation_func="silu", add_bias_linear=False)
-    loop, grouped = moe.SequentialMLP(config, [0, 1, 2]), moe.GroupedMLP(config, [0, 1, 2])
+    loop, grouped = SequentialMLP(config, [0, 1, 2]), GroupedMLP(config, [0, 1, 2])
     with torch.no_grad():
         for i, mlp in enumerate(loop.local_experts):
             grouped.weight1[i].copy_(mlp.linear_fc1.weight.T)
@@ -295,7 +306,7 @@ def test_expert_bias_moves_toward_balance():
                                moe_router_bias_update_rate=0.1)
     layer = moe.MoELayer(config)
     layer.router.local_tokens_per_expert.copy_(torch.tensor([10.0, 2.0, 4.0, 0.0]))  # mean 4
-    moe.update_expert_bias(layer)
+    update_expert_bias(layer)
     assert layer.router.expert_bias.tolist() == pytest.approx([-0.1, 0.1, 0.0, 0.1])
     assert layer.router.local_tokens_per_expert.sum() == 0
 
@@ -306,11 +317,11 @@ def test_aux_loss_gradient_follows_the_loss_scale():
     x = _tokens(9, 8).view(4, 2, H)
     grads = []
     for scale in (1.0, 0.25):
-        moe.MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(scale))
+        MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(scale))
         layer.zero_grad()
         (layer(x) * 0).sum().backward()  # only the aux loss reaches the router
         grads.append(layer.router.weight.grad.clone())
-    moe.MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(1.0))
+    MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(1.0))
     assert grads[0].abs().sum() > 0 and _diff(grads[1], 0.25 * grads[0]) < 1e-7
 
 
@@ -324,7 +335,7 @@ def test_gpt_with_moe_layers_trains_its_router_through_the_aux_loss():
         assert isinstance(model.decoder.layers[0].mlp, moe.MoELayer)
         model(ids, labels=ids).mean().backward()
         grads[coeff] = model.decoder.layers[0].mlp.router.weight.grad.clone()
-        balance = moe.get_aux_losses_tracker()["load_balancing_loss"][1]
+        balance = get_aux_losses_tracker()["load_balancing_loss"][1]
     # the balance term alone, recomputed from the same router input
     torch.manual_seed(0)
     model = GPTModel(TransformerConfig(**BASE))
@@ -382,7 +393,7 @@ def _ep_case(rank, world, tp, ep, change):
         x, g = _tokens(rank).view(6, 2, H), _tokens(50 + rank).view(6, 2, H)
         out = layer(x)
         (out * g).sum().backward()
-        moe.finalize_moe_grads(layer, state)
+        finalize_moe_grads(layer, state)
         # the reference: a data-parallel replica routes the tokens of its TP ranks (the sequence under
         # SP) together; the loss is averaged over the replicas
         ref = {k: v.clone().requires_grad_() for k, v in p.items()}
@@ -398,7 +409,7 @@ def _ep_case(rank, world, tp, ep, change):
         (total / dp).backward()
         local = layer.local_expert_indices
         diffs = {"the output": max_error(out.view(12, H), mine[0]),
-                 "the load-balancing loss": abs(moe.get_aux_losses_tracker()["load_balancing_loss"][1] - mine[1]).item(),
+                 "the load-balancing loss": abs(get_aux_losses_tracker()["load_balancing_loss"][1] - mine[1]).item(),
                  "the router's weight gradient": max_error(layer.router.weight.grad, ref["router"].grad)}
         diffs.update({f"the local experts' {k} gradient": max_error(v, ref[k].grad[local])
                       for k, v in expert_grads(layer, local).items()})
@@ -410,7 +421,7 @@ def _ep_case(rank, world, tp, ep, change):
 def _gpt_case(rank):
     """A MoE GPT under TP2 x EP2 with sequence parallelism: the same seed builds the same model as on
     one device (experts drawn as there, the local ones kept), so the losses and the router's gradient match."""
-    from megalab.core.tensor_parallel import layers as tp
+    from megalab.core.models.gpt.gpt_model import TensorParallelGPTModel
 
     config = TransformerConfig(**{**BASE, "num_layers": 2, "vocab_size": 64, "num_moe_experts": 4},
                                moe_token_dispatcher_type="alltoall", moe_aux_loss_coeff=0.01)
@@ -419,18 +430,18 @@ def _gpt_case(rank):
     single = GPTModel(config)
     ref_losses = [single(ids[2 * d:2 * d + 2], labels=ids[2 * d:2 * d + 2]).mean() for d in range(2)]
     ref_loss = sum(ref_losses) / 2  # the mean over the two data-parallel replicas (each its own aux loss)
-    moe.MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(0.5))  # the aux losses are averaged too (Megatron's
+    MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(0.5))  # the aux losses are averaged too (Megatron's
     ref_loss.backward()  # schedules scale them by 1 / micro-batches the same way)
-    moe.MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(1.0))
+    MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(1.0))
     state = ps.initialize_model_parallel(tensor_model_parallel_size=2, expert_model_parallel_size=2,
                                          expert_tensor_parallel_size=1)
     try:
         torch.manual_seed(0)
-        model = tp.TensorParallelGPTModel(TransformerConfig(**{**config.__dict__, "sequence_parallel": True}))
+        model = TensorParallelGPTModel(TransformerConfig(**{**config.__dict__, "sequence_parallel": True}))
         dp_rank = state.get_data_parallel_rank()
         loss = model(ids[2 * dp_rank:2 * dp_rank + 2], labels=ids[2 * dp_rank:2 * dp_rank + 2]).mean()
         loss.backward()
-        moe.finalize_moe_grads(model, state)
+        finalize_moe_grads(model, state)
         losses = [torch.zeros(()) for _ in range(2)]
         torch.distributed.all_gather(losses, loss.detach(), group=state.get_data_parallel_group())
         diffs = {"the mean loss": abs(sum(losses) / 2 - ref_loss).item()}

@@ -12,6 +12,8 @@ from torch import nn
 
 from megalab.core.models.gpt.gpt_model import GPTModel
 from megalab.core.optimizer import clip_grads as opt
+from megalab.core.optimizer import get_param_groups
+from megalab.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megalab.core.transformer.transformer_config import TransformerConfig
 from megalab.training.training import masked_loss
 from tests.feedback import close, require
@@ -22,7 +24,7 @@ def _sgd(params=None):
 
 
 def _schedule(style, steps=30, **kw):
-    sched = opt.OptimizerParamScheduler(_sgd(), max_lr=1.0, min_lr=0.1, lr_warmup_steps=5, lr_decay_steps=25,
+    sched = OptimizerParamScheduler(_sgd(), max_lr=1.0, min_lr=0.1, lr_warmup_steps=5, lr_decay_steps=25,
                                         lr_decay_style=style, **kw)
     lrs = [sched.get_lr()]
     for _ in range(steps):
@@ -79,7 +81,7 @@ def test_wsd_schedule(wsd_style):
 @pytest.mark.exercise("optimizer.get_lr")
 def test_cosine_matches_torch_schedulers():
     """No warmup, min_lr 0.1: Megatron's cosine is torch's CosineAnnealingLR(T_max, eta_min) step for step."""
-    ours = opt.OptimizerParamScheduler(_sgd(), 1.0, 0.1, 0, 20, "cosine")
+    ours = OptimizerParamScheduler(_sgd(), 1.0, 0.1, 0, 20, "cosine")
     torch_opt = _sgd()
     torch_sched = torch.optim.lr_scheduler.CosineAnnealingLR(torch_opt, T_max=20, eta_min=0.1)
     for step in range(20):
@@ -90,7 +92,7 @@ def test_cosine_matches_torch_schedulers():
             f"cosine from 1 to 0.1 over 20 steps, no warmup: the learning rate at step {step + 1} is {lr:.6g}, torch's "
             f"CosineAnnealingLR gives {theirs:.6g}")
     # warmup then linear decay to 0: LambdaLR with the same rule written as a multiplier
-    ours = opt.OptimizerParamScheduler(_sgd(), 1.0, 0.0, 4, 12, "linear")
+    ours = OptimizerParamScheduler(_sgd(), 1.0, 0.0, 4, 12, "linear")
     torch_opt = _sgd()
     lam = torch.optim.lr_scheduler.LambdaLR(torch_opt, lambda s: s / 4 if s <= 4 else max(0.0, 1 - (s - 4) / 8))
     for step in range(14):
@@ -103,26 +105,26 @@ def test_cosine_matches_torch_schedulers():
 
 
 def test_scheduler_state_and_bad_input():
-    a = opt.OptimizerParamScheduler(_sgd(), 1.0, 0.1, 2, 10, "cosine")
+    a = OptimizerParamScheduler(_sgd(), 1.0, 0.1, 2, 10, "cosine")
     for _ in range(6):
         a.step()
-    b = opt.OptimizerParamScheduler(_sgd(), 1.0, 0.1, 2, 10, "cosine")
+    b = OptimizerParamScheduler(_sgd(), 1.0, 0.1, 2, 10, "cosine")
     b.load_state_dict(a.state_dict())
     assert b.num_steps == 6 and b.optimizer.param_groups[0]["lr"] == a.get_lr()
     with pytest.raises(ValueError, match="same schedule"):
-        opt.OptimizerParamScheduler(_sgd(), 1.0, 0.1, 2, 20, "cosine").load_state_dict(a.state_dict())
+        OptimizerParamScheduler(_sgd(), 1.0, 0.1, 2, 20, "cosine").load_state_dict(a.state_dict())
     with pytest.raises(ValueError, match="lr_decay_style"):
-        opt.OptimizerParamScheduler(_sgd(), 1.0, 0.1, 2, 10, "cosin")
+        OptimizerParamScheduler(_sgd(), 1.0, 0.1, 2, 10, "cosin")
     with pytest.raises(ValueError, match="min_lr"):
-        opt.OptimizerParamScheduler(_sgd(), 0.1, 1.0, 2, 10)
+        OptimizerParamScheduler(_sgd(), 0.1, 1.0, 2, 10)
     with pytest.raises(ValueError, match="wsd_decay_steps"):
-        opt.OptimizerParamScheduler(_sgd(), 1.0, 0.1, 2, 10, "WSD")
+        OptimizerParamScheduler(_sgd(), 1.0, 0.1, 2, 10, "WSD")
 
 
 def test_param_groups_exclude_biases_and_norms():
     model = GPTModel(TransformerConfig(num_layers=2, hidden_size=16, num_attention_heads=2, vocab_size=32,
                                        seq_length=8))
-    decay, no_decay = opt.get_param_groups(model, 0.1)
+    decay, no_decay = get_param_groups(model, 0.1)
     names = {id(p): n for n, p in model.named_parameters()}
     assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
     assert all(p.ndim == 2 for p in decay["params"])

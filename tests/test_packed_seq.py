@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from megalab.core.datasets.gpt_dataset import GPTDataset, cu_seqlens_from_eod
 from megalab.core.datasets.indexed_dataset import IndexedDataset, IndexedDatasetBuilder
 from megalab.core.inference.text_generation_controllers.text_generation_controller import CachedAttention
-from megalab.core.models.common.embeddings.language_model_embedding import RotaryEmbedding
+from megalab.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 from megalab.core.models.gpt.gpt_model import GPTModel
 from megalab.core.packed_seq_params import (
     PackedSeqParams,
@@ -317,9 +317,10 @@ def test_packed_model_on_gpu(backend):
 # ------------------------------------------------------------------ parallel models (2 ranks)
 def _parallel_worker():
     from megalab.core import parallel_state as ps
+    from megalab.core.distributed.finalize_model_grads import allreduce_sequence_parallel_grads
+    from megalab.core.models.gpt.gpt_model import ContextParallelGPTModel, TensorParallelGPTModel
     from megalab.core.tensor_parallel import layers as tp
     from megalab.lab import dist as mdist
-    from megalab.transformer_engine.context_parallel import ContextParallelGPTModel
 
     rank, _ = mdist.init()
     docs = _docs([5, 9, 1, 12, 3])
@@ -334,11 +335,11 @@ def _parallel_worker():
                 torch.manual_seed(0)
                 ref = GPTModel(config)
                 torch.manual_seed(0)
-                model = tp.TensorParallelGPTModel(dataclasses.replace(config, sequence_parallel=sp))
+                model = TensorParallelGPTModel(dataclasses.replace(config, sequence_parallel=sp))
                 ref_loss, loss = (m(tokens, labels=labels, packed_seq_params=params) for m in (ref, model))
                 ref_loss.sum().backward()
                 loss.sum().backward()
-                tp.allreduce_sequence_parallel_grads(model)
+                allreduce_sequence_parallel_grads(model)
                 ref_params = dict(ref.named_parameters())
                 worst = (loss - ref_loss).abs().max().item()
                 for key, p in model.named_parameters():

@@ -5,8 +5,18 @@ from collections import Counter
 import pytest
 import torch
 
+from megalab.core.distributed.finalize_model_grads import allreduce_word_embedding_grads
+from megalab.core.models.gpt.gpt_model import build_gpt_stages
 from megalab.core.pipeline_parallel import schedules as pp
 from megalab.core.pipeline_parallel.schedules import Op
+from megalab.core.transformer.transformer_block import get_layer_range
+from megalab.extras.pipeline_sim import (
+    bubble_fraction,
+    bubble_fraction_of_total,
+    measured_bubble,
+    peak_in_flight,
+    simulate,
+)
 from megalab.lab import launch
 from tests.feedback import equal, max_error, require, require_within
 
@@ -83,7 +93,7 @@ def test_schedules_are_complete_ordered_and_deadlock_free():
                               f"{where} is {ops}: the kinds of its {2 * (m * v - warmup)} ops after the {warmup} "
                               "warmup forwards (steady state: one forward, then one backward)"))
         try:
-            pp.simulate(p, m, v, kind)  # raises on deadlock
+            simulate(p, m, v, kind)  # raises on deadlock
         except Exception as e:
             raise AssertionError(f"the {kind} schedules (pp={p}, m={m}, v={v}) deadlock or fail when run together: "
                                  f"{type(e).__name__}: {e}") from e
@@ -155,32 +165,32 @@ def test_interleaved_needs_a_multiple_of_pp():
 @pytest.mark.exercise("pp.one_f_one_b")
 def test_simulated_bubble_and_memory_match_theory():
     for p, m, v, kind in CASES:
-        records = pp.simulate(p, m, v, kind, forward_time=1 / v, backward_time=2 / v)
+        records = simulate(p, m, v, kind, forward_time=1 / v, backward_time=2 / v)
         if kind != "gpipe" or v == 1:
-            bubble, theory = pp.measured_bubble(records), pp.bubble_fraction_of_total(p, m, v)
+            bubble, theory = measured_bubble(records), bubble_fraction_of_total(p, m, v)
             assert bubble == pytest.approx(theory), (
                 f"the {kind} schedules (pp={p}, m={m}, v={v}) simulated: the bubble is {bubble:.4g} of the step, "
                 f"theory (p-1)/(v m + p-1) says {theory:.4g}")
-        peaks = [pp.peak_in_flight(pp.get_schedule(p, r, m, v, kind)) for r in range(p)]
+        peaks = [peak_in_flight(pp.get_schedule(p, r, m, v, kind)) for r in range(p)]
         if kind == "gpipe":
             require(equal(peaks, [m] * p, f"the most micro-batches in flight per rank, GPipe (pp={p}, m={m}; all m)"))
         elif kind == "1f1b":
             require(equal(peaks, [min(p - r, m) for r in range(p)],
                           f"the most micro-batches in flight per rank, 1F1B (pp={p}, m={m}; min(pp - rank, m))"))
-    assert pp.bubble_fraction(4, 8) == pytest.approx(3 / 8) and pp.bubble_fraction(4, 8, 2) == pytest.approx(3 / 16)
+    assert bubble_fraction(4, 8) == pytest.approx(3 / 8) and bubble_fraction(4, 8, 2) == pytest.approx(3 / 16)
 
 
 @pytest.mark.exercise("pp.stage_split")
 def test_layer_ranges_tile_the_model():
-    require(equal([pp.get_layer_range(8, 4, r) for r in range(4)], [(0, 2), (2, 4), (4, 6), (6, 8)],
+    require(equal([get_layer_range(8, 4, r) for r in range(4)], [(0, 2), (2, 4), (4, 6), (6, 8)],
                   "get_layer_range(8 layers, pp=4, rank) for ranks 0..3"))
     # interleaved: chunk k on rank r is virtual stage k * pp + r
-    require(equal([pp.get_layer_range(8, 2, r, c, 2) for c in range(2) for r in range(2)],
+    require(equal([get_layer_range(8, 2, r, c, 2) for c in range(2) for r in range(2)],
                   [(0, 2), (2, 4), (4, 6), (6, 8)],
                   "get_layer_range(8 layers, pp=2, rank, chunk, v=2) for (chunk, rank) = (0, 0), (0, 1), (1, 0), (1, 1) "
                   "(chunk k on rank r is virtual stage k * pp + r)"))
     with pytest.raises(ValueError, match="multiple of 6"):
-        pp.get_layer_range(8, 3, 0, 0, 2)
+        get_layer_range(8, 3, 0, 0, 2)
 
 
 # ------------------------------------------------------------------ real pipelines on 4 ranks
@@ -227,12 +237,12 @@ def _matches_unpipelined_worker(num_microbatches):
             state = parallel_state.initialize_model_parallel(pipeline_model_parallel_size=size)
             rank = state.get_pipeline_model_parallel_rank()
             model = _gpt(share_embeddings_and_output_weights=tied)
-            chunks = pp.build_gpt_stages(model, size, rank, v)
+            chunks = build_gpt_stages(model, size, rank, v)
             shape = (TINY["seq_length"], x.shape[0] // m, TINY["hidden_size"])
             res = pp.forward_backward_pipelining(chunks, inputs, targets, _loss, shape, kind=kind,
                                                  group=state.get_pipeline_model_parallel_group())
             if state.is_rank_in_embedding_group():
-                pp.allreduce_word_embedding_grads(model, state.get_embedding_group())
+                allreduce_word_embedding_grads(model, state.get_embedding_group())
             owned = {id(p) for c in chunks for p in c.parameters()}
             params = dict(model.named_parameters())
             names = [n for n, p in params.items() if id(p) in owned]
@@ -247,7 +257,7 @@ def _matches_unpipelined_worker(num_microbatches):
             stray = [n for n, p in params.items() if id(p) not in owned and p.grad is not None]
             ops = pp.get_schedule(size, rank, m, v, kind)
             out[(tied, size, kind, v)] = dict(errors=errors, names=names, stray=stray, ran=[r.op for r in res.timeline],
-                                              ops=ops, peak=res.peak_in_flight, expected_peak=pp.peak_in_flight(ops))
+                                              ops=ops, peak=res.peak_in_flight, expected_peak=peak_in_flight(ops))
             parallel_state.destroy_model_parallel()
     torch.distributed.barrier()
     return out
@@ -304,7 +314,7 @@ def _torch_pipelining_worker(num_microbatches):
     for name, cls, v in (("gpipe", ScheduleGPipe, 1), ("1f1b", Schedule1F1B, 1),
                          ("interleaved", ScheduleInterleaved1F1B, 2)):
         model = _gpt()
-        chunks = pp.build_gpt_stages(model, world, rank, v)
+        chunks = build_gpt_stages(model, world, rank, v)
         stages = [PipelineStage(c, pp.virtual_stage(world, rank, k), world * v, torch.device("cpu"))
                   for k, c in enumerate(chunks)]
         schedule = cls(stages if v > 1 else stages[0], n_microbatches=m, loss_fn=_loss)

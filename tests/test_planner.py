@@ -28,8 +28,7 @@ def test_published_parameter_counts(model, total, active):
 @pytest.mark.parametrize("model", [P.LLAMA3_8B, P.LLAMA3_70B, P.MIXTRAL_8X7B], ids=lambda m: m.name)
 def test_counts_equal_calc_model_parameters(model):
     """The planner's per-shard breakdown adds up to chapter 04's count of the same preset."""
-    from megalab.extras.mixtral import mixtral_preset
-    from megalab.extras.presets import llama_preset
+    from megalab.extras.presets import llama_preset, mixtral_preset
 
     config = {"LLaMA-3 8B": llama_preset("llama3-8b"), "LLaMA-3 70B": llama_preset("llama3-70b"),
               "Mixtral 8x7B": mixtral_preset("mixtral-8x7b")}[model.name]

@@ -13,11 +13,25 @@ import torch
 import torch.nn.functional as F
 
 from megalab.core import parallel_state as ps
-from megalab.core.models.gpt.gpt_model import GPTModel
+from megalab.core.distributed.finalize_model_grads import allreduce_sequence_parallel_grads
+from megalab.core.models.gpt.gpt_layer_specs import tensor_parallel_layer_spec
+from megalab.core.models.gpt.gpt_model import GPTModel, TensorParallelGPTModel
 from megalab.core.tensor_parallel import layers as tp
-from megalab.core.transformer.transformer_block import TransformerLayer
+from megalab.core.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
+from megalab.core.tensor_parallel.layers import Linear
+from megalab.core.tensor_parallel.mappings import (
+    copy_to_tensor_model_parallel_region,
+    gather_from_sequence_parallel_region,
+    gather_from_tensor_model_parallel_region,
+    reduce_from_tensor_model_parallel_region,
+    reduce_scatter_to_sequence_parallel_region,
+    scatter_to_sequence_parallel_region,
+    scatter_to_tensor_model_parallel_region,
+)
+from megalab.core.tensor_parallel.utils import vocab_size_with_padding
 from megalab.core.transformer.transformer_config import TransformerConfig
-from megalab.core.utils import Linear, init_method_normal
+from megalab.core.transformer.transformer_layer import TransformerLayer
+from megalab.core.utils import init_method_normal
 from megalab.extras import calc
 from megalab.lab import launch
 from tests.feedback import equal, max_error, require, require_no_error, require_within
@@ -66,24 +80,24 @@ def _mappings(t, rank, group):
         except Exception:
             out[name] = {"error": traceback.format_exc(limit=-2)}
 
-    check("copy_to", tp.copy_to_tensor_model_parallel_region, x, x, "the input, unchanged",
+    check("copy_to", copy_to_tensor_model_parallel_region, x, x, "the input, unchanged",
           g, sum(gs), "the sum of the ranks' output gradients")
-    check("reduce_from", tp.reduce_from_tensor_model_parallel_region, x, sum(xs), "the sum of the ranks' inputs",
+    check("reduce_from", reduce_from_tensor_model_parallel_region, x, sum(xs), "the sum of the ranks' inputs",
           g, g, "the output gradient, unchanged")
-    check("scatter_to", tp.scatter_to_tensor_model_parallel_region, full, full[..., rank * 4:(rank + 1) * 4],
+    check("scatter_to", scatter_to_tensor_model_parallel_region, full, full[..., rank * 4:(rank + 1) * 4],
           "this rank's slice of the last dim", g, torch.cat(gs, -1), "the ranks' gradients concatenated on the last dim")
-    check("gather_from", tp.gather_from_tensor_model_parallel_region, x, torch.cat(xs, -1),
+    check("gather_from", gather_from_tensor_model_parallel_region, x, torch.cat(xs, -1),
           "the ranks' inputs concatenated on the last dim", gfull[rank], gfull[rank][..., rank * 4:(rank + 1) * 4],
           "this rank's slice of the output gradient's last dim")
-    check("sp scatter_to", tp.scatter_to_sequence_parallel_region, full_seq, full_seq[rank * 8:(rank + 1) * 8],
+    check("sp scatter_to", scatter_to_sequence_parallel_region, full_seq, full_seq[rank * 8:(rank + 1) * 8],
           "this rank's slice of the sequence (dim 0)", g, torch.cat(gs, 0), "the ranks' gradients concatenated on dim 0")
     gseq = [_rank_tensor(70 + r, 8 * t, 2, 4) for r in range(t)]
-    check("sp gather_from", tp.gather_from_sequence_parallel_region, x, torch.cat(xs, 0),
+    check("sp gather_from", gather_from_sequence_parallel_region, x, torch.cat(xs, 0),
           "the ranks' inputs concatenated on dim 0", gseq[rank], sum(gseq)[rank * 8:(rank + 1) * 8],
           "this rank's dim-0 slice of the sum of the ranks' output gradients")
     xl = _rank_tensor(rank, 8 * t, 2, 4).requires_grad_()
     xls = [_rank_tensor(r, 8 * t, 2, 4) for r in range(t)]
-    check("sp reduce_scatter", tp.reduce_scatter_to_sequence_parallel_region, xl, sum(xls)[rank * 8:(rank + 1) * 8],
+    check("sp reduce_scatter", reduce_scatter_to_sequence_parallel_region, xl, sum(xls)[rank * 8:(rank + 1) * 8],
           "this rank's dim-0 slice of the sum of the ranks' inputs", g, torch.cat(gs, 0),
           "the ranks' output gradients concatenated on dim 0")
     return out
@@ -125,7 +139,7 @@ def _mlp(t, rank, group):
         y = row(F.gelu(col(x)))
         errors["the output"] = max_error(y, tp.full_shard_of(y_ref, y, rank))
         y.backward(dy[rank * s // t:(rank + 1) * s // t] if sp else dy)
-        tp.allreduce_sequence_parallel_grads(row, group)
+        allreduce_sequence_parallel_grads(row, group)
         errors["the input gradient"] = max_error(x.grad, tp.full_shard_of(x_full.grad, x.grad, rank))
         for mine, ref, who in [(col, fc1, "ColumnParallelLinear"), (row, fc2, "RowParallelLinear")]:
             for name in ("weight", "bias"):
@@ -190,7 +204,7 @@ def _cross_entropy(t, rank, group):
         ref = F.cross_entropy(full.view(-1, V), target.view(-1), reduction="none", label_smoothing=smoothing)
         ref.backward(dl.view(-1))
         local = tp.full_shard_of(logits, torch.empty(3, 10, V // t), rank).clone().requires_grad_()
-        loss = tp.vocab_parallel_cross_entropy(local, target, label_smoothing=smoothing, group=group)
+        loss = vocab_parallel_cross_entropy(local, target, label_smoothing=smoothing, group=group)
         errors = {"the per-token loss": max_error(loss, ref.view(3, 10))}
         with CollectiveTracer() as trace:
             loss.backward(dl)
@@ -209,7 +223,7 @@ def _gpt(t, rank, group):
             torch.manual_seed(0)
             ref = GPTModel(config)
             torch.manual_seed(0)
-            model = tp.TensorParallelGPTModel(TransformerConfig(**{**SMALL, **change, "sequence_parallel": sp}), group)
+            model = TensorParallelGPTModel(TransformerConfig(**{**SMALL, **change, "sequence_parallel": sp}), group)
             ref_params = dict(ref.named_parameters())
             names = {name for name, _ in model.named_parameters()}
             if names != set(ref_params):
@@ -234,7 +248,7 @@ def _gpt(t, rank, group):
             errors["the per-token loss"] = max_error(loss, ref_loss)
             errors["the logits tensor"] = max_error(model(ids), ref(ids))
             loss.mean().backward()
-            tp.allreduce_sequence_parallel_grads(model, group)
+            allreduce_sequence_parallel_grads(model, group)
             for name, p in model.named_parameters():
                 errors[f"the gradient of {name}"] = max_error(
                     p.grad, tp.full_shard_of(ref_params[name].grad, p, rank, stride[name]))
@@ -292,7 +306,7 @@ def _comm(t, rank, group):
     s, b, h = 8, 2, 32
     for sp in (False, True):
         config = TransformerConfig(**{**SMALL, "num_layers": 1, "seq_length": s, "sequence_parallel": sp})
-        layer = TransformerLayer(config, tp.tensor_parallel_layer_spec(group))
+        layer = TransformerLayer(config, tensor_parallel_layer_spec(group))
         x = _rank_tensor(1, s // t if sp else s, b, h).requires_grad_()
         with CollectiveTracer() as trace:
             layer(x).sum().backward()
@@ -395,9 +409,9 @@ def _assert_close(runs, case, keys=None):
 
 # ------------------------------------------------------------------ single process
 def test_vocab_size_with_padding():
-    assert tp.vocab_size_with_padding(50257, 128, 1) == 50304  # GPT-2's vocabulary, as Megatron pads it
-    assert tp.vocab_size_with_padding(50257, 128, 8) == 51200
-    assert tp.vocab_size_with_padding(64, 16, 4) == 64
+    assert vocab_size_with_padding(50257, 128, 1) == 50304  # GPT-2's vocabulary, as Megatron pads it
+    assert vocab_size_with_padding(50257, 128, 8) == 51200
+    assert vocab_size_with_padding(64, 16, 4) == 64
 
 
 def test_tp_communication_formula():

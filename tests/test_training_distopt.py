@@ -23,7 +23,7 @@ FINAL = TRAIN["train_iters"]
 
 def _distopt_worker(root: str):
     from megalab.core import parallel_state
-    from megalab.core.distributed.distributed_data_parallel import optimizer_state_bytes
+    from megalab.core.optimizer.distrib_optimizer import optimizer_state_bytes
     from megalab.lab import dist as mdist
     from megalab.training.training import pretrain, setup_model_and_optimizer, train_step
 
@@ -46,7 +46,8 @@ def _distopt_worker(root: str):
 
     from torch import nn
 
-    from megalab.core.distributed.distributed_data_parallel import DistributedDataParallel, DistributedOptimizer
+    from megalab.core.distributed.distributed_data_parallel import DistributedDataParallel
+    from megalab.core.optimizer.distrib_optimizer import DistributedOptimizer
 
     ddp = DistributedDataParallel(nn.Linear(4, 4), zero_stage=1)
     try:

@@ -37,9 +37,9 @@ def test_explorer_builds():
 @pytest.mark.exercise("pp.num_warmup")
 @pytest.mark.exercise("pp.one_f_one_b")
 def test_pipeline_timeline_draws_every_op():
-    from megalab.core.pipeline_parallel import schedules as pp
+    from megalab.extras.pipeline_sim import simulate
 
-    records = pp.simulate(4, 8, kind="1f1b")
+    records = simulate(4, 8, kind="1f1b")
     fig = viz.pipeline_timeline(records, time_unit="")
     ax = fig.get_axes()[0]
     where = "viz.pipeline_timeline of a simulated 1F1B schedule (pp=4, m=8)"

@@ -19,8 +19,6 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from megalab.core.transformer.transformer_config import TransformerConfig
-
 
 def init_method_normal(std: float) -> Callable[[torch.Tensor], torch.Tensor]:
     """N(0, std^2): Megatron's init_method for embeddings, linear_qkv and linear_fc1."""
@@ -33,17 +31,40 @@ def scaled_init_method_normal(std: float, num_layers: int) -> Callable[[torch.Te
     return init_method_normal(std / math.sqrt(2.0 * num_layers))
 
 
-class Linear(nn.Linear):
-    """y = x W^T + b on one device, initialized the Megatron way (weights by init_method, bias 0).
+# ------------------------------------------------------------------ the split
+def check_seq_length(seq_length: int, cp_size: int) -> int:
+    """The chunk length seq_length / (2 cp), or a clear error: both splits cut 2 cp equal chunks."""
+    if seq_length % (2 * cp_size):
+        raise ValueError(f"sequence length {seq_length} is not divisible by 2 * context_parallel_size = "
+                         f"{2 * cp_size}: context parallelism cuts the sequence into 2*cp equal chunks; "
+                         "pad or trim the sequence, or change context_parallel_size")
+    return seq_length // (2 * cp_size)
 
-    `stride` says the output is made of that many concatenated parts (2 for a gated linear_fc1:
-    [gate; up]); one device ignores it, ColumnParallelLinear splits each part across ranks.
-    """
 
-    def __init__(self, input_size: int, output_size: int, *, config: TransformerConfig,
-                 init_method: Callable[[torch.Tensor], torch.Tensor], bias: bool = True, stride: int = 1):
-        super().__init__(input_size, output_size, bias=bias)
-        with torch.no_grad():
-            init_method(self.weight)
-            if bias:
-                self.bias.zero_()
+def rank_chunks(cp_size: int, cp_rank: int, zigzag: bool = True) -> tuple[int, int]:
+    """The two chunk ids (of 2 cp) rank cp_rank holds: (r, 2cp-1-r) zigzag, (2r, 2r+1) plain."""
+    # EXERCISE cp.zigzag_split: the load-balanced pair of chunks, or the plain contiguous pair
+    ### BEGIN SOLUTION
+    if zigzag:
+        return cp_rank, 2 * cp_size - 1 - cp_rank
+    return 2 * cp_rank, 2 * cp_rank + 1
+    ### END SOLUTION
+
+
+def cp_rank_positions(seq_length: int, cp_size: int, cp_rank: int, zigzag: bool = True) -> torch.Tensor:
+    """Positions (token indices) of this rank's tokens in the full sequence, [seq_length / cp]."""
+    c = check_seq_length(seq_length, cp_size)
+    return torch.cat([torch.arange(i * c, (i + 1) * c) for i in rank_chunks(cp_size, cp_rank, zigzag)])
+
+
+def get_batch_on_this_cp_rank(batch: dict[str, torch.Tensor], cp_size: int, cp_rank: int,
+                              zigzag: bool = True) -> dict[str, torch.Tensor]:
+    """This rank's tokens of every [b, s] tensor in the batch (Megatron's name and split);
+    position_ids are added (the global positions of the kept tokens) if the batch has none."""
+    s = next(iter(batch.values())).shape[1]
+    positions = cp_rank_positions(s, cp_size, cp_rank, zigzag)
+    out = {name: t[:, positions.to(t.device)] for name, t in batch.items()}
+    if "position_ids" not in out:
+        b = next(iter(batch.values())).shape[0]
+        out["position_ids"] = positions.to(next(iter(batch.values())).device).expand(b, -1)
+    return out

@@ -28,17 +28,25 @@ import torch.nn.functional as F
 from torch import nn
 
 from megalab.core import parallel_state as ps
-from megalab.core.distributed.distributed_data_parallel import DistributedDataParallel, DistributedOptimizer
-from megalab.core.models.gpt.gpt_model import GPTModel
-from megalab.core.pipeline_parallel.schedules import (
+from megalab.core.distributed.distributed_data_parallel import DistributedDataParallel
+from megalab.core.distributed.finalize_model_grads import (
+    allreduce_sequence_parallel_grads,
     allreduce_word_embedding_grads,
-    build_gpt_stages,
-    forward_backward_pipelining,
+    finalize_moe_grads,
 )
+from megalab.core.models.gpt.gpt_model import (
+    ContextParallelGPTModel,
+    GPTModel,
+    TensorParallelGPTModel,
+    build_gpt_stages,
+)
+from megalab.core.optimizer.distrib_optimizer import DistributedOptimizer
+from megalab.core.pipeline_parallel.schedules import forward_backward_pipelining
 from megalab.core.tensor_parallel import layers as tp
-from megalab.core.transformer.moe.moe_layer import MoEAuxLossAutoScaler, finalize_moe_grads
+from megalab.core.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
+from megalab.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 from megalab.core.transformer.transformer_config import TransformerConfig
-from megalab.transformer_engine.context_parallel import ContextParallelGPTModel, get_batch_on_this_cp_rank
+from megalab.core.utils import get_batch_on_this_cp_rank
 
 
 @dataclass
@@ -62,7 +70,7 @@ def build_model(config: TransformerConfig, state: ps.ParallelState, seed: int = 
     if state.get_context_parallel_world_size() > 1:
         model = ContextParallelGPTModel(config, tp_group, cp_group)
     else:
-        model = tp.TensorParallelGPTModel(config, tp_group)
+        model = TensorParallelGPTModel(config, tp_group)
     stages = build_gpt_stages(model, state.get_pipeline_model_parallel_world_size(),
                               state.get_pipeline_model_parallel_rank())
     return model, stages
@@ -70,7 +78,7 @@ def build_model(config: TransformerConfig, state: ps.ParallelState, seed: int = 
 
 def _local_loss(logits: torch.Tensor, labels: torch.Tensor, tp_group) -> torch.Tensor:
     """Mean next-token loss of one micro-batch from vocab-parallel logits [b, s, V/t]."""
-    return tp.vocab_parallel_cross_entropy(logits.float(), labels, group=tp_group).mean()
+    return vocab_parallel_cross_entropy(logits.float(), labels, group=tp_group).mean()
 
 
 OPTIMIZERS = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam}
@@ -136,7 +144,7 @@ def train_step(config: TransformerConfig, state: ps.ParallelState, batch_size: i
     if pp > 1 and state.is_rank_in_embedding_group():  # tied: first and last stage each hold the word embeddings
         allreduce_word_embedding_grads(model, state.get_embedding_group())
     if config.sequence_parallel and not moe:
-        tp.allreduce_sequence_parallel_grads(model, tp_group)
+        allreduce_sequence_parallel_grads(model, tp_group)
     opt.step()
     ### END SOLUTION
     # the loss lives on the last stage: average over dp, then hand it to every rank

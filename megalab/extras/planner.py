@@ -24,11 +24,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from megalab.core.pipeline_parallel.schedules import bubble_fraction
 from megalab.core.transformer.transformer_config import TransformerConfig
 from megalab.extras import calc
-from megalab.extras.mixtral import mixtral_preset
-from megalab.extras.presets import llama_preset
+from megalab.extras.pipeline_sim import bubble_fraction
+from megalab.extras.presets import llama_preset, mixtral_preset
 
 GB = 1e9
 BF16, FP32 = 2, 4

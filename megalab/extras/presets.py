@@ -59,3 +59,38 @@ def gpt_to_llama(config: TransformerConfig, num_query_groups: int | None = None,
     """The LLaMA of a GPT config: the same sizes with the six switches flipped (dropout kept)."""
     return replace(config, **LLAMA_SWITCHES, num_query_groups=num_query_groups or config.num_attention_heads,
                    ffn_hidden_size=ffn_hidden_size or config.ffn_hidden_size)
+
+
+MIXTRAL_PRESETS = {
+    "mixtral-8x7b": dict(num_layers=32, hidden_size=4096, num_attention_heads=32, num_query_groups=8,
+                         ffn_hidden_size=14336, vocab_size=32000, seq_length=32768, rotary_base=1000000,
+                         num_moe_experts=8, moe_router_topk=2),
+    "mixtral-8x22b": dict(num_layers=56, hidden_size=6144, num_attention_heads=48, num_query_groups=8,
+                          ffn_hidden_size=16384, vocab_size=32768, seq_length=65536, rotary_base=1000000,
+                          num_moe_experts=8, moe_router_topk=2),
+}
+
+
+def mixtral_config(*, num_moe_experts: int = 8, moe_router_topk: int = 2, **sizes) -> TransformerConfig:
+    """LLaMA + a softmax top-k MoE in every layer (Mixtral). `sizes` as for llama_config."""
+    return llama_config(num_moe_experts=num_moe_experts, moe_router_topk=moe_router_topk,
+                        moe_router_score_function="softmax", **sizes)
+
+
+def mixtral_preset(name: str, **overrides) -> TransformerConfig:
+    if name not in MIXTRAL_PRESETS:
+        raise ValueError(f"unknown preset {name!r}; choose one of {sorted(MIXTRAL_PRESETS)}")
+    return mixtral_config(**{**MIXTRAL_PRESETS[name], **overrides})
+
+
+def deepseek_v3_style_config(*, num_moe_experts: int = 16, moe_router_topk: int = 4,
+                             moe_ffn_hidden_size: int | None = None,
+                             moe_shared_expert_intermediate_size: int | None = None, **sizes) -> TransformerConfig:
+    """LLaMA + DeepSeek-V3's MoE: many small experts (default ffn_hidden_size / topk each, so the active
+    expert FLOPs match one dense MLP), sigmoid scores with the aux-loss-free expert bias, one shared expert."""
+    ffn = sizes.get("ffn_hidden_size") or 4 * sizes["hidden_size"]
+    expert_ffn = moe_ffn_hidden_size or max(1, ffn // moe_router_topk)
+    return llama_config(
+        num_moe_experts=num_moe_experts, moe_router_topk=moe_router_topk, moe_ffn_hidden_size=expert_ffn,
+        moe_shared_expert_intermediate_size=moe_shared_expert_intermediate_size or expert_ffn,
+        moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True, **sizes)

@@ -59,7 +59,7 @@ def pretrain(model: nn.Module, tokens: torch.Tensor, steps: int, micro_batch_siz
         optimizer.step()
         schedule.step()
         if needs_bias_update:
-            from megalab.core.transformer.moe.moe_layer import update_expert_bias
+            from megalab.core.distributed.finalize_model_grads import update_expert_bias
             update_expert_bias(model)
         losses.append(loss.item())
     return losses

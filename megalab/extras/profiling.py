@@ -8,7 +8,7 @@ Sequence packing, the other speed-up of chapter 06 · 04, lives in megalab/core/
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import torch
@@ -100,3 +100,36 @@ def profile_ddp_step(trace_dir: str, width: int = 256, layers: int = 6) -> dict[
                                            compute=lambda n: n.endswith("Backward0"))
     dist.barrier()
     return results
+
+
+class SavedTensorsMeter:
+    """Bytes autograd keeps for backward inside a `with` block, each storage counted once.
+
+        with SavedTensorsMeter(exclude=model.parameters()) as meter:
+            loss = model(x).sum()
+        meter.bytes
+
+    Parameters (and views of them, like weight.t()) are excluded: they exist anyway.
+    """
+
+    def __init__(self, exclude: Iterable[torch.Tensor] = ()):
+        self._excluded = {p.untyped_storage().data_ptr() for p in exclude}
+        self._storages: dict[int, int] = {}  # storage address -> bytes
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+
+    def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in self._excluded:
+            self._storages[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    @property
+    def bytes(self) -> int:
+        return sum(self._storages.values())
+
+    def __enter__(self) -> SavedTensorsMeter:
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._hooks.__exit__(*exc)

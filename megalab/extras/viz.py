@@ -24,6 +24,7 @@ from matplotlib.patches import Rectangle
 
 from megalab.core.parallel_state import DEFAULT_ORDER, ParallelSizes, rank_groups
 from megalab.core.pipeline_parallel import schedules as pp
+from megalab.extras.pipeline_sim import bubble_fraction_of_total, measured_bubble, peak_in_flight, simulate
 
 GROUP_TITLES = {
     "tp": "tensor parallel (tp)", "cp": "context parallel (cp)", "dp": "data parallel (dp)",
@@ -140,7 +141,7 @@ def pipeline_timeline(records, title: str | None = None, ax=None, time_unit: str
     ax.set_xlim(0, span)
     ax.set_ylim(-len(ranks) + 0.45, 0.55)
     ax.set_xlabel(f"time ({time_unit})" if time_unit else "time")
-    bubble = pp.measured_bubble(records)
+    bubble = measured_bubble(records)
     ax.set_title(title or f"bubble {bubble:.1%} of the step (light: forward, dark: backward)", fontsize=10,
                  loc="left")
     ax.figure.tight_layout()
@@ -155,12 +156,12 @@ def schedule_explorer():
     def show(schedule, p, m, v):
         v = v if schedule == "interleaved" else 1
         try:
-            records = pp.simulate(p, m, v, schedule, forward_time=1 / v, backward_time=2 / v)
+            records = simulate(p, m, v, schedule, forward_time=1 / v, backward_time=2 / v)
         except ValueError as exc:
             print(f"not a valid schedule: {exc}")
             return
-        measured, theory = pp.measured_bubble(records), pp.bubble_fraction_of_total(p, m, v)
-        peaks = [pp.peak_in_flight(pp.get_schedule(p, r, m, v, schedule)) for r in range(p)]
+        measured, theory = measured_bubble(records), bubble_fraction_of_total(p, m, v)
+        peaks = [peak_in_flight(pp.get_schedule(p, r, m, v, schedule)) for r in range(p)]
         fig = pipeline_timeline(records, time_unit="", title=(
             f"{schedule}: p={p}, m={m}, v={v}  bubble {measured:.1%} of the step (theory (p-1)/(vm+p-1) = "
             f"{theory:.1%})  peak in-flight micro-batches per rank {peaks}"))

@@ -41,8 +41,8 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 
-from megalab.core.distributed.distributed_data_parallel import DistributedOptimizer
-from megalab.core.optimizer.clip_grads import tensor_parallel_dims
+from megalab.core.optimizer.distrib_optimizer import DistributedOptimizer
+from megalab.core.tensor_parallel.layers import tensor_parallel_dims
 
 TRACKER = "latest_checkpointed_iteration.txt"
 

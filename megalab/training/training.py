@@ -44,31 +44,20 @@ import torch.distributed as dist
 from torch import nn
 
 from megalab.core import parallel_state
-from megalab.core.distributed.distributed_data_parallel import DistributedDataParallel, DistributedOptimizer
-from megalab.core.optimizer.clip_grads import (
-    OptimizerParamScheduler,
-    clip_grad_norm,
-    get_param_groups,
-    mark_tensor_parallel_params,
-)
-from megalab.core.pipeline_parallel.schedules import (
-    allreduce_word_embedding_grads,
-    build_gpt_stages,
-    forward_backward_pipelining,
-)
-from megalab.core.tensor_parallel.layers import (
-    TensorParallelGPTModel,
-    allreduce_sequence_parallel_grads,
-    vocab_parallel_cross_entropy,
-)
+from megalab.core.distributed.distributed_data_parallel import DistributedDataParallel
+from megalab.core.distributed.finalize_model_grads import finalize_model_grads
+from megalab.core.models.gpt.gpt_model import ContextParallelGPTModel, TensorParallelGPTModel, build_gpt_stages
+from megalab.core.optimizer import get_param_groups
+from megalab.core.optimizer.clip_grads import clip_grad_norm
+from megalab.core.optimizer.distrib_optimizer import DistributedOptimizer
+from megalab.core.optimizer_param_scheduler import OptimizerParamScheduler
+from megalab.core.pipeline_parallel.schedules import forward_backward_pipelining
+from megalab.core.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
+from megalab.core.tensor_parallel.layers import mark_tensor_parallel_params
 from megalab.core.transformer.transformer_config import TransformerConfig
+from megalab.core.utils import check_seq_length, get_batch_on_this_cp_rank
 from megalab.extras.calc import flops_per_iteration
 from megalab.training.checkpointing import load_checkpoint, read_tracker, save_checkpoint
-from megalab.transformer_engine.context_parallel import (
-    ContextParallelGPTModel,
-    check_seq_length,
-    get_batch_on_this_cp_rank,
-)
 
 
 @dataclass
@@ -212,22 +201,6 @@ def loss_func(output: torch.Tensor, target: tuple, tp_group) -> torch.Tensor:
     return masked_loss(losses, loss_mask, num_tokens, m, dp)
 
 
-def finalize_model_grads(state: TrainState) -> None:
-    """After the last micro-batch's backward: the reductions that complete every gradient.
-
-    Sequence parallelism: norms and row biases saw 1/t of the tokens, summed over TP. Tied
-    embeddings: the first and last stage each hold a copy, summed over the embedding group. Then
-    DDP averages over DP x CP. (Megatron's finalize_model_grads does DDP's first: all are sums,
-    so the order does not matter; here the first two work on the full buffers, param.main_grad.)
-    """
-    ps = state.ps
-    if state.model.config.sequence_parallel:
-        allreduce_sequence_parallel_grads(state.ddp.module, ps.get_tensor_model_parallel_group())
-    if ps.get_pipeline_model_parallel_world_size() > 1 and ps.is_rank_in_embedding_group():
-        allreduce_word_embedding_grads(state.model, ps.get_embedding_group())
-    state.ddp.finish_grad_sync()
-
-
 def train_step(state: TrainState, config: TrainingConfig, dataset) -> dict:
     """One iteration on one global batch; returns the global token-mean loss (on every rank), grad norm, lr.
 
@@ -256,7 +229,7 @@ def train_step(state: TrainState, config: TrainingConfig, dataset) -> dict:
             lambda output, target: loss_func(output, target, tp_group),
             tensor_shape=(s, b, config.model.hidden_size),  # what passes between stages: [s/cp(/t with SP), b, h]
             group=ps.get_pipeline_model_parallel_group())
-    finalize_model_grads(state)
+    finalize_model_grads(state.ddp, state.model, state.ps)
     # the loss: sum over micro-batches and DP x CP of each micro-batch's share, on the last stage; sent to all
     loss = torch.tensor(sum(result.losses) / (m * dp * cp) if ps.is_pipeline_last_stage() else 0.0,
                         dtype=torch.float64)

@@ -35,60 +35,18 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
-from functools import partial
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from megalab.core import parallel_state as ps
-from megalab.core.models.common.embeddings.language_model_embedding import RotaryEmbedding
-from megalab.core.tensor_parallel.layers import TensorParallelGPTModel
-from megalab.core.transformer.attention import CoreAttention
+from megalab.core.transformer.dot_product_attention import CoreAttention
 from megalab.core.transformer.transformer_config import TransformerConfig
+from megalab.core.utils import cp_rank_positions, rank_chunks
 
 
 def _group(group):
     return group if group is not None else ps.get_context_parallel_group()
-
-
-# ------------------------------------------------------------------ the split
-def check_seq_length(seq_length: int, cp_size: int) -> int:
-    """The chunk length seq_length / (2 cp), or a clear error: both splits cut 2 cp equal chunks."""
-    if seq_length % (2 * cp_size):
-        raise ValueError(f"sequence length {seq_length} is not divisible by 2 * context_parallel_size = "
-                         f"{2 * cp_size}: context parallelism cuts the sequence into 2*cp equal chunks; "
-                         "pad or trim the sequence, or change context_parallel_size")
-    return seq_length // (2 * cp_size)
-
-
-def rank_chunks(cp_size: int, cp_rank: int, zigzag: bool = True) -> tuple[int, int]:
-    """The two chunk ids (of 2 cp) rank cp_rank holds: (r, 2cp-1-r) zigzag, (2r, 2r+1) plain."""
-    # EXERCISE cp.zigzag_split: the load-balanced pair of chunks, or the plain contiguous pair
-    ### BEGIN SOLUTION
-    if zigzag:
-        return cp_rank, 2 * cp_size - 1 - cp_rank
-    return 2 * cp_rank, 2 * cp_rank + 1
-    ### END SOLUTION
-
-
-def cp_rank_positions(seq_length: int, cp_size: int, cp_rank: int, zigzag: bool = True) -> torch.Tensor:
-    """Positions (token indices) of this rank's tokens in the full sequence, [seq_length / cp]."""
-    c = check_seq_length(seq_length, cp_size)
-    return torch.cat([torch.arange(i * c, (i + 1) * c) for i in rank_chunks(cp_size, cp_rank, zigzag)])
-
-
-def get_batch_on_this_cp_rank(batch: dict[str, torch.Tensor], cp_size: int, cp_rank: int,
-                              zigzag: bool = True) -> dict[str, torch.Tensor]:
-    """This rank's tokens of every [b, s] tensor in the batch (Megatron's name and split);
-    position_ids are added (the global positions of the kept tokens) if the batch has none."""
-    s = next(iter(batch.values())).shape[1]
-    positions = cp_rank_positions(s, cp_size, cp_rank, zigzag)
-    out = {name: t[:, positions.to(t.device)] for name, t in batch.items()}
-    if "position_ids" not in out:
-        b = next(iter(batch.values())).shape[0]
-        out["position_ids"] = positions.to(next(iter(batch.values())).device).expand(b, -1)
-    return out
 
 
 # ------------------------------------------------------------------ one block pair, exactly
@@ -358,61 +316,3 @@ class ContextParallelAttention(CoreAttention):
         return context.permute(2, 0, 1, 3).reshape(s, b, np_ * hn)
 
 
-class ContextParallelRotaryEmbedding(RotaryEmbedding):
-    """RoPE angles of this rank's tokens: forward(s/cp) -> the angles of its chunks' positions.
-    Megatron: RotaryEmbedding.forward calls get_pos_emb_on_this_cp_rank."""
-
-    def __init__(self, kv_channels, rotary_percent, rotary_base, cp_group, zigzag):
-        super().__init__(kv_channels, rotary_percent, rotary_base)
-        self.cp_group, self.zigzag = cp_group, zigzag
-
-    def forward(self, seq_length: int, packed_seq_params=None) -> torch.Tensor:
-        check_not_packed(packed_seq_params)
-        cp = dist.get_world_size(self.cp_group)
-        positions = cp_rank_positions(seq_length * cp, cp, dist.get_rank(self.cp_group), self.zigzag)
-        return super().forward(seq_length * cp)[positions.to(self.inv_freq.device)]  # [s/cp, 1, 1, dim]
-
-
-class ContextParallelGPTModel(TensorParallelGPTModel):
-    """The TP GPT (tp may be 1) with CP core attention: takes this rank's tokens
-    (get_batch_on_this_cp_rank) and returns their logits or per-token loss [b, s/cp].
-
-    Built with the same random draws as GPTModel(config). Train with the loss summed over local
-    tokens divided by the tokens of the whole batch, then finalize_context_parallel_grads.
-    """
-
-    def __init__(self, config: TransformerConfig, tp_group=None, cp_group=None, zigzag: bool = True,
-                 variant: str = "p2p"):
-        self.cp_group, self.zigzag = _group(cp_group), zigzag
-        check_seq_length(config.seq_length, dist.get_world_size(self.cp_group))
-        super().__init__(config, tp_group, core_attention=partial(
-            ContextParallelAttention, cp_group=self.cp_group, zigzag=zigzag, variant=variant))
-        if self.rotary_pos_emb is not None:
-            self.rotary_pos_emb = ContextParallelRotaryEmbedding(
-                config.kv_channels, config.rotary_percent, config.rotary_base, self.cp_group, zigzag)
-
-    def local_position_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """[b, s/cp]: the positions in the full sequence of this rank's tokens."""
-        cp = dist.get_world_size(self.cp_group)
-        return cp_rank_positions(input_ids.shape[1] * cp, cp, dist.get_rank(self.cp_group),
-                                 self.zigzag).to(input_ids.device).expand(input_ids.shape[0], -1)
-
-    def forward(self, input_ids, position_ids=None, labels=None, packed_seq_params=None):
-        check_not_packed(packed_seq_params)
-        if position_ids is None:
-            position_ids = self.local_position_ids(input_ids)
-        return super().forward(input_ids, position_ids, labels)
-
-
-def finalize_context_parallel_grads(model: nn.Module, state: ps.ParallelState | None = None) -> None:
-    """Sum gradients over the CP ranks (each saw other tokens of the same sequences) and average
-    over DP: one all-reduce over the dp-cp group, divided by the DP size. Megatron reduces over
-    the same group (get_data_parallel_group(with_context_parallel=True)) in finalize_model_grads,
-    averaging, with the loss multiplied by cp to turn the CP average into this sum."""
-    state = state or ps.get_parallel_state()
-    grads = [p.grad for p in model.parameters() if p.grad is not None]
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    dist.all_reduce(flat, group=state.get_data_parallel_group(with_context_parallel=True))
-    flat /= state.get_data_parallel_world_size()
-    for g, new in zip(grads, torch.split(flat, [g.numel() for g in grads])):
-        g.copy_(new.view_as(g))

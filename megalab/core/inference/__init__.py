@@ -7,8 +7,11 @@
     server.py     an OpenAI-style /v1/completions over FastAPI + uvicorn, streaming, a load test
 """
 
-from megalab.core.inference.contexts.dynamic_context import BlockAllocator, ContiguousKVCache, PagedKVCache
-from megalab.core.inference.engines.dynamic_engine import InferenceEngine, InferenceRequest, generate_by_recompute
+from megalab.core.inference.contexts.dynamic_context import PagedKVCache
+from megalab.core.inference.contexts.kv_block_allocator import BlockAllocator
+from megalab.core.inference.contexts.static_context import ContiguousKVCache
+from megalab.core.inference.engines.dynamic_engine import InferenceEngine, generate_by_recompute
+from megalab.core.inference.inference_request import InferenceRequest
 from megalab.core.inference.sampling_params import SamplingParams, filter_logits, sample
 from megalab.core.inference.text_generation_controllers.text_generation_controller import Segment, forward_step
 

@@ -16,8 +16,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from megalab.core.transformer.attention import CoreAttention
-from megalab.core.utils import Linear
+from megalab.core.tensor_parallel.layers import Linear
+from megalab.core.transformer.dot_product_attention import CoreAttention
 
 
 @dataclass

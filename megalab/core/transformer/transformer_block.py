@@ -18,46 +18,15 @@ Recomputation (config.recompute_granularity), in training only:
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from megalab.core.packed_seq_params import PackedSeqParams
+from megalab.core.pipeline_parallel.schedules import virtual_stage
 from megalab.core.tensor_parallel.random import checkpoint
-from megalab.core.transformer.attention import SelfAttention
-from megalab.core.transformer.mlp import MLP
 from megalab.core.transformer.spec_utils import LayerSpec
 from megalab.core.transformer.torch_norm import build_norm
 from megalab.core.transformer.transformer_config import TransformerConfig
-
-
-class TransformerLayer(nn.Module):
-    def __init__(self, config: TransformerConfig, spec: LayerSpec | None = None, layer_number: int = 1):
-        super().__init__()
-        spec = spec or LayerSpec()
-        self.layer_number = layer_number  # 1-based, as in Megatron
-        self.input_layernorm = build_norm(config)
-        self.self_attention = SelfAttention(config, spec, layer_number)
-        self.pre_mlp_layernorm = build_norm(config)
-        if config.num_moe_experts is None:
-            self.mlp = MLP(config, spec)
-        else:  # a mixture of experts in place of the MLP (megalab/core/transformer/moe/moe_layer.py builds on model/: import it here)
-            from megalab.core.transformer.moe.moe_layer import MoELayer
-
-            self.mlp = MoELayer(config, layer_number)
-        self.hidden_dropout = config.hidden_dropout
-
-    def forward(self, hidden_states: torch.Tensor, rotary_pos_emb: torch.Tensor | None = None,
-                packed_seq_params: PackedSeqParams | None = None) -> torch.Tensor:
-        # [s, b, h] -> [s, b, h]
-        # EXERCISE model.layer_forward: norm, attention, dropout, residual add; norm, MLP, dropout, residual add
-        ### BEGIN SOLUTION
-        residual = hidden_states
-        attention_output = self.self_attention(self.input_layernorm(hidden_states), rotary_pos_emb, packed_seq_params)
-        hidden_states = residual + F.dropout(attention_output, self.hidden_dropout, self.training)
-        residual = hidden_states
-        mlp_output = self.mlp(self.pre_mlp_layernorm(hidden_states))
-        return residual + F.dropout(mlp_output, self.hidden_dropout, self.training)
-        ### END SOLUTION
+from megalab.core.transformer.transformer_layer import TransformerLayer
 
 
 class TransformerBlock(nn.Module):
@@ -96,3 +65,19 @@ def _run_layers(layers):
         return hidden_states
 
     return run
+
+
+# --------------------------------------------------------------------------------------- stages
+def get_layer_range(num_layers: int, pp_size: int, pp_rank: int, chunk: int = 0,
+                    num_model_chunks: int = 1) -> tuple[int, int]:
+    """[start, stop) of the layers in virtual stage chunk·pp + rank, num_layers/(pp·v) layers each."""
+    num_stages = pp_size * num_model_chunks
+    if num_layers % num_stages != 0:
+        raise ValueError(f"{num_layers} layers do not split evenly into pp_size*num_model_chunks={num_stages} stages; "
+                         f"use a multiple of {num_stages} layers")
+    # EXERCISE pp.stage_split: the contiguous block of layers of virtual stage chunk*pp_size + pp_rank
+    ### BEGIN SOLUTION
+    per_stage = num_layers // num_stages
+    start = virtual_stage(pp_size, pp_rank, chunk) * per_stage
+    return start, start + per_stage
+    ### END SOLUTION

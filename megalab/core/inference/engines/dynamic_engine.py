@@ -24,34 +24,14 @@ import itertools
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import torch
 
+from megalab.core.inference.inference_request import InferenceRequest
 from megalab.core.inference.sampling_params import SamplingParams, make_generator, sample
 from megalab.core.inference.text_generation_controllers.text_generation_controller import Segment, forward_step
 
 MODES = ("continuous", "static")
-
-
-@dataclass
-class InferenceRequest:
-    """One prompt and what has been generated for it. Megatron: InferenceRequest (inference_request.py)."""
-    request_id: int
-    prompt_tokens: list[int]
-    sampling_params: SamplingParams
-    on_token: Callable | None = None  # called as on_token(request, token_id) after each new token
-    generated_tokens: list[int] = field(default_factory=list)
-    generated_log_probs: list[float] = field(default_factory=list)
-    status: str = "waiting"  # waiting -> active -> completed
-    finish_reason: str | None = None  # "length" or "stop" (the termination_id came out)
-    arrival_time: float = field(default_factory=time.perf_counter)
-    finish_time: float | None = None
-    generator: torch.Generator | None = None
-
-    @property
-    def final_length(self) -> int:
-        return len(self.prompt_tokens) + self.sampling_params.num_tokens_to_generate
 
 
 class InferenceEngine:

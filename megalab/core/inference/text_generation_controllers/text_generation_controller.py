@@ -25,11 +25,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megalab.core.tensor_parallel.layers import (
-    TensorParallelGPTModel,
-    column_parallel_linear,
-    gather_from_tensor_model_parallel_region,
-)
+from megalab.core.models.gpt.gpt_model import TensorParallelGPTModel
+from megalab.core.tensor_parallel.layers import column_parallel_linear
+from megalab.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
 
 
 @dataclass

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import json
+import socket
 import statistics
 import threading
 import time
@@ -36,7 +37,6 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from megalab.core.inference.engines.dynamic_engine import InferenceEngine
 from megalab.core.inference.sampling_params import SamplingParams
-from megalab.lab.launch import free_port
 
 
 class CompletionRequest(BaseModel):
@@ -192,6 +192,13 @@ def create_app(engine: InferenceEngine, tokenizer, model_name: str = "megalab-gp
     return app
 
 
+def _free_port(host: str) -> int:
+    """A port the OS says is free on `host` now (the server binds it right after)."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
 class ServerThread:
     """uvicorn serving an app in a background thread of this process; start() returns once it listens.
 
@@ -200,7 +207,7 @@ class ServerThread:
     """
 
     def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int | None = None):
-        self.host, self.port = host, port or free_port()
+        self.host, self.port = host, port or _free_port(host)
         self.server = uvicorn.Server(uvicorn.Config(app, host=self.host, port=self.port, log_level="warning",
                                                     lifespan="on"))
         self.thread = threading.Thread(target=self.server.run, name="megalab-uvicorn", daemon=True)

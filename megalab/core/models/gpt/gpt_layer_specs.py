@@ -11,9 +11,12 @@ swaps the spec for tensor_parallel_layer_spec to get the parallel linears.
 
 from __future__ import annotations
 
-from megalab.core.models.gpt.gpt_model import GPTModel
+from collections.abc import Callable
+from functools import partial
+
+from megalab.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from megalab.core.transformer.dot_product_attention import CoreAttention
 from megalab.core.transformer.spec_utils import LayerSpec
-from megalab.core.transformer.transformer_config import TransformerConfig
 
 
 def get_gpt_layer_local_spec() -> LayerSpec:
@@ -22,6 +25,11 @@ def get_gpt_layer_local_spec() -> LayerSpec:
     return LayerSpec()
 
 
-def model_provider(config: TransformerConfig, spec: LayerSpec | None = None) -> GPTModel:
-    """Build the model for `config` (Megatron: model_provider in pretrain_gpt.py)."""
-    return GPTModel(config, spec or get_gpt_layer_local_spec())
+# ------------------------------------------------------------------ a tensor-parallel GPT
+def tensor_parallel_layer_spec(tp_group=None, core_attention: Callable = CoreAttention) -> LayerSpec:
+    """Chapter 02's layer with the parallel linears: linear_qkv and linear_fc1 column-parallel
+    (each rank gets whole query groups and a slice of ffn), linear_proj and linear_fc2 row-parallel.
+    Megatron: get_gpt_layer_local_spec (megatron/core/models/gpt/gpt_layer_specs.py)."""
+    return LayerSpec(column_linear=partial(ColumnParallelLinear, tp_group=tp_group),
+                     row_linear=partial(RowParallelLinear, input_is_parallel=True, tp_group=tp_group),
+                     core_attention=core_attention)

@@ -21,8 +21,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megalab.core.models.common.embeddings.rope_utils import rotate_interleaved
-from megalab.core.packed_seq_params import PackedSeqParams
 from megalab.core.transformer.transformer_config import TransformerConfig
 from megalab.core.utils import init_method_normal
 
@@ -54,38 +52,3 @@ class LanguageModelEmbedding(nn.Module):
         return F.dropout(embeddings, self.dropout, self.training)
 
 
-class RotaryEmbedding(nn.Module):
-    """The rotation angles for every position: forward(s) -> [s, 1, 1, rotary_dim]; for a packed
-    batch [b, s], forward(s, packed_seq_params) -> [s, b, 1, rotary_dim], positions restarting per document."""
-
-    def __init__(self, kv_channels: int, rotary_percent: float = 1.0, rotary_base: int = 10000,
-                 rotary_interleaved: bool = False):
-        super().__init__()
-        self.rotary_interleaved = rotary_interleaved
-        dim = int(kv_channels * rotary_percent)
-        inv_freq = 1.0 / (rotary_base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
-
-    def forward(self, seq_length: int, packed_seq_params: PackedSeqParams | None = None) -> torch.Tensor:
-        if packed_seq_params is None:
-            positions = torch.arange(seq_length, device=self.inv_freq.device)[:, None]  # [s, 1]
-        else:  # [s, b]: each token's position in its own document
-            positions = packed_seq_params.position_ids((-1, seq_length)).t().to(self.inv_freq.device)
-        freqs = positions[..., None].float() * self.inv_freq  # [s, b, dim/2]
-        if self.rotary_interleaved:  # angle i for channels 2i and 2i+1
-            return freqs.repeat_interleave(2, dim=-1)[:, :, None, :]  # [s, b, 1, dim]
-        return torch.cat([freqs, freqs], dim=-1)[:, :, None, :]  # [s, b, 1, dim]: angle i for i and i+dim/2
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat([-x2, x1], dim=-1)
-
-
-def apply_rotary_pos_emb(t: torch.Tensor, freqs: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
-    """Rotate the first rotary_dim channels of t [s, b, heads, head_dim]; the rest pass through."""
-    rot_dim = freqs.shape[-1]
-    t_rot, t_pass = t[..., :rot_dim], t[..., rot_dim:]
-    cos, sin = freqs.cos().to(t.dtype), freqs.sin().to(t.dtype)
-    rotate = rotate_interleaved if interleaved else _rotate_half
-    return torch.cat([t_rot * cos + rotate(t_rot) * sin, t_pass], dim=-1)

@@ -47,3 +47,17 @@ def half_split_to_interleaved(weight: torch.Tensor, num_heads: int) -> torch.Ten
         raise ValueError(f"{rows} rows do not split into {num_heads} heads of an even head dim")
     d = rows // num_heads
     return weight.view(num_heads, 2, d // 2, cols).transpose(1, 2).reshape(rows, cols)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([-x2, x1], dim=-1)
+
+
+def apply_rotary_pos_emb(t: torch.Tensor, freqs: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
+    """Rotate the first rotary_dim channels of t [s, b, heads, head_dim]; the rest pass through."""
+    rot_dim = freqs.shape[-1]
+    t_rot, t_pass = t[..., :rot_dim], t[..., rot_dim:]
+    cos, sin = freqs.cos().to(t.dtype), freqs.sin().to(t.dtype)
+    rotate = rotate_interleaved if interleaved else _rotate_half
+    return torch.cat([t_rot * cos + rotate(t_rot) * sin, t_pass], dim=-1)

@@ -1,0 +1,20 @@
+"""TODO docstring (split from megalab/core/inference/contexts/dynamic_context.py)."""
+
+from __future__ import annotations
+
+
+class BlockAllocator:
+    """A free list of block ids. Megatron: BlockAllocator (inference/contexts/dynamic_block_allocator.py)."""
+
+    def __init__(self, num_blocks: int):
+        self.num_blocks = num_blocks
+        self.free_blocks = list(range(num_blocks))
+
+    def allocate(self, n: int) -> list[int]:
+        if n > len(self.free_blocks):
+            raise RuntimeError(f"out of KV-cache blocks: asked for {n}, {len(self.free_blocks)} free")
+        blocks, self.free_blocks = self.free_blocks[:n], self.free_blocks[n:]
+        return blocks
+
+    def release(self, blocks: list[int]) -> None:
+        self.free_blocks.extend(blocks)

@@ -1,0 +1,91 @@
+"""TODO docstring (split from megalab/core/optimizer/clip_grads.py)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+# ------------------------------------------------------------------ learning-rate schedule
+class OptimizerParamScheduler:
+    """Megatron's LR schedule, stepped once per iteration: `step()` sets every group's lr.
+
+    warmup: init_lr -> max_lr linearly over lr_warmup_steps; decay over the next
+    lr_decay_steps - lr_warmup_steps steps with lr_decay_style "constant", "linear", "cosine" or
+    "WSD" (stable at max_lr, then the last wsd_decay_steps steps decay "linear", "cosine",
+    "exponential" or "minus_sqrt" to min_lr); min_lr after lr_decay_steps.
+    """
+
+    STYLES = ("constant", "linear", "cosine", "WSD")
+    WSD_STYLES = ("linear", "cosine", "exponential", "minus_sqrt")
+
+    def __init__(self, optimizer: torch.optim.Optimizer, max_lr: float, min_lr: float, lr_warmup_steps: int,
+                 lr_decay_steps: int, lr_decay_style: str = "cosine", init_lr: float = 0.0,
+                 wsd_decay_steps: int | None = None, lr_wsd_decay_style: str = "linear"):
+        if lr_decay_style not in self.STYLES:
+            raise ValueError(f"lr_decay_style must be one of {self.STYLES}, got {lr_decay_style!r}")
+        if not 0.0 <= min_lr <= max_lr:
+            raise ValueError(f"need 0 <= min_lr <= max_lr, got min_lr={min_lr}, max_lr={max_lr}")
+        if not 0 <= lr_warmup_steps < lr_decay_steps:
+            raise ValueError(f"need 0 <= lr_warmup_steps < lr_decay_steps, got {lr_warmup_steps}, {lr_decay_steps}")
+        if lr_decay_style == "WSD":
+            if wsd_decay_steps is None or not 0 < wsd_decay_steps <= lr_decay_steps - lr_warmup_steps:
+                raise ValueError("WSD needs 0 < wsd_decay_steps <= lr_decay_steps - lr_warmup_steps")
+            if lr_wsd_decay_style not in self.WSD_STYLES:
+                raise ValueError(f"lr_wsd_decay_style must be one of {self.WSD_STYLES}, got {lr_wsd_decay_style!r}")
+        self.optimizer = optimizer
+        self.max_lr, self.min_lr, self.init_lr = max_lr, min_lr, init_lr
+        self.lr_warmup_steps, self.lr_decay_steps, self.lr_decay_style = lr_warmup_steps, lr_decay_steps, lr_decay_style
+        self.wsd_decay_steps, self.lr_wsd_decay_style = wsd_decay_steps, lr_wsd_decay_style
+        self.num_steps = 0
+        self.step(0)
+
+    def get_lr(self) -> float:
+        """The learning rate after `num_steps` steps (Megatron's get_lr)."""
+        step = self.num_steps
+        # EXERCISE optimizer.get_lr: linear warmup, then the decay style's curve from max_lr to min_lr, then min_lr
+        ### BEGIN SOLUTION
+        if self.lr_warmup_steps > 0 and step <= self.lr_warmup_steps:
+            return self.init_lr + (self.max_lr - self.init_lr) * step / self.lr_warmup_steps
+        if self.lr_decay_style == "constant":
+            return self.max_lr
+        if step > self.lr_decay_steps:
+            return self.min_lr
+        num_decay = self.lr_decay_steps - self.lr_warmup_steps
+        ratio = (step - self.lr_warmup_steps) / num_decay
+        delta_lr = self.max_lr - self.min_lr
+        if self.lr_decay_style == "linear":
+            coeff = 1.0 - ratio
+        elif self.lr_decay_style == "cosine":
+            coeff = 0.5 * (math.cos(math.pi * ratio) + 1.0)
+        else:  # WSD: stable until the last wsd_decay_steps, then decay
+            anneal_start = self.lr_decay_steps - self.wsd_decay_steps
+            if step <= anneal_start:
+                coeff = 1.0
+            else:
+                r = (step - anneal_start) / self.wsd_decay_steps
+                coeff = {"linear": 1.0 - r, "cosine": 0.5 * (math.cos(math.pi * r) + 1.0),
+                         "exponential": 2.0 * (0.5 ** r) - 1.0, "minus_sqrt": 1.0 - math.sqrt(r)}[self.lr_wsd_decay_style]
+        return self.min_lr + coeff * delta_lr
+        ### END SOLUTION
+
+    def step(self, increment: int = 1) -> float:
+        self.num_steps += increment
+        lr = self.get_lr()
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        return lr
+
+    def state_dict(self) -> dict:
+        return {"num_steps": self.num_steps, "max_lr": self.max_lr, "min_lr": self.min_lr,
+                "lr_warmup_steps": self.lr_warmup_steps, "lr_decay_steps": self.lr_decay_steps,
+                "lr_decay_style": self.lr_decay_style}
+
+    def load_state_dict(self, state: dict) -> None:
+        for key in ("max_lr", "min_lr", "lr_warmup_steps", "lr_decay_steps", "lr_decay_style"):
+            if state[key] != getattr(self, key):
+                raise ValueError(f"checkpoint's scheduler has {key}={state[key]!r}, this run {getattr(self, key)!r}: "
+                                 "resume with the same schedule (or start a new run)")
+        self.num_steps = 0
+        self.step(state["num_steps"])

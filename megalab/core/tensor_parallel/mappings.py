@@ -1,0 +1,241 @@
+"""TODO docstring (split from megalab/core/tensor_parallel/layers.py)."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from megalab.core import parallel_state as ps
+from megalab.core.tensor_parallel.utils import divide
+
+
+def _group(group):
+    return group if group is not None else ps.get_tensor_model_parallel_group()
+
+
+# ------------------------------------------------------------------ the collectives
+def _all_gather_single():
+    """dist.all_gather_single; before PyTorch 2.13 (and in Megatron) all_gather_into_tensor."""
+    return getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def _reduce_scatter_single():
+    """dist.reduce_scatter_single; before PyTorch 2.13 (and in Megatron) reduce_scatter_tensor."""
+    return getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def _reduce(input_: torch.Tensor, group) -> torch.Tensor:
+    """All-reduce (sum) across the TP group, into a new tensor (autograd may share the input)."""
+    if dist.get_world_size(group) == 1:
+        return input_
+    output = input_.clone(memory_format=torch.contiguous_format)
+    dist.all_reduce(output, group=group)
+    return output
+
+
+def _split_along_last_dim(input_: torch.Tensor, group) -> torch.Tensor:
+    """This rank's 1/t slice of the last dimension."""
+    world = dist.get_world_size(group)
+    if world == 1:
+        return input_
+    chunk = divide(input_.shape[-1], world, "last dimension")
+    return input_[..., dist.get_rank(group) * chunk:(dist.get_rank(group) + 1) * chunk].contiguous()
+
+
+def _gather_along_last_dim(input_: torch.Tensor, group) -> torch.Tensor:
+    """Concatenate every rank's tensor along the last dimension: [..., n] -> [..., t n]."""
+    world = dist.get_world_size(group)
+    if world == 1:
+        return input_
+    # EXERCISE tp.gather_last_dim: all-gather every rank's tensor, concatenate them along the last dimension
+    ### BEGIN SOLUTION
+    pieces = [torch.empty_like(input_) for _ in range(world)]
+    dist.all_gather(pieces, input_.contiguous(), group=group)
+    return torch.cat(pieces, dim=-1)
+    ### END SOLUTION
+
+
+def _split_along_first_dim(input_: torch.Tensor, group) -> torch.Tensor:
+    """This rank's 1/t slice of the first (sequence) dimension."""
+    world = dist.get_world_size(group)
+    if world == 1:
+        return input_
+    chunk = divide(input_.shape[0], world, "sequence length")
+    return input_[dist.get_rank(group) * chunk:(dist.get_rank(group) + 1) * chunk].contiguous()
+
+
+def _gather_along_first_dim(input_: torch.Tensor, group) -> torch.Tensor:
+    """All-gather along the sequence: [s/t, b, h] -> [s, b, h]."""
+    world = dist.get_world_size(group)
+    if world == 1:
+        return input_
+    # EXERCISE tp.sp_gather: all-gather the sequence shards into one [t * s/t, ...] tensor (_all_gather_single())
+    ### BEGIN SOLUTION
+    output = torch.empty((world * input_.shape[0], *input_.shape[1:]), dtype=input_.dtype, device=input_.device)
+    _all_gather_single()(output, input_.contiguous(), group=group)
+    return output
+    ### END SOLUTION
+
+
+def _reduce_scatter_along_first_dim(input_: torch.Tensor, group) -> torch.Tensor:
+    """Sum across ranks and keep this rank's sequence slice: [s, b, h] -> [s/t, b, h]."""
+    world = dist.get_world_size(group)
+    if world == 1:
+        return input_
+    # EXERCISE tp.sp_reduce_scatter: sum the ranks' tensors and keep this rank's 1/t of the first dim (_reduce_scatter_single())
+    ### BEGIN SOLUTION
+    chunk = divide(input_.shape[0], world, "sequence length")
+    output = torch.empty((chunk, *input_.shape[1:]), dtype=input_.dtype, device=input_.device)
+    _reduce_scatter_single()(output, input_.contiguous(), group=group)
+    return output
+    ### END SOLUTION
+
+
+# ------------------------------------------------------------------ the mappings (autograd Functions)
+class _CopyToModelParallelRegion(torch.autograd.Function):
+    """f: identity forward; backward all-reduces (every rank's branch contributed to dX)."""
+
+    @staticmethod
+    def forward(ctx, input_, group):
+        ctx.group = group
+        return input_.view_as(input_)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        # EXERCISE tp.copy_to_region: the backward of f sums the gradient over the TP group
+        ### BEGIN SOLUTION
+        return _reduce(grad_output, ctx.group), None
+        ### END SOLUTION
+
+
+class _ReduceFromModelParallelRegion(torch.autograd.Function):
+    """g: all-reduce forward (sum the partial products); identity backward."""
+
+    @staticmethod
+    def forward(ctx, input_, group):
+        # EXERCISE tp.reduce_from_region: the forward of g sums the partial results over the TP group
+        ### BEGIN SOLUTION
+        return _reduce(input_, group)
+        ### END SOLUTION
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        return grad_output, None
+
+
+class _ScatterToModelParallelRegion(torch.autograd.Function):
+    """Keep this rank's slice of the last dim; backward gathers the slices."""
+
+    @staticmethod
+    def forward(ctx, input_, group):
+        ctx.group = group
+        return _split_along_last_dim(input_, group)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        return _gather_along_last_dim(grad_output, ctx.group), None
+
+
+class _GatherFromModelParallelRegion(torch.autograd.Function):
+    """Concatenate the slices of the last dim; backward keeps this rank's slice."""
+
+    @staticmethod
+    def forward(ctx, input_, group):
+        ctx.group = group
+        return _gather_along_last_dim(input_, group)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        return _split_along_last_dim(grad_output, ctx.group), None
+
+
+class _ScatterToSequenceParallelRegion(torch.autograd.Function):
+    """Keep this rank's sequence slice; backward all-gathers."""
+
+    @staticmethod
+    def forward(ctx, input_, group):
+        ctx.group = group
+        return _split_along_first_dim(input_, group)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        return _gather_along_first_dim(grad_output, ctx.group), None
+
+
+class _GatherFromSequenceParallelRegion(torch.autograd.Function):
+    """All-gather the sequence; backward reduce-scatters (the consumers on every rank each
+    produced a partial gradient) or, if tensor_parallel_output_grad is False, just splits."""
+
+    @staticmethod
+    def forward(ctx, input_, group, tensor_parallel_output_grad=True):
+        ctx.group, ctx.tensor_parallel_output_grad = group, tensor_parallel_output_grad
+        return _gather_along_first_dim(input_, group)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        if ctx.tensor_parallel_output_grad:
+            return _reduce_scatter_along_first_dim(grad_output, ctx.group), None, None
+        return _split_along_first_dim(grad_output, ctx.group), None, None
+
+
+class _ReduceScatterToSequenceParallelRegion(torch.autograd.Function):
+    """Reduce-scatter forward (g under SP); all-gather backward."""
+
+    @staticmethod
+    def forward(ctx, input_, group):
+        ctx.group = group
+        return _reduce_scatter_along_first_dim(input_, group)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        return _gather_along_first_dim(grad_output, ctx.group), None
+
+
+def copy_to_tensor_model_parallel_region(input_, group=None):
+    return _CopyToModelParallelRegion.apply(input_, _group(group))
+
+
+def reduce_from_tensor_model_parallel_region(input_, group=None):
+    return _ReduceFromModelParallelRegion.apply(input_, _group(group))
+
+
+def scatter_to_tensor_model_parallel_region(input_, group=None):
+    return _ScatterToModelParallelRegion.apply(input_, _group(group))
+
+
+def gather_from_tensor_model_parallel_region(input_, group=None):
+    return _GatherFromModelParallelRegion.apply(input_, _group(group))
+
+
+def scatter_to_sequence_parallel_region(input_, group=None):
+    return _ScatterToSequenceParallelRegion.apply(input_, _group(group))
+
+
+def gather_from_sequence_parallel_region(input_, tensor_parallel_output_grad=True, group=None):
+    return _GatherFromSequenceParallelRegion.apply(input_, _group(group), tensor_parallel_output_grad)
+
+
+def reduce_scatter_to_sequence_parallel_region(input_, group=None):
+    return _ReduceScatterToSequenceParallelRegion.apply(input_, _group(group))
+
+
+class _AllToAll(torch.autograd.Function):
+    """all_to_all_single with uneven splits; backward is the all-to-all with the splits swapped."""
+
+    @staticmethod
+    def forward(ctx, group, input_, output_split_sizes, input_split_sizes):
+        ctx.group, ctx.splits = group, (output_split_sizes, input_split_sizes)
+        output = input_.new_empty((sum(output_split_sizes), *input_.shape[1:]))
+        dist.all_to_all_single(output, input_.contiguous(), output_split_sizes, input_split_sizes, group=group)
+        return output
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        output_split_sizes, input_split_sizes = ctx.splits
+        return None, _AllToAll.apply(ctx.group, grad_output, input_split_sizes, output_split_sizes), None, None
+
+
+def all_to_all(group, input_, output_split_sizes: list[int], input_split_sizes: list[int]) -> torch.Tensor:
+    """Megatron's tensor_parallel.all_to_all: rank r sends input_split_sizes[j] rows to rank j and
+    receives output_split_sizes[j] rows from rank j, differentiably."""
+    return _AllToAll.apply(group, input_, output_split_sizes, input_split_sizes)

@@ -1,0 +1,155 @@
+"""TODO docstring (split from megalab/core/transformer/moe/moe_layer.py)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+# ------------------------------------------------------------------ auxiliary losses
+class MoEAuxLossAutoScaler(torch.autograd.Function):
+    """Identity on `output`; in backward it also starts the gradient of `aux_loss` (with
+    main_loss_backward_scale, 1 unless a schedule scales the main loss), so an auxiliary loss
+    needs no plumbing to the training loop: loss.backward() reaches it through the activations."""
+
+    main_loss_backward_scale = torch.tensor(1.0)
+
+    @staticmethod
+    def forward(ctx, output: torch.Tensor, aux_loss: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(aux_loss)
+        return output
+
+    @staticmethod
+    def set_loss_scale(scale: torch.Tensor) -> None:
+        """The factor the main loss is scaled by (e.g. 1 / number of micro-batches)."""
+        MoEAuxLossAutoScaler.main_loss_backward_scale = scale
+
+    @staticmethod
+    def backward(ctx, grad_output: torch.Tensor):
+        (aux_loss,) = ctx.saved_tensors
+        scale = MoEAuxLossAutoScaler.main_loss_backward_scale.to(aux_loss.device)
+        return grad_output, torch.ones_like(aux_loss) * scale
+
+
+_AUX_LOSSES: dict[str, dict[int, torch.Tensor]] = {}  # name -> layer_number -> last value (detached)
+
+
+def save_to_aux_losses_tracker(name: str, loss: torch.Tensor, layer_number: int) -> None:
+    _AUX_LOSSES.setdefault(name, {})[layer_number] = loss.detach()
+
+
+def get_aux_losses_tracker() -> dict[str, dict[int, torch.Tensor]]:
+    """{"load_balancing_loss": {layer_number: value}, "z_loss": {...}}: the last forward's values."""
+    return _AUX_LOSSES
+
+
+def clear_aux_losses_tracker() -> None:
+    _AUX_LOSSES.clear()
+
+
+def switch_load_balancing_loss_func(probs: torch.Tensor, tokens_per_expert: torch.Tensor, total_num_tokens: int,
+                                    topk: int, num_experts: int, moe_aux_loss_coeff: float) -> torch.Tensor:
+    """coeff * E * sum_i f_i P_i (Switch Transformer eq. 4, GShard): f_i the fraction of the T*k
+    assignments that went to expert i, P_i the mean router probability of expert i. Equals
+    coeff when the load is uniform, coeff * E when every token picks the same experts.
+    probs [T, E] (full scores, not just the top-k), tokens_per_expert [E]."""
+    # EXERCISE moe.load_balancing_loss: coeff * E * sum_i (tokens_i / (T k)) * (sum_t probs_ti / T)
+    ### BEGIN SOLUTION
+    aggregated_probs_per_expert = probs.sum(dim=0)  # [E]
+    return torch.sum(aggregated_probs_per_expert * tokens_per_expert) * (
+        num_experts * moe_aux_loss_coeff / (topk * total_num_tokens * total_num_tokens))
+    ### END SOLUTION
+
+
+def z_loss_func(logits: torch.Tensor, z_loss_coeff: float) -> torch.Tensor:
+    """coeff * mean_t logsumexp(logits_t)^2 (ST-MoE, Zoph et al. 2022): keeps router logits small."""
+    return torch.mean(torch.square(torch.logsumexp(logits, dim=-1))) * z_loss_coeff
+
+
+# ------------------------------------------------------------------ routing
+def get_capacity(num_tokens: int, num_experts: int, capacity_factor: float) -> int:
+    """Slots per expert: ceil(num_tokens / E * capacity_factor), num_tokens counting T * k assignments."""
+    return math.ceil(num_tokens / num_experts * capacity_factor)
+
+
+def topk_softmax_with_capacity(logits: torch.Tensor, topk: int, capacity_factor: float | None = None,
+                               pad_to_capacity: bool = False, score_function: str = "softmax",
+                               expert_bias: torch.Tensor | None = None):
+    """Route T tokens to k experts each. logits [T, E] ->
+    probs [T, E] (the weight of each chosen expert, 0 elsewhere), routing_map [T, E] (bool),
+    tokens_per_expert [E] (assignments before any dropping, for the load-balancing loss).
+
+    softmax: the top-k logits, softmax over those k (Megatron's default, Mixtral's way).
+    sigmoid: sigmoid scores; the top-k of score + expert_bias (the bias only chooses, DeepSeek-V3),
+             weights = the chosen scores normalized to sum 1.
+    capacity: each expert keeps its first `capacity` tokens (by position), the rest are dropped;
+              with pad_to_capacity, unrouted tokens with weight 0 fill every expert up to capacity.
+    """
+    num_tokens, num_experts = logits.shape
+    # EXERCISE moe.topk_routing: choose k experts per token and their weights (softmax or sigmoid scores)
+    ### BEGIN SOLUTION
+    if score_function == "softmax":
+        scores, top_indices = torch.topk(logits, k=topk, dim=1)
+        top_probs = torch.softmax(scores, dim=-1, dtype=torch.float32).type_as(logits)
+    else:
+        scores = torch.sigmoid(logits)
+        chooser = scores if expert_bias is None else scores + expert_bias
+        top_indices = torch.topk(chooser, k=topk, dim=1).indices
+        top_probs = scores.gather(1, top_indices)
+        if topk > 1:
+            top_probs = top_probs / (top_probs.sum(dim=-1, keepdim=True) + 1e-20)
+    probs = torch.zeros_like(logits).scatter(1, top_indices, top_probs)
+    routing_map = torch.zeros_like(logits, dtype=torch.bool).scatter(1, top_indices, True)
+    ### END SOLUTION
+    tokens_per_expert = routing_map.sum(dim=0)
+    if capacity_factor is None:
+        return probs, routing_map, tokens_per_expert
+    capacity = get_capacity(num_tokens * topk, num_experts, capacity_factor)
+    # EXERCISE moe.capacity: keep each expert's first `capacity` tokens; with padding, fill up to capacity with unrouted tokens
+    ### BEGIN SOLUTION
+    position = routing_map.long().cumsum(dim=0) - 1  # [T, E]: arrival order of each token at each expert
+    keep = routing_map & (position < capacity)
+    if pad_to_capacity:
+        free = capacity - keep.sum(dim=0)  # [E] empty slots
+        filler = ~routing_map & ((~routing_map).long().cumsum(dim=0) - 1 < free)
+        keep = keep | filler  # filler tokens have probs 0: computed, then weighted by 0
+    probs = probs * keep
+    routing_map = keep
+    ### END SOLUTION
+    return probs, routing_map, tokens_per_expert
+
+
+def get_updated_expert_bias(tokens_per_expert: torch.Tensor, expert_bias: torch.Tensor,
+                            update_rate: float) -> torch.Tensor:
+    """DeepSeek-V3's aux-loss-free balancing: raise the bias of under-loaded experts, lower the others."""
+    return expert_bias + update_rate * torch.sign(tokens_per_expert.float().mean() - tokens_per_expert.float())
+
+
+# ------------------------------------------------------------------ permutation
+def permute(tokens: torch.Tensor, routing_map: torch.Tensor, probs: torch.Tensor | None = None):
+    """Copy each token once per chosen expert, grouped by expert (expert 0's tokens first, in token
+    order). tokens [T, h], routing_map [T, E] -> permuted [N, h], permuted probs [N], sorted_indices [N]
+    (N = routing_map.sum(), sorted_indices[j] = the token row j came from)."""
+    # EXERCISE moe.permute: token indices per expert from routing_map.T, then gather the rows (and the probs)
+    ### BEGIN SOLUTION
+    mask = routing_map.t()  # [E, T]
+    sorted_indices = torch.arange(tokens.shape[0], device=tokens.device).expand_as(mask).masked_select(mask)
+    permuted_probs = probs.t().masked_select(mask) if probs is not None else None
+    return tokens.index_select(0, sorted_indices), permuted_probs, sorted_indices
+    ### END SOLUTION
+
+
+def unpermute(permuted: torch.Tensor, sorted_indices: torch.Tensor, num_tokens: int,
+              probs: torch.Tensor | None = None) -> torch.Tensor:
+    """The inverse of permute: [N, h] -> [T, h], each token the prob-weighted sum of its copies."""
+    if probs is not None:
+        permuted = permuted * probs.unsqueeze(-1).to(permuted.dtype)
+    out = permuted.new_zeros(num_tokens, permuted.shape[-1])
+    return out.index_add(0, sorted_indices, permuted)
+
+
+def sort_chunks_by_idxs(input_: torch.Tensor, split_sizes: torch.Tensor, sorted_idxs: list[int]) -> torch.Tensor:
+    """Split input_ along dim 0 into chunks of split_sizes and concatenate them in sorted_idxs order."""
+    chunks = torch.split(input_, split_sizes.tolist(), dim=0)
+    return torch.cat([chunks[i] for i in sorted_idxs], dim=0)

@@ -1,0 +1,132 @@
+"""TODO docstring (split from megalab/core/pipeline_parallel/schedules.py)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from megalab.core.pipeline_parallel.schedules import (
+    Op,
+    OpRecord,
+    PipelineResult,
+    forward_backward_pipelining,
+    get_schedule,
+    virtual_stage,
+)
+
+
+# --------------------------------------------------------------------------------------- schedules (pure)
+def bubble_fraction(pp_size: int, num_microbatches: int, num_model_chunks: int = 1) -> float:
+    """Idle time over ideal compute time, (p − 1)/(v·m) (Narayanan et al. 2021, eq. for t_pb/t_id)."""
+    return (pp_size - 1) / (num_model_chunks * num_microbatches)
+
+
+def bubble_fraction_of_total(pp_size: int, num_microbatches: int, num_model_chunks: int = 1) -> float:
+    """The same bubble as a share of the whole step: (p − 1)/(v·m + p − 1); (p − 1)/(m + p − 1) for v = 1."""
+    return (pp_size - 1) / (num_model_chunks * num_microbatches + pp_size - 1)
+
+
+def peak_in_flight(ops: Sequence[Op]) -> int:
+    """The most (micro-batch, chunk) forwards whose backward has not run yet, along a schedule."""
+    alive = peak = 0
+    for op in ops:
+        alive += 1 if op.kind == "F" else -1
+        peak = max(peak, alive)
+    return peak
+
+
+def simulate(pp_size: int, num_microbatches: int, num_model_chunks: int = 1, kind: str = "1f1b",
+             forward_time: float = 1.0, backward_time: float = 2.0) -> list[OpRecord]:
+    """Run every rank's schedule on an ideal machine (fixed op times, free communication).
+
+    An op starts when its rank finished the previous op and its input exists: F needs the
+    previous virtual stage's F of the same micro-batch, B the next stage's B (and its own F).
+    Raises RuntimeError if the schedules deadlock (a rank waits for an op that waits for it).
+    """
+    v = num_model_chunks
+    num_stages = pp_size * v
+    schedules = [get_schedule(pp_size, r, num_microbatches, v, kind) for r in range(pp_size)]
+    done: dict[tuple[str, int, int], float] = {}  # (kind, microbatch, virtual stage) -> end time
+    position, clock = [0] * pp_size, [0.0] * pp_size
+    records: list[OpRecord] = []
+    while len(records) < sum(map(len, schedules)):
+        progressed = False
+        for rank in range(pp_size):
+            while position[rank] < len(schedules[rank]):
+                op = schedules[rank][position[rank]]
+                stage = virtual_stage(pp_size, rank, op.chunk)
+                if op.kind == "F":
+                    deps = [("F", op.microbatch, stage - 1)] if stage > 0 else []
+                else:
+                    deps = [("F", op.microbatch, stage)]
+                    deps += [("B", op.microbatch, stage + 1)] if stage < num_stages - 1 else []
+                if any(d not in done for d in deps):
+                    break
+                start = max([clock[rank]] + [done[d] for d in deps])
+                end = start + (forward_time if op.kind == "F" else backward_time)
+                done[(op.kind, op.microbatch, stage)] = clock[rank] = end
+                records.append(OpRecord(rank, op, start, end))
+                position[rank] += 1
+                progressed = True
+        if not progressed:
+            stuck = {r: schedules[r][position[r]] for r in range(pp_size) if position[r] < len(schedules[r])}
+            raise RuntimeError(f"schedule {kind!r} deadlocks; ranks wait at {stuck}")
+    return records
+
+
+def measured_bubble(records: Sequence[OpRecord]) -> float:
+    """Share of the step (first start to last end, all ranks) that ranks spend not computing."""
+    ranks = {r.rank for r in records}
+    span = max(r.end for r in records) - min(r.start for r in records)
+    busy = sum(r.end - r.start for r in records)
+    return 1.0 - busy / (span * len(ranks))
+
+
+class FixedDurationStage(nn.Module):
+    """A stand-in stage whose forward takes `forward_ms` and backward `backward_ms` (sleeping).
+
+    Sleeping needs no CPU, so timelines stay clean on a busy machine: what remains is the
+    schedule. Output = input * weight, so activations and gradients flow as with a real layer.
+    """
+
+    def __init__(self, forward_ms: float = 10.0, backward_ms: float = 20.0):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(()))
+        self.forward_s, self.backward_s = forward_ms / 1e3, backward_ms / 1e3
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _Sleep.apply(x, self.weight, self.forward_s, self.backward_s)
+
+
+class _Sleep(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, forward_s, backward_s):
+        ctx.save_for_backward(x, weight)
+        ctx.backward_s = backward_s
+        time.sleep(forward_s)
+        return x * weight
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        time.sleep(ctx.backward_s)
+        return grad * weight, (grad * x).sum(), None, None
+
+
+def run_fixed_duration_pipeline(num_microbatches: int, kind: str = "1f1b", num_model_chunks: int = 1,
+                                forward_ms: float = 10.0, backward_ms: float = 20.0,
+                                group: dist.ProcessGroup | None = None) -> PipelineResult:
+    """One step of `kind` over FixedDurationStage chunks: each rank's work is forward_ms + backward_ms per
+    micro-batch, split over its `num_model_chunks` chunks, so schedules compare at equal work. Collective
+    over `group` (the pipeline ranks start together after a barrier)."""
+    v = num_model_chunks
+    chunks = [FixedDurationStage(forward_ms / v, backward_ms / v) for _ in range(v)]
+    shape = (4, 8)
+    inputs = [torch.ones(shape) for _ in range(num_microbatches)]
+    dist.barrier(group=group)
+    return forward_backward_pipelining(chunks, inputs, inputs, lambda out, target: (out * target).sum(), shape,
+                                       kind=kind, group=group)
