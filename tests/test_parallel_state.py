@@ -290,3 +290,39 @@ def test_groups_on_eight_ranks():
     # dp-last order: stages 2 ranks apart
     require(equal(res.returns[2][3]["pp_rank"], 1, f"{where(2, LAYOUTS[3])}: its pipeline rank"))
     require(equal(res.returns[4][3]["pp_rank"], 0, f"{where(4, LAYOUTS[3])}: its pipeline rank"))
+
+
+# ---------------------------------------------------------------- destroy really releases the groups
+def _threads_and_fds() -> tuple[int, int]:
+    import os
+
+    return len(os.listdir("/proc/self/task")), len(os.listdir("/proc/self/fd"))
+
+
+def _init_destroy_worker(cycles: int):
+    import torch.distributed as dist
+
+    from megalab.lab import dist as mdist
+
+    mdist.init()
+    counts = []
+    for _ in range(cycles):
+        ps.initialize_model_parallel(tensor_model_parallel_size=2, pipeline_model_parallel_size=2)
+        value = torch.ones(1)
+        dist.all_reduce(value, group=ps.get_tensor_model_parallel_group())  # the groups work
+        ps.destroy_model_parallel()
+        counts.append(_threads_and_fds())
+    return counts
+
+
+@pytest.mark.skipif(not __import__("os").path.isdir("/proc/self/task"), reason="counts threads in /proc")
+def test_destroy_model_parallel_releases_threads_and_file_descriptors():
+    """20 initialize/destroy cycles at tp2·pp2 on 4 ranks: threads and fds stay flat (before the fix
+    each cycle left ~48 threads and ~78 fds per rank behind, and a long loop hung)."""
+    res = launch.run_function(_init_destroy_worker, 4, 20, launch=dict(timeout=240))
+    for rank, counts in res.returns.items():
+        (threads_first, fds_first), (threads_last, fds_last) = counts[0], counts[-1]
+        require(equal(threads_last - threads_first <= 2, True,
+                      f"rank {rank}: threads after cycle 1 vs 20 ({threads_first} -> {threads_last})"))
+        require(equal(fds_last - fds_first <= 4, True,
+                      f"rank {rank}: open file descriptors after cycle 1 vs 20 ({fds_first} -> {fds_last})"))

@@ -1,4 +1,7 @@
-"""TODO docstring (split from megalab/core/optimizer/clip_grads.py)."""
+"""The learning-rate and weight-decay schedule: warmup, then cosine/linear/constant decay.
+
+Megatron: megatron/core/optimizer_param_scheduler.py (OptimizerParamScheduler).
+"""
 
 from __future__ import annotations
 

@@ -416,9 +416,19 @@ def initialize_model_parallel(
 
 
 def destroy_model_parallel() -> None:
-    """Forget the current state (its groups are released when no layer holds them)."""
+    """Destroy the process groups of the current state and forget it (every rank calls it).
+
+    Each group holds threads and sockets (gloo) or a communicator (NCCL) until destroyed; a loop
+    that initializes again and again would otherwise pile them up until it hangs. Layers built
+    under the state keep references to groups that no longer work: build new ones after the next
+    initialize_model_parallel. Megatron: destroy_model_parallel (megatron/core/parallel_state.py).
+    """
     global _STATE
-    _STATE = None
+    state, _STATE = _STATE, None
+    if state is None:
+        return
+    for group in {id(g): g for g in state.groups.values() if g is not None}.values():
+        dist.destroy_process_group(group)
 
 
 @contextmanager

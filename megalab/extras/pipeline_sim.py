@@ -1,4 +1,8 @@
-"""TODO docstring (split from megalab/core/pipeline_parallel/schedules.py)."""
+"""Pipeline schedules simulated and timed: bubbles, in-flight micro-batches, fixed-duration stages.
+
+Not in Megatron-LM (it runs the schedules, core/pipeline_parallel/schedules.py); the course uses these to
+draw a schedule, predict its bubble ((p-1)/m, or (p-1)/(v·m) interleaved) and measure it on real ranks.
+"""
 
 from __future__ import annotations
 

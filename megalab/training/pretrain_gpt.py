@@ -1,4 +1,5 @@
-"""TODO docstring (split from megalab/core/models/gpt/gpt_layer_specs.py)."""
+"""model_provider: the model of a run from its config, as Megatron-LM's pretrain_gpt.py builds it.
+"""
 
 from __future__ import annotations
 

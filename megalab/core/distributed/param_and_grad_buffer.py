@@ -1,4 +1,8 @@
-"""TODO docstring (split from megalab/core/distributed/distributed_data_parallel.py)."""
+"""Gradient buckets and their collectives: parameters grouped into buckets, reduced as soon as a
+bucket's gradients are all ready (all-reduce, or reduce-scatter for the distributed optimizer).
+
+Megatron: megatron/core/distributed/param_and_grad_buffer.py (_ParamAndGradBucket, start_grad_sync).
+"""
 
 from __future__ import annotations
 

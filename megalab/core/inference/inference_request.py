@@ -1,4 +1,7 @@
-"""TODO docstring (split from megalab/core/inference/engines/dynamic_engine.py)."""
+"""One generation request: prompt, sampling parameters, generated tokens, status and timings.
+
+Megatron: megatron/core/inference/inference_request.py.
+"""
 
 from __future__ import annotations
 

@@ -1,4 +1,8 @@
-"""TODO docstring (split from megalab/core/distributed/distributed_data_parallel.py)."""
+"""The distributed optimizer (ZeRO-1/2): each data-parallel rank owns 1/d of the fp32 main
+parameters and optimizer state, steps only its shard, then all-gathers the updated parameters.
+
+Megatron: megatron/core/optimizer/distrib_optimizer.py (DistributedOptimizer).
+"""
 
 from __future__ import annotations
 

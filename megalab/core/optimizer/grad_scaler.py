@@ -1,4 +1,7 @@
-"""TODO docstring (split from megalab/core/optimizer/optimizer.py)."""
+"""Loss scalers for fp16 training: constant, or dynamic (grow after clean steps, back off on inf/NaN).
+
+Megatron: megatron/core/optimizer/grad_scaler.py (MegatronGradScaler, ConstantGradScaler, DynamicGradScaler).
+"""
 
 from __future__ import annotations
 

@@ -1,4 +1,9 @@
-"""TODO docstring (split from megalab/core/pipeline_parallel/schedules.py)."""
+"""Point-to-point communication between pipeline stages: send/recv of activations and their gradients.
+
+Megatron: megatron/core/pipeline_parallel/p2p_communication.py (recv_forward, send_backward,
+send_forward_recv_backward, ...). Shapes are known in advance; the combined calls post both
+operations together (batch_isend_irecv) so two neighbours never wait on each other.
+"""
 
 from __future__ import annotations
 

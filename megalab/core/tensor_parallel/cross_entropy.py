@@ -1,4 +1,8 @@
-"""TODO docstring (split from megalab/core/tensor_parallel/layers.py)."""
+"""Cross-entropy over vocab-parallel logits [b, s, V/t] without gathering them: max, sum of exp and
+the target logit are reduced over the TP group.
+
+Megatron: megatron/core/tensor_parallel/cross_entropy.py (vocab_parallel_cross_entropy).
+"""
 
 from __future__ import annotations
 

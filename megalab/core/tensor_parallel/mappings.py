@@ -1,4 +1,12 @@
-"""TODO docstring (split from megalab/core/tensor_parallel/layers.py)."""
+"""The communication of tensor and sequence parallelism as autograd functions.
+
+    f  copy_to_tensor_model_parallel_region     forward identity      backward all-reduce
+    g  reduce_from_tensor_model_parallel_region forward all-reduce    backward identity
+       scatter/gather along the last dim (TP), along the first dim (SP: [s/t, b, h]), all_to_all (EP)
+
+Megatron: megatron/core/tensor_parallel/mappings.py. `group=`: an explicit group or the current
+ParallelState's tensor-parallel group.
+"""
 
 from __future__ import annotations
 

@@ -1,4 +1,7 @@
-"""TODO docstring (split from megalab/core/tensor_parallel/layers.py)."""
+"""Small helpers of tensor parallelism: exact division with a clear error, vocabulary padding and ranges.
+
+Megatron: megatron/core/tensor_parallel/utils.py (divide, VocabUtility).
+"""
 
 from __future__ import annotations
 

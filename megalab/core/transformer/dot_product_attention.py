@@ -1,4 +1,7 @@
-"""TODO docstring (split from megalab/core/transformer/attention.py)."""
+"""Core attention: softmax(QK^T/sqrt(d) + causal mask) V for query groups (GQA), unfused or fused.
+
+Megatron: megatron/core/transformer/dot_product_attention.py (DotProductAttention; here CoreAttention).
+"""
 
 from __future__ import annotations
 

@@ -1,4 +1,8 @@
-"""TODO docstring (split from megalab/core/transformer/transformer_block.py)."""
+"""One transformer layer: x + attention(norm(x)), then + mlp(norm(.)), pre-norm, with the modules
+its spec names.
+
+Megatron: megatron/core/transformer/transformer_layer.py (TransformerLayer).
+"""
 
 from __future__ import annotations
 

@@ -1,4 +1,7 @@
-"""TODO docstring (split from megalab/core/inference/contexts/dynamic_context.py)."""
+"""The block allocator of a paged key/value cache: fixed-size blocks handed out and returned.
+
+Megatron: megatron/core/inference/contexts/kv_block_allocator.py.
+"""
 
 from __future__ import annotations
 

@@ -1,4 +1,7 @@
-"""TODO docstring (split from megalab/core/inference/contexts/dynamic_context.py)."""
+"""A contiguous key/value cache: one [max_seq, ...] buffer per request slot.
+
+Megatron: megatron/core/inference/contexts/static_context.py (the static engine's cache).
+"""
 
 from __future__ import annotations
 

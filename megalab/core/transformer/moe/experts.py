@@ -1,4 +1,7 @@
-"""TODO docstring (split from megalab/core/transformer/moe/moe_layer.py)."""
+"""The experts of an MoE layer: a loop of MLPs (SequentialMLP) or one batched matmul (GroupedMLP).
+
+Megatron: megatron/core/transformer/moe/experts.py.
+"""
 
 from __future__ import annotations
 

@@ -1,4 +1,8 @@
-"""TODO docstring (split from megalab/core/transformer/moe/moe_layer.py)."""
+"""MoE helpers: load-balancing and z losses, their tracker and autoscaler, capacity, top-k with
+capacity, the expert-bias update, permute/unpermute of tokens by expert.
+
+Megatron: megatron/core/transformer/moe/moe_utils.py.
+"""
 
 from __future__ import annotations
 

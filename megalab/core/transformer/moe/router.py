@@ -1,4 +1,7 @@
-"""TODO docstring (split from megalab/core/transformer/moe/moe_layer.py)."""
+"""The top-k router: scores (softmax or sigmoid), optional expert bias, capacity, and auxiliary losses.
+
+Megatron: megatron/core/transformer/moe/router.py (TopKRouter).
+"""
 
 from __future__ import annotations
 

@@ -1,4 +1,8 @@
-"""TODO docstring (split from megalab/core/transformer/moe/moe_layer.py)."""
+"""Token dispatchers: bring each token to the ranks of its experts and back (all-gather or all-to-all).
+
+Megatron: megatron/core/transformer/moe/token_dispatcher.py (MoEAllGatherTokenDispatcher,
+MoEAlltoAllTokenDispatcher).
+"""
 
 from __future__ import annotations
 

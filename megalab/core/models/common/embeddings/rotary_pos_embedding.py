@@ -1,4 +1,9 @@
-"""TODO docstring (split from megalab/transformer_engine/context_parallel.py)."""
+"""Rotary position embeddings: the angles for positions 0..s-1 (or each packed document's, or this
+context-parallel rank's chunks).
+
+Megatron: megatron/core/models/common/embeddings/rotary_pos_embedding.py (RotaryEmbedding; under CP
+it calls get_pos_emb_on_this_cp_rank).
+"""
 
 from __future__ import annotations
 
