@@ -254,7 +254,7 @@ def test_moe_layer_matches_reference(case):
                                                    config.moe_router_score_function, bias,
                                                    config.moe_expert_capacity_factor)
     ((ref_out * g.view(12, H)).sum() + 0.1 * balance + 0.01 * z).backward()
-    tracker = get_aux_losses_tracker()
+    tracker = get_aux_losses_tracker(layer)
     assert _diff(out.view(12, H), ref_out) < TOL
     assert abs(tracker["load_balancing_loss"][1] - balance) < TOL and abs(tracker["z_loss"][1] - 0.01 * z) < TOL
     assert torch.equal(layer.router.tokens_per_expert.float(), counts)  # routing counts == independent count
@@ -317,11 +317,12 @@ def test_aux_loss_gradient_follows_the_loss_scale():
     x = _tokens(9, 8).view(4, 2, H)
     grads = []
     for scale in (1.0, 0.25):
-        MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(scale))
         layer.zero_grad()
-        (layer(x) * 0).sum().backward()  # only the aux loss reaches the router
+        with MoEAuxLossAutoScaler.loss_scale(scale):
+            out = layer(x)
+        (out * 0).sum().backward()  # only the aux loss reaches the router, with the scale of its forward
         grads.append(layer.router.weight.grad.clone())
-    MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(1.0))
+    assert MoEAuxLossAutoScaler.main_loss_backward_scale == 1.0  # the setting ended with the block
     assert grads[0].abs().sum() > 0 and _diff(grads[1], 0.25 * grads[0]) < 1e-7
 
 
@@ -335,7 +336,7 @@ def test_gpt_with_moe_layers_trains_its_router_through_the_aux_loss():
         assert isinstance(model.decoder.layers[0].mlp, moe.MoELayer)
         model(ids, labels=ids).mean().backward()
         grads[coeff] = model.decoder.layers[0].mlp.router.weight.grad.clone()
-        balance = get_aux_losses_tracker()["load_balancing_loss"][1]
+        balance = get_aux_losses_tracker(model)["load_balancing_loss"][1]
     # the balance term alone, recomputed from the same router input
     torch.manual_seed(0)
     model = GPTModel(TransformerConfig(**BASE))
@@ -409,7 +410,7 @@ def _ep_case(rank, world, tp, ep, change):
         (total / dp).backward()
         local = layer.local_expert_indices
         diffs = {"the output": max_error(out.view(12, H), mine[0]),
-                 "the load-balancing loss": abs(get_aux_losses_tracker()["load_balancing_loss"][1] - mine[1]).item(),
+                 "the load-balancing loss": abs(get_aux_losses_tracker(layer)["load_balancing_loss"][1] - mine[1]).item(),
                  "the router's weight gradient": max_error(layer.router.weight.grad, ref["router"].grad)}
         diffs.update({f"the local experts' {k} gradient": max_error(v, ref[k].grad[local])
                       for k, v in expert_grads(layer, local).items()})
@@ -428,11 +429,10 @@ def _gpt_case(rank):
     ids = torch.randint(0, 64, (4, 8), generator=torch.Generator().manual_seed(0))
     torch.manual_seed(0)
     single = GPTModel(config)
-    ref_losses = [single(ids[2 * d:2 * d + 2], labels=ids[2 * d:2 * d + 2]).mean() for d in range(2)]
+    with MoEAuxLossAutoScaler.loss_scale(0.5):  # the aux losses are averaged too (Megatron's schedules
+        ref_losses = [single(ids[2 * d:2 * d + 2], labels=ids[2 * d:2 * d + 2]).mean() for d in range(2)]
     ref_loss = sum(ref_losses) / 2  # the mean over the two data-parallel replicas (each its own aux loss)
-    MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(0.5))  # the aux losses are averaged too (Megatron's
-    ref_loss.backward()  # schedules scale them by 1 / micro-batches the same way)
-    MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(1.0))
+    ref_loss.backward()  # scale them by 1 / micro-batches the same way)
     state = ps.initialize_model_parallel(tensor_model_parallel_size=2, expert_model_parallel_size=2,
                                          expert_tensor_parallel_size=1)
     try:

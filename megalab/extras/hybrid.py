@@ -119,24 +119,24 @@ def train_step(config: TransformerConfig, state: ps.ParallelState, batch_size: i
     local = nn.ModuleList(stages)  # this rank's parameters
     if moe:  # experts reduce over expert-DP, the rest over DP (finalize_moe_grads): no DP wrapper
         ddp, opt = None, optimizer_cls(local.parameters(), lr=lr)
-        MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(1 / num_microbatches))  # the aux losses' share of the mean
     else:
         ddp = DistributedDataParallel(local, group=dp_group, zero_stage=zero_stage,
                                       overlap_grad_reduce=False)  # reduce once, after the last micro-batch
         opt = DistributedOptimizer(ddp, optimizer_cls, lr=lr) if zero_stage else optimizer_cls(ddp.parameters(), lr=lr)
     loss_func = lambda logits, y: _local_loss(logits, y, tp_group)
-    if pp > 1:
-        s, b, h = config.seq_length // cp, inputs[0].shape[0], config.hidden_size
-        shape = (s // state.get_tensor_model_parallel_world_size() if config.sequence_parallel else s, b, h)
-        result = forward_backward_pipelining(stages, inputs, targets, loss_func, shape,
-                                             group=state.get_pipeline_model_parallel_group())
-        losses = result.losses
-    else:
-        losses = []
-        for x, y in zip(inputs, targets):
-            loss = loss_func(stages[0](x), y)
-            (loss / num_microbatches).backward()
-            losses.append(loss.item())
+    with MoEAuxLossAutoScaler.loss_scale(1 / num_microbatches):  # MoE aux losses: their share of the mean
+        if pp > 1:
+            s, b, h = config.seq_length // cp, inputs[0].shape[0], config.hidden_size
+            shape = (s // state.get_tensor_model_parallel_world_size() if config.sequence_parallel else s, b, h)
+            result = forward_backward_pipelining(stages, inputs, targets, loss_func, shape,
+                                                 group=state.get_pipeline_model_parallel_group())
+            losses = result.losses
+        else:
+            losses = []
+            for x, y in zip(inputs, targets):
+                loss = loss_func(stages[0](x), y)
+                (loss / num_microbatches).backward()
+                losses.append(loss.item())
     if moe:
         finalize_moe_grads(model, state)  # SP grads over tp, experts over edp, the rest over dp-cp
     else:
@@ -189,11 +189,10 @@ def single_process_step(config: TransformerConfig, ids: torch.Tensor, labels: to
         torch.manual_seed(seed)
         model = GPTModel(config)
         optimizer = optimizer_cls(model.parameters(), lr=lr)
-        if config.num_moe_experts is not None:
-            MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(1 / num_microbatches))
         total = 0.0
         for x, y in zip(ids.chunk(num_microbatches), labels.chunk(num_microbatches)):
-            loss = F.cross_entropy(model(x).float().flatten(0, 1), y.flatten()) / num_microbatches
+            with MoEAuxLossAutoScaler.loss_scale(1 / num_microbatches):
+                loss = F.cross_entropy(model(x).float().flatten(0, 1), y.flatten()) / num_microbatches
             loss.backward()
             total += loss.item()
         optimizer.step()

@@ -1,24 +1,20 @@
 """Hand-written kernels (Triton).
 
 Triton compiles `@triton.jit` kernels for a GPU. Without one, `TRITON_INTERPRET=1` runs the same
-kernels on CPU tensors with NumPy (slow, but exact in fp32), and that variable is read when triton
-decorates a kernel, so it must be set before `triton` is imported. This package does it for you:
-on a machine without CUDA, if triton is not imported yet, importing `megalab.kernels` sets
-`TRITON_INTERPRET=1` (an explicit value you set yourself is kept). `INTERPRET` says which mode
-the kernels run in.
+kernels on CPU tensors with NumPy (slow, but exact in fp32). Triton reads that variable when it is
+imported (its own library functions are decorated then), so the kernel module sets it just before
+importing triton, on a machine without CUDA, if triton is not imported yet and you set no value
+yourself (flash_attention.py). Importing this package changes nothing; `INTERPRET` says which mode
+the kernels run (or will run) in.
 """
 
 from __future__ import annotations
 
 import os
-import sys
 
 import torch
 
-if not torch.cuda.is_available() and "triton" not in sys.modules:
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1" or not torch.cuda.is_available()
 
 # Backends of CoreAttention (config.attention_backend) that dispatch here; "unfused" stays in the model.
 FUSED_BACKENDS = ("sdpa", "triton", "flash_attn", "auto")

@@ -26,13 +26,18 @@ Transformer Engine, which dispatches to cuDNN's or Tri Dao's flash-attn kernels.
 from __future__ import annotations
 
 import math
+import os
+import sys
 
 import torch
 import torch.nn.functional as F
-import triton  # the package megalab.kernels, imported first, has chosen the interpreter mode
-import triton.language as tl
 
 from megalab.kernels import INTERPRET
+
+if INTERPRET and "triton" not in sys.modules:  # the interpreter is chosen when triton is imported
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
 
 
 @triton.jit

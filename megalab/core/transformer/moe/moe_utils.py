@@ -8,48 +8,54 @@ from __future__ import annotations
 
 import math
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import torch
 
 
 # ------------------------------------------------------------------ auxiliary losses
 class MoEAuxLossAutoScaler(torch.autograd.Function):
-    """Identity on `output`; in backward it also starts the gradient of `aux_loss` (with
-    main_loss_backward_scale, 1 unless a schedule scales the main loss), so an auxiliary loss
-    needs no plumbing to the training loop: loss.backward() reaches it through the activations."""
+    """Identity on `output`; in backward it also starts the gradient of `aux_loss`, so an auxiliary
+    loss needs no plumbing to the training loop: loss.backward() reaches it through the activations.
 
-    main_loss_backward_scale = torch.tensor(1.0)
+    The aux loss's gradient is the factor the main loss is scaled by (1 by default; 1 / number of
+    micro-batches when the loop averages them), read when the forward runs: set it for a step with
+    `with MoEAuxLossAutoScaler.loss_scale(1 / num_microbatches): ...` (Megatron's schedule calls
+    set_loss_scale before each forward step; here the setting ends with the block).
+    """
+
+    main_loss_backward_scale = 1.0
+
+    @staticmethod
+    @contextmanager
+    def loss_scale(scale: float) -> Iterator[None]:
+        saved, MoEAuxLossAutoScaler.main_loss_backward_scale = MoEAuxLossAutoScaler.main_loss_backward_scale, float(scale)
+        try:
+            yield
+        finally:
+            MoEAuxLossAutoScaler.main_loss_backward_scale = saved
 
     @staticmethod
     def forward(ctx, output: torch.Tensor, aux_loss: torch.Tensor) -> torch.Tensor:
         ctx.save_for_backward(aux_loss)
+        ctx.scale = MoEAuxLossAutoScaler.main_loss_backward_scale
         return output
-
-    @staticmethod
-    def set_loss_scale(scale: torch.Tensor) -> None:
-        """The factor the main loss is scaled by (e.g. 1 / number of micro-batches)."""
-        MoEAuxLossAutoScaler.main_loss_backward_scale = scale
 
     @staticmethod
     def backward(ctx, grad_output: torch.Tensor):
         (aux_loss,) = ctx.saved_tensors
-        scale = MoEAuxLossAutoScaler.main_loss_backward_scale.to(aux_loss.device)
-        return grad_output, torch.ones_like(aux_loss) * scale
+        return grad_output, torch.full_like(aux_loss, ctx.scale)
 
 
-_AUX_LOSSES: dict[str, dict[int, torch.Tensor]] = {}  # name -> layer_number -> last value (detached)
-
-
-def save_to_aux_losses_tracker(name: str, loss: torch.Tensor, layer_number: int) -> None:
-    _AUX_LOSSES.setdefault(name, {})[layer_number] = loss.detach()
-
-
-def get_aux_losses_tracker() -> dict[str, dict[int, torch.Tensor]]:
-    """{"load_balancing_loss": {layer_number: value}, "z_loss": {...}}: the last forward's values."""
-    return _AUX_LOSSES
-
-
-def clear_aux_losses_tracker() -> None:
-    _AUX_LOSSES.clear()
+def get_aux_losses_tracker(model: torch.nn.Module) -> dict[str, dict[int, torch.Tensor]]:
+    """{"load_balancing_loss": {layer_number: value}, "z_loss": {...}}: the values of the last forward
+    of `model`'s routers (each router keeps its own in `router.aux_losses`; nothing global)."""
+    tracker = {}
+    for module in model.modules():
+        for name, value in getattr(module, "aux_losses", {}).items():
+            tracker.setdefault(name, {})[module.layer_number] = value
+    return tracker
 
 
 def switch_load_balancing_loss_func(probs: torch.Tensor, tokens_per_expert: torch.Tensor, total_num_tokens: int,

@@ -12,7 +12,6 @@ from torch import nn
 
 from megalab.core.transformer.moe.moe_utils import (
     MoEAuxLossAutoScaler,
-    save_to_aux_losses_tracker,
     switch_load_balancing_loss_func,
     topk_softmax_with_capacity,
     z_loss_func,
@@ -34,6 +33,7 @@ class TopKRouter(nn.Module):
     def __init__(self, config: TransformerConfig, layer_number: int = 1, tp_group=None):
         super().__init__()
         self.config, self.layer_number = config, layer_number
+        self.aux_losses: dict[str, torch.Tensor] = {}  # the last forward's values, for logging
         self.tp_group = tp_group
         self.tp_size = dist.get_world_size(tp_group) if tp_group is not None else 1
         self.topk, self.num_experts = config.moe_router_topk, config.num_moe_experts
@@ -51,7 +51,7 @@ class TopKRouter(nn.Module):
         training = self.training and torch.is_grad_enabled()
         if c.moe_z_loss_coeff:
             z_loss = z_loss_func(logits, c.moe_z_loss_coeff / self.tp_size)
-            save_to_aux_losses_tracker("z_loss", self._sum_over_tp(z_loss), self.layer_number)
+            self.aux_losses["z_loss"] = self._sum_over_tp(z_loss).detach()
             if training:
                 logits = MoEAuxLossAutoScaler.apply(logits, z_loss)
         probs, routing_map, tokens_per_expert = topk_softmax_with_capacity(
@@ -68,7 +68,7 @@ class TopKRouter(nn.Module):
         # the balance term E * sum f_i P_i is tracked always (1 when balanced), added to the loss when coeff > 0
         balance = switch_load_balancing_loss_func(scores, self._sum_over_tp(tokens_per_expert),
                                                   hidden.shape[0] * self.tp_size, self.topk, self.num_experts, 1.0)
-        save_to_aux_losses_tracker("load_balancing_loss", self._sum_over_tp(balance), self.layer_number)
+        self.aux_losses["load_balancing_loss"] = self._sum_over_tp(balance).detach()
         if c.moe_aux_loss_coeff > 0 and training:
             probs = MoEAuxLossAutoScaler.apply(probs, balance * c.moe_aux_loss_coeff)
         return probs, routing_map
