@@ -26,7 +26,8 @@ CODE = """
 import time
 import torch
 from megalab.core.distributed.finalize_model_grads import finalize_context_parallel_grads
-from megalab.core.models.gpt.gpt_model import ContextParallelGPTModel
+from megalab.core.models.gpt.gpt_layer_specs import context_parallel_layer_spec
+from megalab.core.models.gpt.gpt_model import GPTModel
 from megalab.core.utils import get_batch_on_this_cp_rank
 from megalab.lab import dist as mdist
 from megalab.core import parallel_state as ps
@@ -41,7 +42,7 @@ config = TransformerConfig(num_layers={layers}, hidden_size={hidden}, num_attent
 models = {{}}
 for name in ("p2p", "all_gather"):
     torch.manual_seed(0)
-    models[name] = ContextParallelGPTModel(config, variant=name)
+    models[name] = GPTModel(config, context_parallel_layer_spec(variant=name))
 torch.manual_seed(0)
 models["single"] = GPTModel(config)
 ids = torch.randint(0, 256, (1, {seq}), generator=torch.Generator().manual_seed(1))

@@ -13,8 +13,8 @@ import torch.nn.functional as F
 
 from megalab.core import parallel_state as ps
 from megalab.core.distributed.finalize_model_grads import finalize_context_parallel_grads
-from megalab.core.models.gpt.gpt_layer_specs import tensor_parallel_layer_spec
-from megalab.core.models.gpt.gpt_model import ContextParallelGPTModel, GPTModel
+from megalab.core.models.gpt.gpt_layer_specs import context_parallel_layer_spec, tensor_parallel_layer_spec
+from megalab.core.models.gpt.gpt_model import GPTModel
 from megalab.core.tensor_parallel.layers import full_shard_of
 from megalab.core.transformer.transformer_config import TransformerConfig
 from megalab.core.transformer.transformer_layer import TransformerLayer
@@ -218,7 +218,7 @@ def _gpt(state):
             torch.manual_seed(0)
             ref = GPTModel(config)
             torch.manual_seed(0)
-            model = ContextParallelGPTModel(config, tp_group, state.get_context_parallel_group(), variant=variant)
+            model = GPTModel(config, context_parallel_layer_spec(tp_group, state.get_context_parallel_group(), variant=variant))
             ids = torch.randint(0, config.vocab_size, (2, config.seq_length), generator=torch.Generator().manual_seed(3))
             labels = torch.roll(ids, -1, 1)
             ref_loss = ref(ids, labels=labels)
@@ -370,7 +370,7 @@ def test_context_parallel_gpt_equals_single_process(runs):
         require(equal(len(result), 2 * len(GPT_VARIANTS), f"{_where(layout, rank)}: the number of GPT cases run"))
         for key, errors in result.items():
             name, variant = key.split()
-            require_within(errors, TOL, where=f"{_where(layout, rank)}, ContextParallelGPTModel ({name}, "
+            require_within(errors, TOL, where=f"{_where(layout, rank)}, GPTModel with context_parallel_layer_spec ({name}, "
                                               f"{'ring' if variant == 'p2p' else 'all-gather'} attention)",
                            against="the single-process GPTModel's")
 

@@ -259,7 +259,8 @@ def test_engine_rejects_requests_it_cannot_serve(prompt, params, message):
 # ------------------------------------------------------------------ tensor-parallel inference
 def _tp_generate(variants, prompts, lengths):
     from megalab.core import parallel_state as ps
-    from megalab.core.models.gpt.gpt_model import TensorParallelGPTModel
+    from megalab.core.models.gpt.gpt_layer_specs import tensor_parallel_layer_spec
+    from megalab.core.models.gpt.gpt_model import GPTModel
     from megalab.lab import dist as mdist
 
     _, world = mdist.init()
@@ -268,7 +269,7 @@ def _tp_generate(variants, prompts, lengths):
     for variant in variants:
         config = TransformerConfig(**BASE, **VARIANTS[variant])
         torch.manual_seed(0)  # the same draws as the single-process model, then split across the ranks
-        model = TensorParallelGPTModel(config)
+        model = GPTModel(config, tensor_parallel_layer_spec())
         engine = InferenceEngine(model, PagedKVCache(config, 40, 4, tp_size=world), max_batch_size=3, max_tokens=24)
         params = [SamplingParams(top_k=1, num_tokens_to_generate=n) for n in lengths]
         out[variant] = [r.generated_tokens for r in engine.generate(prompts, params)]

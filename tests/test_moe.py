@@ -422,7 +422,8 @@ def _ep_case(rank, world, tp, ep, change):
 def _gpt_case(rank):
     """A MoE GPT under TP2 x EP2 with sequence parallelism: the same seed builds the same model as on
     one device (experts drawn as there, the local ones kept), so the losses and the router's gradient match."""
-    from megalab.core.models.gpt.gpt_model import TensorParallelGPTModel
+    from megalab.core.models.gpt.gpt_layer_specs import tensor_parallel_layer_spec
+    from megalab.core.models.gpt.gpt_model import GPTModel
 
     config = TransformerConfig(**{**BASE, "num_layers": 2, "vocab_size": 64, "num_moe_experts": 4},
                                moe_token_dispatcher_type="alltoall", moe_aux_loss_coeff=0.01)
@@ -437,7 +438,7 @@ def _gpt_case(rank):
                                          expert_tensor_parallel_size=1)
     try:
         torch.manual_seed(0)
-        model = TensorParallelGPTModel(TransformerConfig(**{**config.__dict__, "sequence_parallel": True}))
+        model = GPTModel(TransformerConfig(**{**config.__dict__, "sequence_parallel": True}), tensor_parallel_layer_spec())
         dp_rank = state.get_data_parallel_rank()
         loss = model(ids[2 * dp_rank:2 * dp_rank + 2], labels=ids[2 * dp_rank:2 * dp_rank + 2]).mean()
         loss.backward()

@@ -318,7 +318,8 @@ def test_packed_model_on_gpu(backend):
 def _parallel_worker():
     from megalab.core import parallel_state as ps
     from megalab.core.distributed.finalize_model_grads import allreduce_sequence_parallel_grads
-    from megalab.core.models.gpt.gpt_model import ContextParallelGPTModel, TensorParallelGPTModel
+    from megalab.core.models.gpt.gpt_layer_specs import context_parallel_layer_spec, tensor_parallel_layer_spec
+    from megalab.core.models.gpt.gpt_model import GPTModel
     from megalab.core.tensor_parallel import layers as tp
     from megalab.lab import dist as mdist
 
@@ -335,7 +336,7 @@ def _parallel_worker():
                 torch.manual_seed(0)
                 ref = GPTModel(config)
                 torch.manual_seed(0)
-                model = TensorParallelGPTModel(dataclasses.replace(config, sequence_parallel=sp))
+                model = GPTModel(dataclasses.replace(config, sequence_parallel=sp), tensor_parallel_layer_spec())
                 ref_loss, loss = (m(tokens, labels=labels, packed_seq_params=params) for m in (ref, model))
                 ref_loss.sum().backward()
                 loss.sum().backward()
@@ -351,7 +352,7 @@ def _parallel_worker():
     ps.destroy_model_parallel()
     ps.initialize_model_parallel(context_parallel_size=2)
     try:
-        ContextParallelGPTModel(MODELS["gpt"])(tokens[:, :16], packed_seq_params=params)
+        GPTModel(MODELS["gpt"], context_parallel_layer_spec())(tokens[:, :16], packed_seq_params=params)
         out["cp"] = "no error"
     except ValueError as e:
         out["cp"] = str(e)

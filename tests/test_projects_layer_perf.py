@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from megalab.core import parallel_state as ps
-from megalab.core.models.gpt.gpt_model import GPTModel, TensorParallelGPTModel
+from megalab.core.models.gpt.gpt_layer_specs import tensor_parallel_layer_spec
+from megalab.core.models.gpt.gpt_model import GPTModel
 from megalab.core.tensor_parallel import layers as tp
 from megalab.core.transformer.dot_product_attention import CoreAttention
 from megalab.core.transformer.spec_utils import LayerSpec
@@ -197,7 +198,7 @@ def _tp_worker(window):
         try:
             ps.initialize_model_parallel(tensor_model_parallel_size=t)
             torch.manual_seed(0)
-            model = TensorParallelGPTModel(config, core_attention=sliding_window_spec(window).core_attention)
+            model = GPTModel(config, tensor_parallel_layer_spec(core_attention=sliding_window_spec(window).core_attention))
             loss = model(ids, labels=torch.roll(ids, -1, 1))
             loss.mean().backward()
             errors = {"the per-token loss": max_error(loss, ref_loss)}

@@ -2,9 +2,9 @@
 
 Each rank builds the same model from the same seed, keeps its part and runs one step:
 
-    ParallelState ─ tp: TensorParallelGPTModel (column/row-parallel linears, vocab-parallel embedding)
-                  ─ cp: ContextParallelGPTModel: ring attention over the zigzag chunks of the sequence
-                  ─ pp: build_gpt_stages, forward_backward_pipelining (1F1B over micro-batches)
+    ParallelState ─ tp: GPTModel from tensor_parallel_layer_spec (parallel linears, vocab-parallel embedding)
+                  ─ cp: GPTModel from context_parallel_layer_spec: ring attention over the zigzag chunks
+                  ─ pp: build_gpt_stages (GPTModel chunks), forward_backward_pipelining (1F1B over micro-batches)
                   ─ dp: its slice of the global batch; DistributedDataParallel averages the grads over
                         the dp-cp group (ZeRO 1-3 with DistributedOptimizer when pp = tp = 1)
                   ─ ep: MoE layers (megalab/core/transformer/moe/moe_layer.py): experts split over the EP group, their grads averaged
@@ -34,12 +34,8 @@ from megalab.core.distributed.finalize_model_grads import (
     allreduce_word_embedding_grads,
     finalize_moe_grads,
 )
-from megalab.core.models.gpt.gpt_model import (
-    ContextParallelGPTModel,
-    GPTModel,
-    TensorParallelGPTModel,
-    build_gpt_stages,
-)
+from megalab.core.models.gpt.gpt_layer_specs import context_parallel_layer_spec, tensor_parallel_layer_spec
+from megalab.core.models.gpt.gpt_model import GPTModel, build_gpt_stages
 from megalab.core.optimizer.distrib_optimizer import DistributedOptimizer
 from megalab.core.pipeline_parallel.schedules import forward_backward_pipelining
 from megalab.core.tensor_parallel import layers as tp
@@ -68,9 +64,9 @@ def build_model(config: TransformerConfig, state: ps.ParallelState, seed: int = 
     torch.manual_seed(seed)
     tp_group, cp_group = state.get_tensor_model_parallel_group(), state.get_context_parallel_group()
     if state.get_context_parallel_world_size() > 1:
-        model = ContextParallelGPTModel(config, tp_group, cp_group)
+        model = GPTModel(config, context_parallel_layer_spec(tp_group, cp_group))
     else:
-        model = TensorParallelGPTModel(config, tp_group)
+        model = GPTModel(config, tensor_parallel_layer_spec(tp_group))
     stages = build_gpt_stages(model, state.get_pipeline_model_parallel_world_size(),
                               state.get_pipeline_model_parallel_rank())
     return model, stages
@@ -165,18 +161,14 @@ def train_step(config: TransformerConfig, state: ps.ParallelState, batch_size: i
 
 
 def _model_name(stage_name: str, stages: list[nn.Module], chunk: int, first_expert: int = 0) -> str:
-    """A stage's parameter name -> the GPTModel's (stage "layers.0" is decoder layer start + 0;
-    local expert i of this EP rank is expert first_expert + i)."""
+    """A chunk's parameter name -> the whole GPTModel's (the chunk's "decoder.layers.0" is the layer with
+    its layer_number; local expert i of this EP rank is expert first_expert + i)."""
     stage_name = re.sub(r"local_experts\.(\d+)\.", lambda m: f"local_experts.{first_expert + int(m.group(1))}.",
                         stage_name)
-    head, _, rest = stage_name.partition(".")
-    if head == "layers":
-        index, _, rest = rest.partition(".")
-        return f"decoder.layers.{stages[chunk].start + int(index)}.{rest}"
-    if head == "final_layernorm":
-        return f"decoder.final_layernorm.{rest}"
-    if head == "word_embeddings":  # the last stage's copy of the tied embedding
-        return f"embedding.word_embeddings.{rest}"
+    if m := re.match(r"decoder\.layers\.(\d+)\.(.*)", stage_name):
+        return f"decoder.layers.{stages[chunk].decoder.layers[int(m[1])].layer_number - 1}.{m[2]}"
+    if stage_name.startswith("word_embeddings."):  # the last stage's share of the tied embedding
+        return "embedding." + stage_name
     return stage_name
 
 

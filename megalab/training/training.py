@@ -46,14 +46,14 @@ from torch import nn
 from megalab.core import parallel_state
 from megalab.core.distributed.distributed_data_parallel import DistributedDataParallel
 from megalab.core.distributed.finalize_model_grads import finalize_model_grads
-from megalab.core.models.gpt.gpt_model import ContextParallelGPTModel, TensorParallelGPTModel, build_gpt_stages
+from megalab.core.models.gpt.gpt_layer_specs import context_parallel_layer_spec, tensor_parallel_layer_spec
+from megalab.core.models.gpt.gpt_model import GPTModel, build_gpt_stages
 from megalab.core.optimizer import get_param_groups
 from megalab.core.optimizer.clip_grads import clip_grad_norm
 from megalab.core.optimizer.distrib_optimizer import DistributedOptimizer
 from megalab.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megalab.core.pipeline_parallel.schedules import forward_backward_pipelining
 from megalab.core.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
-from megalab.core.tensor_parallel.layers import mark_tensor_parallel_params
 from megalab.core.transformer.transformer_config import TransformerConfig
 from megalab.core.utils import check_seq_length, get_batch_on_this_cp_rank
 from megalab.extras.calc import flops_per_iteration
@@ -134,17 +134,12 @@ def setup_model_and_optimizer(config: TrainingConfig) -> TrainState:
     num_microbatches(config, ps.get_data_parallel_world_size())
     torch.manual_seed(config.seed)  # every rank draws the same full model, then keeps its slices
     if config.context_parallel_size > 1:
-        model = ContextParallelGPTModel(config.model, ps.get_tensor_model_parallel_group(),
-                                        ps.get_context_parallel_group())
+        spec = context_parallel_layer_spec(ps.get_tensor_model_parallel_group(), ps.get_context_parallel_group())
     else:
-        model = TensorParallelGPTModel(config.model, ps.get_tensor_model_parallel_group())
-    mark_tensor_parallel_params(model)
+        spec = tensor_parallel_layer_spec(ps.get_tensor_model_parallel_group())
+    model = GPTModel(config.model, spec)
     stages = build_gpt_stages(model, ps.get_pipeline_model_parallel_world_size(),
                               ps.get_pipeline_model_parallel_rank())
-    if model.config.share_embeddings_and_output_weights and not ps.is_pipeline_first_stage():
-        # the last stage's copy of the tied embeddings: its grad is the first stage's after the
-        # embedding-group all-reduce, so the grad norm leaves it out (Megatron: weight.shared)
-        model.shared_embedding_or_output_weight().shared = True
     # grads are averaged over DP x CP: CP ranks saw other tokens of the same sequences
     ddp = DistributedDataParallel(nn.ModuleList(stages), group=ps.get_data_parallel_group(with_context_parallel=True),
                                   zero_stage=1 if config.use_distributed_optimizer else 0)

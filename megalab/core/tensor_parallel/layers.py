@@ -124,9 +124,9 @@ class ColumnParallelLinear(nn.Module):
         master = Linear(input_size, output_size, config=config, init_method=init_method, bias=bias)
         self.weight = nn.Parameter(_split_master(master.weight, 0, self.tp_group, stride))  # [out/t, in]
         self.bias = nn.Parameter(_split_master(master.bias, 0, self.tp_group, stride)) if bias else None
-        for param in (self.weight, self.bias):  # Megatron's attribute: the slice is `stride` parts (checkpoints)
+        for param in (self.weight, self.bias):
             if param is not None:
-                param.partition_stride = stride
+                set_tensor_model_parallel_attributes(param, True, 0, stride)
 
     def extra_repr(self) -> str:
         return (f"in={self.input_size}, out={self.output_size} (this rank: {self.output_size_per_partition}), "
@@ -163,6 +163,7 @@ class RowParallelLinear(nn.Module):
             raise ValueError("sequence_parallel needs input_is_parallel=True (Megatron's rule)")
         master = Linear(input_size, output_size, config=config, init_method=init_method, bias=bias)
         self.weight = nn.Parameter(_split_master(master.weight, 1, self.tp_group, stride))  # [out, in/t]
+        set_tensor_model_parallel_attributes(self.weight, True, 1, stride)
         self.bias = nn.Parameter(master.bias.detach().clone()) if bias else None
         if self.bias is not None:  # under SP each rank sees 1/t of the tokens: all-reduce its grad
             self.bias.sequence_parallel = self.sequence_parallel
@@ -203,6 +204,7 @@ class VocabParallelEmbedding(nn.Module):
         with torch.no_grad():
             init_method(master)
         self.weight = nn.Parameter(_split_master(master, 0, self.tp_group))  # [V/t, h]
+        set_tensor_model_parallel_attributes(self.weight, True, 0)
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}, rows [{self.vocab_start_index}, {self.vocab_end_index})"
@@ -218,24 +220,16 @@ class VocabParallelEmbedding(nn.Module):
 
 
 # ------------------------------------------------------------------ which tensors are split by TP
+def set_tensor_model_parallel_attributes(tensor: torch.Tensor, is_parallel: bool, dim: int, stride: int = 1) -> None:
+    """Megatron's marks, set where a parameter is created: `tensor_model_parallel` (a TP slice, not a
+    copy), `partition_dim` (the dimension split) and `partition_stride` (how many parts it interleaves).
+    The grad norm, checkpoints and TP gathers read them."""
+    tensor.tensor_model_parallel, tensor.partition_dim, tensor.partition_stride = is_parallel, dim, stride
+
+
 def tensor_parallel_dims(model: nn.Module) -> dict[str, int]:
     """name -> the dimension along which TP splits that parameter (absent: replicated on every TP rank)."""
-    dims = {}
-    for prefix, module in model.named_modules():
-        split = {ColumnParallelLinear: {"weight": 0, "bias": 0}, RowParallelLinear: {"weight": 1},
-                 VocabParallelEmbedding: {"weight": 0}}.get(type(module), {})
-        for pname, dim in split.items():
-            if getattr(module, pname, None) is not None:
-                dims[f"{prefix}.{pname}" if prefix else pname] = dim
-    return dims
-
-
-def mark_tensor_parallel_params(model: nn.Module) -> None:
-    """Set Megatron's `param.tensor_model_parallel` / `partition_dim` attributes on the split parameters."""
-    dims = tensor_parallel_dims(model)
-    for name, param in model.named_parameters():
-        param.tensor_model_parallel = name in dims
-        param.partition_dim = dims.get(name, -1)
+    return {name: p.partition_dim for name, p in model.named_parameters() if getattr(p, "tensor_model_parallel", False)}
 
 
 def param_is_not_tensor_parallel_duplicate(param: nn.Parameter, tp_rank: int) -> bool:

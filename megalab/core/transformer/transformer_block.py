@@ -30,11 +30,26 @@ from megalab.core.transformer.transformer_layer import TransformerLayer
 
 
 class TransformerBlock(nn.Module):
-    def __init__(self, config: TransformerConfig, spec: LayerSpec | None = None):
+    """The layers [start, stop) of the model (all by default), then the final layernorm (only on the
+    last pipeline stage: post_layer_norm). Layer numbers are global, 1-based, as in Megatron."""
+
+    def __init__(self, config: TransformerConfig, spec: LayerSpec | None = None,
+                 layer_range: tuple[int, int] | None = None, post_layer_norm: bool = True):
         super().__init__()
         self.config = config
-        self.layers = nn.ModuleList(TransformerLayer(config, spec, i + 1) for i in range(config.num_layers))
-        self.final_layernorm = build_norm(config)
+        start, stop = layer_range or (0, config.num_layers)
+        self.layers = nn.ModuleList(TransformerLayer(config, spec, i + 1) for i in range(start, stop))
+        self.final_layernorm = build_norm(config) if post_layer_norm else None
+
+    def chunk(self, start: int, stop: int, post_layer_norm: bool) -> TransformerBlock:
+        """A block of this block's layers [start, stop) (and its final norm if post_layer_norm), the
+        same modules, not copies: a pipeline chunk of a model built whole."""
+        block = TransformerBlock.__new__(TransformerBlock)
+        nn.Module.__init__(block)
+        block.config = self.config
+        block.layers = nn.ModuleList(self.layers[start:stop])
+        block.final_layernorm = self.final_layernorm if post_layer_norm else None
+        return block
 
     def forward(self, hidden_states: torch.Tensor, rotary_pos_emb: torch.Tensor | None = None,
                 packed_seq_params: PackedSeqParams | None = None) -> torch.Tensor:
@@ -43,7 +58,7 @@ class TransformerBlock(nn.Module):
         else:
             for layer in self.layers:
                 hidden_states = layer(hidden_states, rotary_pos_emb, packed_seq_params)
-        return self.final_layernorm(hidden_states)
+        return hidden_states if self.final_layernorm is None else self.final_layernorm(hidden_states)
 
     def _checkpointed_forward(self, hidden_states, rotary_pos_emb, packed_seq_params):
         n, layers = self.config.recompute_num_layers, self.layers

@@ -12,7 +12,7 @@ Every matmul (QKV, projection, MLP, logits) runs once over all T tokens; only th
 works per request: it writes the request's new K/V to the cache and attends over its cached
 past. The model's own modules run unchanged: for the step, each layer's `core_attention` is
 swapped for a `CachedAttention` (the role of Megatron's `inference_context` argument), so the
-training forward is untouched. Works for GPTModel and TensorParallelGPTModel (each rank caches
+training forward is untouched. Works for any GPTModel, tensor-parallel too (each rank caches
 its own key/value groups).
 """
 
@@ -25,8 +25,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megalab.core.models.gpt.gpt_model import TensorParallelGPTModel
-from megalab.core.tensor_parallel.layers import column_parallel_linear
 from megalab.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
 
 
@@ -110,11 +108,5 @@ def forward_step(model, input_ids: torch.Tensor, position_ids: torch.Tensor, seg
 
 def output_logits(model, hidden: torch.Tensor) -> torch.Tensor:
     """The model's output layer (tied or not; vocab-parallel under TP, then gathered): [T, 1, h] -> [T, 1, V]."""
-    if isinstance(model, TensorParallelGPTModel):
-        if model.output_layer is not None:
-            return gather_from_tensor_model_parallel_region(model.output_layer(hidden), model.tp_group)
-        logits = column_parallel_linear(hidden, model.shared_embedding_or_output_weight(), None, False, model.tp_group)
-        return gather_from_tensor_model_parallel_region(logits, model.tp_group)
-    if model.output_layer is not None:
-        return model.output_layer(hidden)
-    return F.linear(hidden, model.shared_embedding_or_output_weight())
+    logits = model.output(hidden)
+    return logits if model.tp_group is None else gather_from_tensor_model_parallel_region(logits, model.tp_group)

@@ -7,7 +7,6 @@ Megatron: megatron/core/transformer/moe/moe_utils.py.
 from __future__ import annotations
 
 import math
-
 from collections.abc import Iterator
 from contextlib import contextmanager
 

@@ -18,15 +18,22 @@ every token the angle of its position in its own document (Megatron: `_apply_rot
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from megalab.core.tensor_parallel.layers import VocabParallelEmbedding
+from megalab.core.tensor_parallel.mappings import scatter_to_sequence_parallel_region
 from megalab.core.transformer.transformer_config import TransformerConfig
 from megalab.core.utils import init_method_normal
 
 
 class LanguageModelEmbedding(nn.Module):
-    def __init__(self, config: TransformerConfig):
+    """input_ids [b, s] -> [s, b, h]. With `tp_group` the vocabulary is split (VocabParallelEmbedding,
+    drawn whole as on one device, then split) and, under config.sequence_parallel, the output is this
+    rank's [s/t, b, h] (Megatron scatters in the embedding too)."""
+
+    def __init__(self, config: TransformerConfig, tp_group: dist.ProcessGroup | None = None):
         super().__init__()
         init = init_method_normal(config.init_method_std)
         self.word_embeddings = nn.Embedding(config.vocab_size, config.hidden_size)
@@ -35,6 +42,12 @@ class LanguageModelEmbedding(nn.Module):
         if config.position_embedding_type == "learned_absolute":
             self.position_embeddings = nn.Embedding(config.seq_length, config.hidden_size)
             init(self.position_embeddings.weight)
+        self.tp_group = tp_group
+        if tp_group is not None:
+            full = self.word_embeddings.weight
+            self.word_embeddings = VocabParallelEmbedding(config.vocab_size, config.hidden_size,
+                                                          init_method=lambda w: w.copy_(full), tp_group=tp_group)
+        self.scatter_to_sequence_parallel = tp_group is not None and config.sequence_parallel
         self.dropout = config.hidden_dropout
         self.max_positions = config.seq_length
 
@@ -49,6 +62,9 @@ class LanguageModelEmbedding(nn.Module):
                 position_ids = torch.arange(s, device=input_ids.device).expand(b, s)
             embeddings = embeddings + self.position_embeddings(position_ids)
         embeddings = embeddings.transpose(0, 1).contiguous()  # [s, b, h]
-        return F.dropout(embeddings, self.dropout, self.training)
+        embeddings = F.dropout(embeddings, self.dropout, self.training)
+        if self.scatter_to_sequence_parallel:
+            embeddings = scatter_to_sequence_parallel_region(embeddings, self.tp_group)  # [s/t, b, h]
+        return embeddings
 
 
