@@ -25,7 +25,7 @@ from megalab.lab import launch  # noqa: E402
 CODE = """
 import time
 import torch
-from megalab.core.distributed.finalize_model_grads import finalize_context_parallel_grads
+from megalab.core.distributed.finalize_model_grads import finalize_model_grads
 from megalab.core.models.gpt.gpt_layer_specs import context_parallel_layer_spec
 from megalab.core.models.gpt.gpt_model import GPTModel
 from megalab.core.utils import get_batch_on_this_cp_rank
@@ -56,8 +56,8 @@ def step(name):
     if name == "single":
         model(ids, labels=labels).mean().backward()
     else:
-        (model(local["tokens"], local["position_ids"], local["labels"]).sum() / ids.numel()).backward()
-        finalize_context_parallel_grads(model, state)
+        (model(local["tokens"], local["position_ids"], local["labels"]).sum() / ids.numel() * world).backward()
+        finalize_model_grads([model], state)  # the mean over dp x cp, hence the loss x cp above
 
 
 times = {{name: [] for name in models}}

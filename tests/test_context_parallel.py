@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from megalab.core import parallel_state as ps
-from megalab.core.distributed.finalize_model_grads import finalize_context_parallel_grads
+from megalab.core.distributed.finalize_model_grads import finalize_model_grads
 from megalab.core.models.gpt.gpt_layer_specs import context_parallel_layer_spec, tensor_parallel_layer_spec
 from megalab.core.models.gpt.gpt_model import GPTModel
 from megalab.core.tensor_parallel.layers import full_shard_of
@@ -225,8 +225,10 @@ def _gpt(state):
             ref_loss.mean().backward()
             batch = get_batch_on_this_cp_rank(dict(tokens=ids, labels=labels), cp, rank)
             loss = model(batch["tokens"], batch["position_ids"], batch["labels"])  # [b, s/cp]
-            (loss.sum() / ids.numel()).backward()  # local sum over the tokens of the whole batch
-            finalize_context_parallel_grads(model, state)
+            # the local sum over the tokens of the whole batch, x cp: finalize_model_grads averages over
+            # dp x cp (Megatron's schedule multiplies the loss by cp the same way)
+            (loss.sum() / ids.numel() * cp).backward()
+            finalize_model_grads([model], state)
             pos = batch["position_ids"][0]
             errors = {"the per-token loss (this rank's positions)": max_error(loss, ref_loss[:, pos])}
             ref_params, names = dict(ref.named_parameters()), set()

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from megalab.core import parallel_state as ps
-from megalab.core.distributed.finalize_model_grads import finalize_moe_grads, update_expert_bias
+from megalab.core.distributed.finalize_model_grads import finalize_model_grads, update_expert_bias
 from megalab.core.models.gpt.gpt_model import GPTModel
 from megalab.core.transformer.moe import moe_layer as moe
 from megalab.core.transformer.moe.experts import GroupedMLP, SequentialMLP
@@ -394,7 +394,7 @@ def _ep_case(rank, world, tp, ep, change):
         x, g = _tokens(rank).view(6, 2, H), _tokens(50 + rank).view(6, 2, H)
         out = layer(x)
         (out * g).sum().backward()
-        finalize_moe_grads(layer, state)
+        finalize_model_grads([layer], state)
         # the reference: a data-parallel replica routes the tokens of its TP ranks (the sequence under
         # SP) together; the loss is averaged over the replicas
         ref = {k: v.clone().requires_grad_() for k, v in p.items()}
@@ -442,7 +442,7 @@ def _gpt_case(rank):
         dp_rank = state.get_data_parallel_rank()
         loss = model(ids[2 * dp_rank:2 * dp_rank + 2], labels=ids[2 * dp_rank:2 * dp_rank + 2]).mean()
         loss.backward()
-        finalize_moe_grads(model, state)
+        finalize_model_grads([model], state)
         losses = [torch.zeros(()) for _ in range(2)]
         torch.distributed.all_gather(losses, loss.detach(), group=state.get_data_parallel_group())
         diffs = {"the mean loss": abs(sum(losses) / 2 - ref_loss).item()}

@@ -7,9 +7,10 @@ Each rank builds the same model from the same seed, keeps its part and runs one 
                   ─ pp: build_gpt_stages (GPTModel chunks), forward_backward_pipelining (1F1B over micro-batches)
                   ─ dp: its slice of the global batch; DistributedDataParallel averages the grads over
                         the dp-cp group (ZeRO 1-3 with DistributedOptimizer when pp = tp = 1)
-                  ─ ep: MoE layers (megalab/core/transformer/moe/moe_layer.py): experts split over the EP group, their grads averaged
-                        over expert-DP and the rest over DP (finalize_moe_grads)
-                  ─ sp: norms' grads summed over tp (allreduce_sequence_parallel_grads)
+                  ─ ep: MoE layers (megalab/core/transformer/moe/moe_layer.py): experts split over the EP group,
+                        their grads averaged over expert-DP and the rest over DP-CP
+                  ─ sp: norms' grads summed over tp
+    finalize_model_grads completes every gradient (dp, sp, tied embeddings), as in Megatron's train_step.
 
 and the step must equal the single-process one: the same loss (the mean over every token of the
 global batch) and the same weights after the optimizer step, compared shard by shard
@@ -29,11 +30,7 @@ from torch import nn
 
 from megalab.core import parallel_state as ps
 from megalab.core.distributed.distributed_data_parallel import DistributedDataParallel
-from megalab.core.distributed.finalize_model_grads import (
-    allreduce_sequence_parallel_grads,
-    allreduce_word_embedding_grads,
-    finalize_moe_grads,
-)
+from megalab.core.distributed.finalize_model_grads import finalize_model_grads
 from megalab.core.models.gpt.gpt_layer_specs import context_parallel_layer_spec, tensor_parallel_layer_spec
 from megalab.core.models.gpt.gpt_model import GPTModel, build_gpt_stages
 from megalab.core.optimizer.distrib_optimizer import DistributedOptimizer
@@ -113,7 +110,7 @@ def train_step(config: TransformerConfig, state: ps.ParallelState, batch_size: i
     mine = get_batch_on_this_cp_rank({"ids": ids[local], "labels": labels[local]}, cp, cp_rank)  # zigzag chunks
     inputs, targets = mine["ids"].chunk(num_microbatches), mine["labels"].chunk(num_microbatches)
     local = nn.ModuleList(stages)  # this rank's parameters
-    if moe:  # experts reduce over expert-DP, the rest over DP (finalize_moe_grads): no DP wrapper
+    if moe:  # experts reduce over expert-DP, the rest over DP (finalize_model_grads): no DP wrapper
         ddp, opt = None, optimizer_cls(local.parameters(), lr=lr)
     else:
         ddp = DistributedDataParallel(local, group=dp_group, zero_stage=zero_stage,
@@ -133,14 +130,7 @@ def train_step(config: TransformerConfig, state: ps.ParallelState, batch_size: i
                 loss = loss_func(stages[0](x), y)
                 (loss / num_microbatches).backward()
                 losses.append(loss.item())
-    if moe:
-        finalize_moe_grads(model, state)  # SP grads over tp, experts over edp, the rest over dp-cp
-    else:
-        ddp.finish_grad_sync()
-    if pp > 1 and state.is_rank_in_embedding_group():  # tied: first and last stage each hold the word embeddings
-        allreduce_word_embedding_grads(model, state.get_embedding_group())
-    if config.sequence_parallel and not moe:
-        allreduce_sequence_parallel_grads(model, tp_group)
+    finalize_model_grads([ddp] if ddp is not None else stages, state)  # dp(-cp) / edp, SP norms over tp, tied embeddings
     opt.step()
     ### END SOLUTION
     # the loss lives on the last stage: average over dp, then hand it to every rank

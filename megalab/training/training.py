@@ -224,7 +224,7 @@ def train_step(state: TrainState, config: TrainingConfig, dataset) -> dict:
             lambda output, target: loss_func(output, target, tp_group),
             tensor_shape=(s, b, config.model.hidden_size),  # what passes between stages: [s/cp(/t with SP), b, h]
             group=ps.get_pipeline_model_parallel_group())
-    finalize_model_grads(state.ddp, state.model, state.ps)
+    finalize_model_grads([state.ddp], state.ps)
     # the loss: sum over micro-batches and DP x CP of each micro-batch's share, on the last stage; sent to all
     loss = torch.tensor(sum(result.losses) / (m * dp * cp) if ps.is_pipeline_last_stage() else 0.0,
                         dtype=torch.float64)

@@ -18,13 +18,39 @@ from megalab.core.transformer.moe.moe_utils import get_updated_expert_bias
 from megalab.core.transformer.moe.router import TopKRouter
 
 
-# ------------------------------------------------------------------ sequence-parallel gradients
+def _modules(model: list[nn.Module]) -> list[nn.Module]:
+    """The model chunks inside `model`: DDP wrappers and ModuleLists of chunks are opened."""
+    chunks = []
+    for chunk in model:
+        inner = chunk.module if hasattr(chunk, "finish_grad_sync") else chunk
+        chunks.extend(inner if isinstance(inner, nn.ModuleList) else [inner])
+    return chunks
+
+
+def _grad(param: nn.Parameter) -> torch.Tensor | None:
+    """Under DDP the gradient is in its buffer, `param.main_grad`; else `param.grad`."""
+    return getattr(param, "main_grad", param.grad)
+
+
+def allreduce_data_parallel_grads(module: nn.Module, state: ps.ParallelState) -> None:
+    """Without a DDP wrapper: every gradient averaged over its data-parallel replicas, the expert
+    parameters (`allreduce = False`) over expert-DP, the others over DP x CP (Megatron's DDP does the
+    same with two buffers; its gradient_scaling_factor is 1 / (dp x cp))."""
+    dp_size = state.get_data_parallel_world_size(with_context_parallel=True)
+    for p in module.parameters():
+        if p.grad is None:
+            continue
+        expert = not getattr(p, "allreduce", True)
+        group = state.get_expert_data_parallel_group() if expert else state.get_data_parallel_group(True)
+        p.grad.div_(dp_size)
+        dist.all_reduce(p.grad, group=group)
+
+
 def allreduce_sequence_parallel_grads(model: nn.Module, group=None) -> None:
     """Sum, across TP, the gradients of parameters marked `sequence_parallel` (norms, row biases):
-    under SP each rank saw only its 1/t of the tokens. Megatron: _allreduce_layernorm_grads
-    in finalize_model_grads (megatron/core/distributed/finalize_model_grads.py). Under DDP the
-    gradient is in its buffer, `param.main_grad` (reduced here before DDP's own reduction)."""
-    grads = [getattr(p, "main_grad", p.grad) for p in model.parameters() if getattr(p, "sequence_parallel", False)]
+    under SP each rank saw only its 1/t of the tokens. Megatron: _allreduce_non_tensor_model_parallel_grads
+    (formerly _allreduce_layernorm_grads). `group`: the current state's TP group unless given."""
+    grads = [_grad(p) for p in model.parameters() if getattr(p, "sequence_parallel", False)]
     grads = [g for g in grads if g is not None]
     if not grads:
         return
@@ -34,69 +60,49 @@ def allreduce_sequence_parallel_grads(model: nn.Module, group=None) -> None:
         g.copy_(new.view_as(g))
 
 
-def finalize_moe_grads(model: nn.Module, state: ps.ParallelState | None = None) -> None:
-    """After backward, Megatron's finalize_model_grads for an MoE model without a DP wrapper:
-    sequence-parallel grads summed over TP; then every grad summed over its data-parallel group
-    (expert params, `allreduce = False`: EDP; the rest: DP) and divided by the DP size, so both
-    end up as the mean over the data-parallel replicas (Megatron's DDP gradient_scaling_factor)."""
-    state = state or ps.get_parallel_state()
-    if state.get_tensor_model_parallel_world_size() > 1:
-        allreduce_sequence_parallel_grads(model, state.get_tensor_model_parallel_group())
-    dp_size = state.get_data_parallel_world_size(with_context_parallel=True)
-    for p in model.parameters():
-        if p.grad is None:
-            continue
-        expert = not getattr(p, "allreduce", True)
-        group = state.get_expert_data_parallel_group() if expert else state.get_data_parallel_group(True)
-        p.grad.div_(dp_size)
-        dist.all_reduce(p.grad, group=group)
-
-
-def allreduce_word_embedding_grads(model: nn.Module, group: dist.ProcessGroup | None) -> None:
-    """Sum the tied word-embedding gradient of the first and last stage (Megatron: _allreduce_word_embedding_grads).
-
-    Under DDP the gradient is in its buffer, `weight.main_grad` (reduced here before DDP's own reduction).
-    """
-    if group is None or not model.config.share_embeddings_and_output_weights:
+def allreduce_word_embedding_grads(model: nn.Module, group=None) -> None:
+    """Sum the tied word-embedding gradient of the first and last stage over the embedding group
+    (`group`: the current state's unless given). Megatron: _allreduce_word_embedding_grads."""
+    if not model.config.share_embeddings_and_output_weights:
         return
+    group = group if group is not None else ps.get_embedding_group()
     weight = model.shared_embedding_or_output_weight()
-    if getattr(weight, "main_grad", None) is not None:
-        dist.all_reduce(weight.main_grad, group=group)
-        return
-    if weight.grad is None:
+    if getattr(weight, "main_grad", None) is None and weight.grad is None:
         weight.grad = torch.zeros_like(weight)
-    dist.all_reduce(weight.grad, group=group)
+    dist.all_reduce(_grad(weight), group=group)
 
 
-def finalize_context_parallel_grads(model: nn.Module, state: ps.ParallelState | None = None) -> None:
-    """Sum gradients over the CP ranks (each saw other tokens of the same sequences) and average
-    over DP: one all-reduce over the dp-cp group, divided by the DP size. Megatron reduces over
-    the same group (get_data_parallel_group(with_context_parallel=True)) in finalize_model_grads,
-    averaging, with the loss multiplied by cp to turn the CP average into this sum."""
-    state = state or ps.get_parallel_state()
-    grads = [p.grad for p in model.parameters() if p.grad is not None]
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    dist.all_reduce(flat, group=state.get_data_parallel_group(with_context_parallel=True))
-    flat /= state.get_data_parallel_world_size()
-    for g, new in zip(grads, torch.split(flat, [g.numel() for g in grads])):
-        g.copy_(new.view_as(g))
+def finalize_model_grads(model: list[nn.Module], state: ps.ParallelState | None = None) -> None:
+    """After the last micro-batch's backward, before the optimizer step: complete every gradient.
 
-
-def finalize_model_grads(ddp: nn.Module, model: nn.Module, state: ps.ParallelState | None = None) -> None:
-    """After the last micro-batch's backward: the reductions that complete every gradient.
-
-    Sequence parallelism: norms and row biases saw 1/t of the tokens, summed over TP. Tied
-    embeddings: the first and last stage each hold a copy, summed over the embedding group. Then
-    DDP averages over DP x CP. (Megatron's finalize_model_grads does DDP's first: all are sums,
-    so the order does not matter; here the first two work on the full buffers, param.main_grad.)
-    `ddp` wraps this rank's stages; `model` is the model they come from.
+    `model`: this rank's model chunks (GPTModel chunks, a MoE layer...), or the DDP wrapper(s) around
+    them. In Megatron's order (megatron/core/distributed/finalize_model_grads.py):
+      1. data parallel: DDP's finish_grad_sync (all-reduce or reduce-scatter of the buckets), or without a
+         wrapper an average over DP x CP (expert parameters over expert-DP);
+      2. sequence parallel: the norms' and row biases' gradients summed over TP;
+      3. tied embeddings: the first and last pipeline stage's word-embedding gradients summed.
+    All three are sums (and one scale), so their order does not change the result; under the
+    distributed optimizer only this rank's shard of each buffer is used afterwards.
+    `state`: the current ParallelState unless given.
     """
     state = state or ps.get_parallel_state()
-    if model.config.sequence_parallel:
-        allreduce_sequence_parallel_grads(ddp.module, state.get_tensor_model_parallel_group())
+    chunks = _modules(model)
+    for chunk in model:
+        if hasattr(chunk, "finish_grad_sync"):
+            chunk.finish_grad_sync()
+        else:
+            allreduce_data_parallel_grads(chunk, state)
+    if state.get_tensor_model_parallel_world_size() > 1:
+        for chunk in chunks:
+            if chunk.config.sequence_parallel:
+                allreduce_sequence_parallel_grads(chunk, state.get_tensor_model_parallel_group())
     if state.get_pipeline_model_parallel_world_size() > 1 and state.is_rank_in_embedding_group():
-        allreduce_word_embedding_grads(model, state.get_embedding_group())
-    ddp.finish_grad_sync()
+        done = set()  # each tied weight once (the first stage's embedding, the last stage's share of it)
+        for chunk in chunks:
+            if getattr(chunk, "pre_process", False) or hasattr(chunk, "word_embeddings"):
+                if id(weight := chunk.shared_embedding_or_output_weight()) not in done:
+                    done.add(id(weight))
+                    allreduce_word_embedding_grads(chunk, state.get_embedding_group())
 
 
 def update_expert_bias(model: nn.Module, group=None) -> None:

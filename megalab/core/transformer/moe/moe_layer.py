@@ -20,7 +20,7 @@ Expert parallelism (EP ranks share the experts, E/EP each; each rank holds diffe
 
 Expert weights are split over the EP group and replicated over the expert-data-parallel (EDP)
 group; they carry `allreduce = False` (Megatron's mark) so their gradients are reduced over
-EDP, the dense weights over DP (`finalize_moe_grads`). The auxiliary losses reach the gradients
+EDP, the dense weights over DP (`finalize_model_grads`). The auxiliary losses reach the gradients
 through `loss.backward()` by MoEAuxLossAutoScaler, and their values are kept for logging in a
 tracker (`get_aux_losses_tracker`).
 
