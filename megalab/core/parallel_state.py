@@ -21,6 +21,13 @@ place of DP, so the same GPU can be "dp rank 1" for attention and "ep rank 1" fo
 `initialize_model_parallel(...)` builds every group once and keeps them in one `ParallelState`
 object; the module-level functions (`get_tensor_model_parallel_group`, ...) read the current
 one, with the names Megatron-LM uses in megatron/core/parallel_state.py.
+
+One rule for every `group=` argument in megalab.core (`resolve_group`): the group you pass, else the
+current state's group of that kind. With no state current the layout is the trivial one, every rank a
+data-parallel replica: the data-parallel groups are the whole world, and a model-parallel group
+(tp, pp, cp, ep, ...) is this process alone: None, nothing is communicated, where a module can run
+alone (an MoE layer, grad clipping); a module that cannot (TP mappings, CP attention, pipeline p2p)
+says to initialize a state or pass a group.
 """
 
 from __future__ import annotations
@@ -441,6 +448,25 @@ def no_model_parallel() -> Iterator[None]:
         yield
     finally:
         _STATE = saved
+
+
+_DATA_PARALLEL = ("dp", "dp-cp", "edp")
+
+
+def resolve_group(group, name: str, *, alone: bool = True):
+    """What a `group=None` argument means (the module docstring's rule): `group` if given, else the
+    current state's group `name` (a rank_groups name: "tp", "pp", "dp-cp", "ep", "tp-pp", ...). With no
+    state: the world for a data-parallel name; None (this process alone) for the others if `alone`,
+    else a RuntimeError that says what to do."""
+    if group is not None:
+        return group
+    if _STATE is not None:
+        return _STATE.group(name)
+    if name in _DATA_PARALLEL and dist.is_initialized():
+        return dist.group.WORLD
+    if alone:
+        return None
+    raise RuntimeError(f"no {name!r} process group: pass group=... or call initialize_model_parallel(...) first")
 
 
 def model_parallel_is_initialized() -> bool:

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from megalab.core import parallel_state as ps
 from megalab.core.pipeline_parallel.schedules import (
     Op,
     OpRecord,
@@ -126,7 +127,10 @@ def run_fixed_duration_pipeline(num_microbatches: int, kind: str = "1f1b", num_m
                                 group: dist.ProcessGroup | None = None) -> PipelineResult:
     """One step of `kind` over FixedDurationStage chunks: each rank's work is forward_ms + backward_ms per
     micro-batch, split over its `num_model_chunks` chunks, so schedules compare at equal work. Collective
-    over `group` (the pipeline ranks start together after a barrier)."""
+    over `group` (the pipeline ranks start together after a barrier): the current state's pipeline group,
+    or every rank when no state is current (a pure pipeline)."""
+    if group is None:
+        group = ps.get_pipeline_model_parallel_group() if ps.model_parallel_is_initialized() else dist.group.WORLD
     v = num_model_chunks
     chunks = [FixedDurationStage(forward_ms / v, backward_ms / v) for _ in range(v)]
     shape = (4, 8)

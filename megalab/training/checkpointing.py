@@ -41,6 +41,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 
+from megalab.core import parallel_state as ps
 from megalab.core.optimizer.distrib_optimizer import DistributedOptimizer
 from megalab.core.tensor_parallel.layers import tensor_parallel_dims
 
@@ -166,7 +167,9 @@ def save_checkpoint(save_dir: str | Path, iteration: int, model: nn.Module, para
     """Collective: save model, optimizer, RNG and data position of `iteration` (see the module docstring).
 
     params: the parameters this rank holds (its stages); model: the full model they belong to.
+    tp_group: the current state's tensor-parallel group unless given (none when no state is current).
     """
+    tp_group = ps.resolve_group(tp_group, "tp")
     rank = dist.get_rank()
     final = checkpoint_dir(save_dir, iteration)
     tmp = final.with_name(final.name + ".tmp")
@@ -235,7 +238,9 @@ def load_checkpoint(load_dir: str | Path, model: nn.Module, params: list[nn.Para
     """Collective: restore what save_checkpoint wrote, into any tp/pp/dp layout; returns common.pt's dict.
 
     The RNG state comes back only if the world size is the one saved (otherwise ranks do not map).
+    tp_group: the current state's tensor-parallel group unless given (none when no state is current).
     """
+    tp_group = ps.resolve_group(tp_group, "tp")
     path = find_checkpoint(load_dir, iteration)
     common = read_common(path)
     saved, ours = common["model_config"], dataclasses.asdict(model.config)

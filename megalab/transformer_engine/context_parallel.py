@@ -46,7 +46,8 @@ from megalab.core.utils import cp_rank_positions, rank_chunks
 
 
 def _group(group):
-    return group if group is not None else ps.get_context_parallel_group()
+    """`group`, or the current ParallelState's context-parallel group (parallel_state.resolve_group)."""
+    return ps.resolve_group(group, "cp", alone=False)
 
 
 # ------------------------------------------------------------------ one block pair, exactly

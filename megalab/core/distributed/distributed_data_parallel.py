@@ -46,11 +46,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from megalab.core import parallel_state as ps
 from megalab.core.distributed.param_and_grad_buffer import Bucket, _round_up, all_gather, build_buckets, reduce_scatter
 
 
 def all_reduce_gradients(module: nn.Module, group: dist.ProcessGroup | None = None) -> None:
-    """The naive version: after backward, average every parameter's .grad with its own all-reduce."""
+    """The naive version: after backward, average every parameter's .grad with its own all-reduce
+    (`group`: the current state's dp-cp group, or every rank when no state is current)."""
+    group = ps.resolve_group(group, "dp-cp")
     world = dist.get_world_size(group)
     for p in module.parameters():
         if p.grad is not None:
@@ -80,7 +83,7 @@ class DistributedDataParallel(nn.Module):
         if zero_stage not in (0, 1, 2, 3):
             raise ValueError(f"zero_stage must be 0, 1, 2 or 3, got {zero_stage}")
         self.module = module
-        self.group = dist.group.WORLD if group is None else group
+        self.group = ps.resolve_group(group, "dp-cp")  # the current state's dp-cp group (no state: every rank)
         self.rank, self.world = dist.get_rank(self.group), dist.get_world_size(self.group)
         self.zero_stage, self.overlap_grad_reduce = zero_stage, overlap_grad_reduce
         params = [p for p in module.parameters() if p.requires_grad]

@@ -65,7 +65,7 @@ def allreduce_word_embedding_grads(model: nn.Module, group=None) -> None:
     (`group`: the current state's unless given). Megatron: _allreduce_word_embedding_grads."""
     if not model.config.share_embeddings_and_output_weights:
         return
-    group = group if group is not None else ps.get_embedding_group()
+    group = ps.resolve_group(group, "embd", alone=False)
     weight = model.shared_embedding_or_output_weight()
     if getattr(weight, "main_grad", None) is None and weight.grad is None:
         weight.grad = torch.zeros_like(weight)
@@ -107,7 +107,10 @@ def finalize_model_grads(model: list[nn.Module], state: ps.ParallelState | None 
 
 def update_expert_bias(model: nn.Module, group=None) -> None:
     """After an optimizer step: move every router's expert bias by the token counts since the last
-    update (summed over `group`, e.g. the data-parallel group). Megatron: _update_router_expert_bias."""
+    update (summed over `group`: the current state's tp-dp-cp group, none when no state is current;
+    the update reads only their sign, so replicas counted twice do not matter). Megatron:
+    _update_router_expert_bias."""
+    group = ps.resolve_group(group, "tp-dp-cp")
     for router in (m for m in model.modules() if isinstance(m, TopKRouter) and m.expert_bias is not None):
         counts = router.local_tokens_per_expert.clone()
         if group is not None:

@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from megalab.core import parallel_state as ps
 from megalab.core.tensor_parallel.layers import param_is_not_tensor_parallel_duplicate
 
 
@@ -44,12 +45,14 @@ def get_grad_norm_fp32(params: Iterable[nn.Parameter], model_parallel_group=None
 
     params: the parameters this rank holds (its pipeline stages). A parameter flagged `shared`
     (a tied embedding also held by another stage) and TP duplicates off TP rank 0 are left out.
-    model_parallel_group: the ranks that together hold one copy of the model (TP x PP).
+    model_parallel_group: the ranks that together hold one copy of the model (TP x PP); by default
+    the current state's, none (this process alone) when no state is current.
     """
     if norm_type != 2.0:
         raise ValueError(f"only the L2 norm (norm_type=2) is implemented, got {norm_type}")
     grads = [p.grad for p in params if p.grad is not None and not getattr(p, "shared", False)
              and param_is_not_tensor_parallel_duplicate(p, tp_rank)]
+    model_parallel_group = ps.resolve_group(model_parallel_group, "tp-pp")
     # EXERCISE optimizer.grad_norm: sum the squares of the owned grads in fp32, all-reduce over the model-parallel group, sqrt
     ### BEGIN SOLUTION
     total = torch.zeros((), dtype=torch.float32)

@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from megalab.core import parallel_state as ps
 from megalab.core.optimizer.grad_scaler import MegatronGradScaler
 
 HALF_DTYPES = (torch.float16, torch.bfloat16)
@@ -61,14 +62,15 @@ class Float16OptimizerWithFloat16Params:
     an fp32 `param.main_grad` buffer (the job of Megatron's DDP) and the main params use it as
     their grad without a copy.
     found_inf_group: the ranks that hold different parts of the model (Megatron: the
-    model-parallel group); an overflow on any of them skips the step on all of them.
+    model-parallel group; by default the current state's, none when no state is current); an
+    overflow on any of them skips the step on all of them.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, grad_scaler: MegatronGradScaler | None = None,
                  accumulate_grads_in_fp32: bool = False, clip_grad: float = 0.0,
                  found_inf_group: dist.ProcessGroup | None = None):
         self.optimizer, self.grad_scaler, self.clip_grad = optimizer, grad_scaler, clip_grad
-        self.found_inf_group = found_inf_group
+        self.found_inf_group = ps.resolve_group(found_inf_group, "tp-pp")
         self.float16_groups, self.fp32_from_float16_groups = [], []
         for group in optimizer.param_groups:
             model_params = list(group["params"])

@@ -12,6 +12,8 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
+from megalab.core import parallel_state as ps
+
 
 # --------------------------------------------------------------------------------------- p2p communication
 def _communicate(tensor_send_next: torch.Tensor | None, tensor_send_prev: torch.Tensor | None,
@@ -27,8 +29,9 @@ def _communicate(tensor_send_next: torch.Tensor | None, tensor_send_prev: torch.
     posts the matching receive, and the caller waits for it later (see `forward_backward_pipelining`).
     (Megatron: p2p_communication._communicate with batch_p2p_comm.)
     """
+    group = ps.resolve_group(group, "pp", alone=False)  # the current state's pipeline group unless given
     rank, size = dist.get_rank(group), dist.get_world_size(group)
-    peer = lambda r: dist.get_global_rank(group, r) if group is not None else r
+    peer = lambda r: dist.get_global_rank(group, r)
     next_rank, prev_rank = peer((rank + 1) % size), peer((rank - 1) % size)
     # EXERCISE pp.communicate: allocate the receive buffers, batch the isend/irecv ops, wait for the receives
     ### BEGIN SOLUTION

@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from megalab.core import parallel_state as ps
 from megalab.core.pipeline_parallel.p2p_communication import _communicate
 
 SCHEDULES = ("none", "gpipe", "1f1b", "interleaved")
@@ -199,6 +200,7 @@ def forward_backward_pipelining(
     loss_func(output, targets[mb]) / m, so gradients are those of the mean loss (as Megatron's
     forward_step divides by num_microbatches). Gradients accumulate in the chunks' parameters.
     """
+    group = ps.resolve_group(group, "pp", alone=False)  # the current state's pipeline group unless given
     pp_size, pp_rank = dist.get_world_size(group), dist.get_rank(group)
     v, m = len(chunks), len(inputs)
     num_stages = pp_size * v

@@ -18,7 +18,8 @@ from megalab.core.tensor_parallel.utils import divide
 
 
 def _group(group):
-    return group if group is not None else ps.get_tensor_model_parallel_group()
+    """`group`, or the current ParallelState's tensor-parallel group (parallel_state.resolve_group)."""
+    return ps.resolve_group(group, "tp", alone=False)
 
 
 # ------------------------------------------------------------------ the collectives
