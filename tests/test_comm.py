@@ -15,9 +15,6 @@ from megalab.extras import comm
 from megalab.lab import launch
 from megalab.lab.dist import shard_bounds
 
-# PyTorch 2.13 renamed all_gather_into_tensor / reduce_scatter_tensor (Megatron's names) to *_single.
-ALL_GATHER_SINGLE = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-REDUCE_SCATTER_SINGLE = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 LENGTHS = (0, 1, 2, 3, 5, 7, 10, 13, 64, 1001)  # below, at, and not divisible by the world size
 DTYPES = (torch.float32, torch.int64)
 
@@ -85,7 +82,7 @@ def _check_all_gather(rank, world, group, global_rank):
             padded = shard.new_zeros(width)
             padded[: shard.numel()] = shard
             gathered = shard.new_zeros(world * width)
-            ALL_GATHER_SINGLE(gathered, padded, group=group)
+            dist.all_gather_single(gathered, padded, group=group)
             ref = torch.cat([gathered[r * width : r * width + b - a] for r, (a, b) in
                              enumerate(shard_bounds(length, world, r) for r in range(world))])
             ours = comm.all_gather(torch.full((length,), -7, dtype=dtype), shard, group=group)
@@ -108,7 +105,7 @@ def _check_reduce_scatter(rank, world, group, global_rank):
             start, stop = shard_bounds(length, world, rank)
             padded = _padded_chunks(data, world)
             reduced = data.new_zeros(padded.numel() // world)
-            REDUCE_SCATTER_SINGLE(reduced, padded, group=group)
+            dist.reduce_scatter_single(reduced, padded, group=group)
             ours = comm.reduce_scatter(data.new_zeros(stop - start), data, group=group)
             if why := _mismatch(ours, reduced[: stop - start]):
                 bad.append(f"length {length}, {dtype}: {why}")

@@ -495,8 +495,8 @@ def test_same_mlp_as_dtensor_colwise_rowwise(runs):
     assert "dtensor" in runs[2] and "dtensor" in runs[4], "the DTensor comparison did not run at tp=2 and tp=4"
 
 
-# one kind of collective, whichever of PyTorch's names issued it (all_gather_single is
-# all_gather_into_tensor before PyTorch 2.13; a list all_gather moves the same bytes)
+# one kind of collective, whichever of PyTorch's names issued it (all_gather_single is Megatron's
+# all_gather_into_tensor; a list all_gather moves the same bytes)
 KINDS = {"all_reduce": "all-reduce", "all_gather": "all-gather", "all_gather_single": "all-gather",
          "all_gather_into_tensor": "all-gather", "reduce_scatter_single": "reduce-scatter",
          "reduce_scatter_tensor": "reduce-scatter", "isend": "isend"}

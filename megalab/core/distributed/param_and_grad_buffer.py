@@ -66,11 +66,8 @@ class Bucket:
     gathered: bool = True  # stage 3: whether param_data holds the full parameters now
 
 
-# PyTorch 2.13 renamed all_gather_into_tensor / reduce_scatter_tensor (Megatron's names) to *_single.
-_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-
-
-_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+# all_gather_single / reduce_scatter_single: PyTorch 2.13's names for Megatron's all_gather_into_tensor /
+# reduce_scatter_tensor.
 
 
 class _Pending:
@@ -98,7 +95,7 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: dist.Proces
     as long as its all-reduce of the same tensor (8.4 M floats, 4 ranks). NCCL runs the real one.
     """
     if dist.get_backend(group) != "gloo":
-        return _REDUCE_SCATTER(output, input, group=group, async_op=async_op)
+        return dist.reduce_scatter_single(output, input, group=group, async_op=async_op)
     shard = input.view(dist.get_world_size(group), -1)[dist.get_rank(group)]
     copy = None if output.data_ptr() == shard.data_ptr() else (lambda: output.copy_(shard))
     work = _Pending([dist.all_reduce(input, group=group, async_op=True)], copy)
@@ -112,7 +109,7 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGro
     ZeroRedundancyOptimizer does). NCCL runs the real one.
     """
     if dist.get_backend(group) != "gloo":
-        return _ALL_GATHER(output, input, group=group, async_op=async_op)
+        return dist.all_gather_single(output, input, group=group, async_op=async_op)
     chunks = output.view(dist.get_world_size(group), -1)
     own = chunks[dist.get_rank(group)]
     if own.data_ptr() != input.data_ptr():

@@ -23,16 +23,6 @@ def _group(group):
 
 
 # ------------------------------------------------------------------ the collectives
-def _all_gather_single():
-    """dist.all_gather_single; before PyTorch 2.13 (and in Megatron) all_gather_into_tensor."""
-    return getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-
-
-def _reduce_scatter_single():
-    """dist.reduce_scatter_single; before PyTorch 2.13 (and in Megatron) reduce_scatter_tensor."""
-    return getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-
-
 def _reduce(input_: torch.Tensor, group) -> torch.Tensor:
     """All-reduce (sum) across the TP group, into a new tensor (autograd may share the input)."""
     if dist.get_world_size(group) == 1:
@@ -78,10 +68,10 @@ def _gather_along_first_dim(input_: torch.Tensor, group) -> torch.Tensor:
     world = dist.get_world_size(group)
     if world == 1:
         return input_
-    # EXERCISE tp.sp_gather: all-gather the sequence shards into one [t * s/t, ...] tensor (_all_gather_single())
+    # EXERCISE tp.sp_gather: all-gather the sequence shards into one [t * s/t, ...] tensor (dist.all_gather_single)
     ### BEGIN SOLUTION
     output = torch.empty((world * input_.shape[0], *input_.shape[1:]), dtype=input_.dtype, device=input_.device)
-    _all_gather_single()(output, input_.contiguous(), group=group)
+    dist.all_gather_single(output, input_.contiguous(), group=group)
     return output
     ### END SOLUTION
 
@@ -91,11 +81,11 @@ def _reduce_scatter_along_first_dim(input_: torch.Tensor, group) -> torch.Tensor
     world = dist.get_world_size(group)
     if world == 1:
         return input_
-    # EXERCISE tp.sp_reduce_scatter: sum the ranks' tensors and keep this rank's 1/t of the first dim (_reduce_scatter_single())
+    # EXERCISE tp.sp_reduce_scatter: sum the ranks' tensors and keep this rank's 1/t of the first dim (dist.reduce_scatter_single)
     ### BEGIN SOLUTION
     chunk = divide(input_.shape[0], world, "sequence length")
     output = torch.empty((chunk, *input_.shape[1:]), dtype=input_.dtype, device=input_.device)
-    _reduce_scatter_single()(output, input_.contiguous(), group=group)
+    dist.reduce_scatter_single(output, input_.contiguous(), group=group)
     return output
     ### END SOLUTION
 
