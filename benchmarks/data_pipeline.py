@@ -29,8 +29,8 @@ from _common import median, report  # noqa: E402
 from megalab.core.datasets import DATA_DIR  # noqa: E402
 from megalab.core.datasets.gpt_dataset import GPTDataset  # noqa: E402
 from megalab.core.datasets.indexed_dataset import DType, IndexedDataset, IndexedDatasetBuilder  # noqa: E402
-from megalab.core.tokenizers.tokenizer import Tokenizer  # noqa: E402
 from megalab.tools.preprocess_data import preprocess  # noqa: E402
+from megalab.training.tokenizer.tokenizer import Tokenizer  # noqa: E402
 
 
 def tok_threads() -> str:

@@ -31,8 +31,8 @@ from _common import report  # noqa: E402
 from megalab.core.datasets import DATA_DIR  # noqa: E402
 from megalab.core.models.gpt.gpt_model import GPTModel  # noqa: E402
 from megalab.core.packed_seq_params import PackedSeqParams, pack_batch  # noqa: E402
-from megalab.core.tokenizers.tokenizer import Tokenizer  # noqa: E402
 from megalab.core.transformer.transformer_config import TransformerConfig  # noqa: E402
+from megalab.training.tokenizer.tokenizer import Tokenizer  # noqa: E402
 
 
 def corpus_documents(seq_length: int, count: int) -> list[torch.Tensor]:

@@ -25,9 +25,9 @@ from megalab.core.datasets.gpt_dataset import (
     get_split_ranges,
 )
 from megalab.core.datasets.indexed_dataset import DataFormatError, DType, IndexedDataset, IndexedDatasetBuilder
-from megalab.core.tokenizers.tokenizer import Tokenizer, train_tokenizer
 from megalab.tools.preprocess_data import main as preprocess_main
 from megalab.tools.preprocess_data import prepare_corpus, preprocess
+from megalab.training.tokenizer.tokenizer import Tokenizer, train_tokenizer
 from tests.feedback import equal, equal_lists, require
 
 # numpy dtype of each code, from the format description (Megatron's DType enum)

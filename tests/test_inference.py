@@ -292,8 +292,8 @@ def test_tensor_parallel_inference_on_two_ranks_equals_single_process():
 
 # ------------------------------------------------------------------ the shipped tiny checkpoint
 def test_shipped_tiny_checkpoint_is_trained_on_the_corpus():
-    from megalab.core.tokenizers.tokenizer import Tokenizer
     from megalab.extras.tiny_gpt import CHECKPOINT, load_tiny_gpt
+    from megalab.training.tokenizer.tokenizer import Tokenizer
 
     assert CHECKPOINT.stat().st_size < 2.5e6
     model, tokenizer = load_tiny_gpt(), Tokenizer.from_file()

@@ -122,3 +122,52 @@ def test_cycle_finder_finds_a_circle(tmp_path):
 def test_import_megalab_stays_torch_free():
     code = "import sys, megalab; assert 'torch' not in sys.modules, sorted(m for m in sys.modules if 'torch' in m)"
     subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True)
+
+
+# ---------------------------------------------------------------- "Where this lives in Megatron-LM" tables
+WHERE = "## Where this lives in Megatron-LM"
+
+
+def where_tables(course: Path = REPO / "course") -> dict[str, list[tuple[str, str]]]:
+    """{notebook: [(megalab cell, Megatron-LM cell)]}: the rows of the table under each notebook's
+    "Where this lives in Megatron-LM" heading (header `| megalab | Megatron-LM |`)."""
+    import json
+
+    tables = {}
+    for path in sorted(course.glob("*/*.ipynb")):
+        cells = json.loads(path.read_text())["cells"]
+        text = "\n".join("".join(c["source"]) for c in cells if c["cell_type"] == "markdown")
+        if WHERE not in text:
+            tables[str(path.relative_to(REPO))] = []
+            continue
+        section = text.split(WHERE, 1)[1].split("\n## ", 1)[0]
+        lines = [line.strip() for line in section.splitlines() if line.strip().startswith("|")]
+        rows = []
+        if lines and [c.strip() for c in lines[0].strip("|").split("|")] == ["megalab", "Megatron-LM"]:
+            for line in lines[2:]:
+                cells = [c.strip() for c in line.strip("|").split("|")]
+                rows.append((cells[0], cells[1] if len(cells) > 1 else ""))
+        tables[str(path.relative_to(REPO))] = rows
+    return tables
+
+
+def _paths(cell: str, prefix: str) -> list[str]:
+    import re
+
+    return [p for p in re.findall(r"`([^`]+)`", cell) if p.startswith(prefix)]
+
+
+def test_every_notebook_maps_its_megalab_files_to_megatron_in_a_table():
+    tables = where_tables()
+    missing = [nb for nb, rows in tables.items() if not rows]
+    assert not missing, f"no `| megalab | Megatron-LM |` table under {WHERE!r} in: {missing}"
+    problems = []
+    for nb, rows in tables.items():
+        for ours, theirs in rows:
+            for path in _paths(ours, "megalab/"):
+                if not (REPO / path.split("::")[0]).exists():
+                    problems.append(f"{nb}: {path} does not exist")
+            mine, megatron = _paths(ours, "megalab/core/"), _paths(theirs, "megatron/")
+            if mine and megatron and megatron[0] != "megatron/" + mine[0].removeprefix("megalab/"):
+                problems.append(f"{nb}: {mine[0]} and {megatron[0]} are not one swap (megalab -> megatron) apart")
+    assert not problems, "\n".join(problems)

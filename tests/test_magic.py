@@ -17,7 +17,7 @@ def shell():
 
 def test_cell_output_and_published_values(shell, capsys):
     cell = (
-        "from megalab import dist as mdist\n"
+        "from megalab.lab import dist as mdist\n"
         "rank, world = mdist.init()\n"
         "print(f'rank {rank} of {world}')\n"
         "mdist.publish('losses', [1.0 / (rank + 1)])\n"

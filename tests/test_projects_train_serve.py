@@ -13,7 +13,7 @@ import torch
 from megalab.core.inference import InferenceEngine, PagedKVCache
 from megalab.core.inference.text_generation_server.text_generation_server import ServerThread, create_app, load_test
 from megalab.core.models.gpt.gpt_model import GPTModel
-from megalab.core.tokenizers.byte_tokenizer import ByteTokenizer
+from megalab.core.tokenizers.text.libraries.bytelevel_tokenizer import ByteTokenizer
 from megalab.core.transformer.transformer_config import TransformerConfig
 from megalab.extras import projects
 from megalab.lab import launch

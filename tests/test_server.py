@@ -11,7 +11,7 @@ import torch
 from megalab.core.inference import InferenceEngine, PagedKVCache, SamplingParams
 from megalab.core.inference.text_generation_server.text_generation_server import ServerThread, create_app, load_test
 from megalab.core.models.gpt.gpt_model import GPTModel
-from megalab.core.tokenizers.byte_tokenizer import ByteTokenizer
+from megalab.core.tokenizers.text.libraries.bytelevel_tokenizer import ByteTokenizer
 from megalab.core.transformer.transformer_config import TransformerConfig
 
 CONFIG = dict(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=256, seq_length=96,

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from megalab.core.datasets import DATA_DIR
-from megalab.core.tokenizers.tokenizer import Tokenizer
+from megalab.training.tokenizer.tokenizer import Tokenizer
 
 
 def corpus_tokens(max_chars: int = 200_000, path=DATA_DIR / "shakespeare.jsonl") -> torch.Tensor:

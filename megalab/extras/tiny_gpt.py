@@ -17,8 +17,8 @@ import torch
 
 from megalab.core.datasets import DATA_DIR
 from megalab.core.models.gpt.gpt_model import GPTModel
-from megalab.core.tokenizers.tokenizer import Tokenizer, iter_jsonl_texts
 from megalab.core.transformer.transformer_config import TransformerConfig
+from megalab.training.tokenizer.tokenizer import Tokenizer, iter_jsonl_texts
 
 CHECKPOINT = DATA_DIR / "tiny_gpt.pt"
 TINY_CONFIG = dict(num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=8192, seq_length=128,

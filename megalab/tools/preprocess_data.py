@@ -24,8 +24,8 @@ from tqdm.auto import tqdm
 
 from megalab.core.datasets import DATA_DIR
 from megalab.core.datasets.indexed_dataset import DataFormatError, DType, IndexedDatasetBuilder
-from megalab.core.tokenizers.tokenizer import DEFAULT_TOKENIZER, Tokenizer
 from megalab.lab.dist import scratch_dir
+from megalab.training.tokenizer.tokenizer import DEFAULT_TOKENIZER, Tokenizer
 
 
 def read_jsonl_batches(path: str | Path, json_key: str = "text", batch_size: int = 64, progress: bool = False):

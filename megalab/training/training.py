@@ -162,8 +162,8 @@ def build_train_dataset(num_samples: int, seq_length: int, seed: int = 1234, nam
     train_valid_test_datasets_provider, with one split and one dataset)."""
     from megalab.core.datasets.gpt_dataset import GPTDataset
     from megalab.core.datasets.indexed_dataset import IndexedDataset
-    from megalab.core.tokenizers.tokenizer import Tokenizer
     from megalab.tools.preprocess_data import prepare_corpus
+    from megalab.training.tokenizer.tokenizer import Tokenizer
 
     if len(names) != 1:
         raise ValueError("build_train_dataset takes one corpus name; blend several with megalab.core.datasets.blended_dataset")

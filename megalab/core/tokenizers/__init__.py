@@ -1,1 +1,1 @@
-"""Tokenizers: the course BPE and a byte-level one (megatron/core/tokenizers/)."""
+"""Tokenizers of Megatron-Core (megatron/core/tokenizers/): a byte-level one for the serving examples."""

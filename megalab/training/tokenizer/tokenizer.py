@@ -6,7 +6,7 @@ Byte-level means the base alphabet is the 256 bytes, so any text encodes (no unk
 == s`. One special token, `<|endoftext|>` (GPT-2's), is the end-of-document id `eod` that preprocessing appends to
 every document. The shipped `data/tokenizer.json` was trained on the course corpus:
 
-    python -m megalab.core.tokenizers.tokenizer data/shakespeare.jsonl data/milton.jsonl --vocab-size 8192 -o data/tokenizer.json
+    python -m megalab.training.tokenizer.tokenizer data/shakespeare.jsonl data/milton.jsonl --vocab-size 8192 -o data/tokenizer.json
 
 Megatron-LM: `megatron/training/tokenizer/tokenizer.py` (`build_tokenizer`, `_GPT2BPETokenizer`,
 `_HuggingFaceTokenizer`): the same `tokenize` / `detokenize` / `eod` / `vocab_size` names.
@@ -33,14 +33,14 @@ class Tokenizer:
         self.hf = hf_tokenizer
         eod = hf_tokenizer.token_to_id(EOD_TOKEN)
         if eod is None:
-            raise ValueError(f"the tokenizer has no {EOD_TOKEN!r} token: train it with megalab.core.tokenizers.tokenizer.train_tokenizer")
+            raise ValueError(f"the tokenizer has no {EOD_TOKEN!r} token: train it with megalab.training.tokenizer.tokenizer.train_tokenizer")
         self.eod = eod
 
     @classmethod
     def from_file(cls, path: str | Path = DEFAULT_TOKENIZER) -> "Tokenizer":
         path = Path(path)
         if not path.is_file():
-            raise FileNotFoundError(f"{path}: no tokenizer file there; train one with `python -m megalab.core.tokenizers.tokenizer`")
+            raise FileNotFoundError(f"{path}: no tokenizer file there; train one with `python -m megalab.training.tokenizer.tokenizer`")
         return cls(HFTokenizer.from_file(str(path)))
 
     @property
@@ -80,7 +80,7 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int, min_frequency: int = 
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m megalab.core.tokenizers.tokenizer", description="train a byte-level BPE tokenizer on JSONL files")
+    parser = argparse.ArgumentParser(prog="python -m megalab.training.tokenizer.tokenizer", description="train a byte-level BPE tokenizer on JSONL files")
     parser.add_argument("inputs", nargs="+", help="JSONL files, one document per line")
     parser.add_argument("--json-key", default="text")
     parser.add_argument("--vocab-size", type=int, default=8192)

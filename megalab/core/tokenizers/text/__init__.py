@@ -1,0 +1,1 @@
+"""Text tokenizers (megatron/core/tokenizers/text/)."""

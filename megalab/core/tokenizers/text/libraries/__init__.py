@@ -1,0 +1,1 @@
+"""Tokenizer libraries (megatron/core/tokenizers/text/libraries/)."""
