@@ -203,3 +203,23 @@ def test_a_deleted_marker_or_function_is_said_plainly(ws):
     assert row.status == "failed" and "the function quadruple (which holds exercise chain.quadruple) is missing" in row.detail
     assert row.where == "megalab/chain.py (its `# EXERCISE chain.quadruple:` line is gone: put it back)"
     assert _verdict("chain.double") == ("passed", "1 test passed")  # solved, marker deleted: still graded
+
+
+def test_update_follows_a_module_the_course_moved(ws, capsys):
+    """A new layout moves an exercise module (megalab/chain.py -> megalab/lib/chain.py, as the Megatron
+    layout moved every module): your implementation goes with it, the old file goes to the backups."""
+    _write(ws, "chain.quadruple", "return double(double(x))  # mine")
+    src = ws.source
+    (src / "megalab" / "lib").mkdir()
+    (src / "megalab" / "lib" / "__init__.py").write_text("")
+    (src / "megalab" / "chain.py").rename(src / "megalab" / "lib" / "chain.py")
+    for rel in ("tests/test_chain.py", NOTEBOOK):
+        (src / rel).write_text((src / rel).read_text().replace("megalab.chain", "megalab.lib.chain"))
+    assert cli.main(["update"]) == 0
+    out = capsys.readouterr().out
+    assert "merged   megalab/lib/chain.py" in out and "removed  megalab/chain.py" in out, out
+    assert not (ws.root / "megalab/chain.py").exists()
+    assert "return double(double(x))  # mine" in (ws.root / "megalab/lib/chain.py").read_text()
+    assert any("# mine" in p.read_text() for p in (ws.root / BACKUP).rglob("chain.py"))
+    assert progress(ws.root) == (1, 6)
+    assert _verdict("chain.quadruple")[0] == "passed"

@@ -145,6 +145,8 @@ def _update(args: argparse.Namespace) -> int:
         print(f"  updated  {rel}")
     for rel in result.kept:
         print(f"  kept     {rel} (your edit; the course did not change it)")
+    for rel in result.removed:
+        print(f"  removed  {rel} (the course no longer has it)")
     if result.backups:
         print(f"your previous copies of changed files are in {result.backups.relative_to(ws.root)}")
     print(f"workspace up to date with {ws.source}: {len(result.replaced) + len(result.merged)} file(s) changed")

@@ -32,7 +32,7 @@ import shutil
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from megalab.lab.exercises import COURSE_DIR, SOURCE_DIR, TESTS_DIR, Exercise, ExerciseError, load, write_student
@@ -193,15 +193,17 @@ class Update:
     merged: list[str]  # exercise modules: the new version with your implemented functions carried over
     kept: list[str]  # files you changed that the course did not: left as they are
     backups: Path | None
+    removed: list[str] = field(default_factory=list)  # files the course no longer has (copied to the backups)
 
 
 def update(ws: Workspace) -> Update:
     """Bring the workspace to the reference's current version without losing your work.
 
     Files the course did not change stay as you left them. Files you never changed take the new
-    version. Exercise modules you worked in take the new version with the functions you implemented
-    carried over. Other files you changed (notebooks, saved by JupyterLab) take the new version.
-    Whatever is replaced is copied to .megalab/backup/<time>/ first.
+    version. Exercise modules take the new version with the functions you implemented carried over,
+    found by exercise id wherever they were (a module the course moved keeps your work). Other files
+    you changed (notebooks, saved by JupyterLab) take the new version. Files the course no longer has
+    are removed. Whatever is replaced or removed is copied to .megalab/backup/<time>/ first.
     """
     source = ws.source
     if not (source / SOURCE_DIR / "__init__.py").is_file():
@@ -211,6 +213,7 @@ def update(ws: Workspace) -> Update:
         fresh = Path(tmp) / "ws"
         written = write_student(source, fresh)
         mine = {ex.id: ex for ex in load(ws.root).exercises.values()}
+        yours = {ex.path: (ws.root / ex.path).read_text(encoding="utf-8") for ex in mine.values()}  # before any write
         stamp = time.strftime("%Y%m%d-%H%M%S")
         replaced, merged, kept, backed = [], [], [], False
         by_path: dict[str, list[Exercise]] = {}
@@ -226,12 +229,19 @@ def update(ws: Workspace) -> Update:
                 if changed_by_you:
                     kept.append(rel)
                 continue
-            if changed_by_you and rel in by_path:  # an exercise module: the new one, with your solutions
-                text = carry_over(old.read_text(encoding="utf-8"), new.read_text(encoding="utf-8"),
-                                  [ex for ex in by_path[rel] if ex.id in mine], rel)
-                if text != old.read_text(encoding="utf-8"):
-                    _backup(ws, rel, stamp)
-                    backed = True
+            donors: dict[str, list[Exercise]] = {}  # your file -> the exercises of this module it holds
+            for ex in by_path.get(rel, []):
+                if ex.id in mine and (changed_by_you or mine[ex.id].path != rel):
+                    donors.setdefault(mine[ex.id].path, []).append(ex)
+            if donors:  # an exercise module: the new one, with your solutions (from wherever they were)
+                text = new.read_text(encoding="utf-8")
+                for donor, exercises in sorted(donors.items()):
+                    text = carry_over(yours[donor], text, exercises, rel)
+                if not old.exists() or text != old.read_text(encoding="utf-8"):
+                    if old.exists():
+                        _backup(ws, rel, stamp)
+                        backed = True
+                    old.parent.mkdir(parents=True, exist_ok=True)
                     old.write_text(text, encoding="utf-8")
                     merged.append(rel)
                 continue
@@ -241,12 +251,18 @@ def update(ws: Workspace) -> Update:
             old.parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(new, old)
             replaced.append(rel)
+        fresh_files = set(_tracked(fresh))
+        removed = sorted(rel for rel in ws.config["files"] if rel not in fresh_files and (ws.root / rel).exists())
+        for rel in removed:  # gone from the course (moved or deleted): out of the way of the new files
+            _backup(ws, rel, stamp)
+            backed = True
+            (ws.root / rel).unlink()
         _snapshot(source, ws.root)
         # each file as the course wrote it (never your edit): what the next update compares with
         ws.config.update(files={rel: _sha(fresh / rel) for rel in _tracked(fresh)}, commit=_git_commit(source),
                          updated=time.strftime("%Y-%m-%dT%H:%M:%S%z"))
         (ws.root / CONFIG).write_text(json.dumps(ws.config, indent=1))
-    return Update(replaced, merged, kept, ws.root / BACKUP / stamp if backed else None)
+    return Update(replaced, merged, kept, ws.root / BACKUP / stamp if backed else None, removed)
 
 
 # --------------------------------------------------------------------------- functions by name
