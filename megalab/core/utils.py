@@ -1,14 +1,13 @@
-"""Linear layers and their initialization, the single-device stand-ins for Megatron's parallel ones.
+"""Small helpers used across megalab.core, at Megatron's megatron/core/utils.py.
 
-Megatron builds every weight matrix of a transformer layer through one of two classes
-(megatron/core/tensor_parallel/layers.py):
+    init_method_normal, scaled_init_method_normal   how every weight is drawn (N(0, std^2); the output
+                                                    projections scaled by 1/sqrt(2 L))
+    get_batch_on_this_cp_rank, cp_rank_positions    a context-parallel rank's chunks of each sequence
+                                                    (zigzag: rank r holds chunks r and 2cp-1-r)
 
-    ColumnParallelLinear  splits the OUTPUT features across TP ranks   linear_qkv, linear_fc1, output_layer
-    RowParallelLinear     splits the INPUT features across TP ranks    linear_proj, linear_fc2
-
-Here both roles are a plain `Linear`; a `LayerSpec` (spec.py) says which class plays which
-role, so chapter 03 swaps in the parallel classes without touching attention or MLP code.
-Every linear factory takes (input_size, output_size, *, config, init_method, bias, stride).
+The single-device `Linear` that plays both linear roles of the local layer spec is in
+megalab/core/tensor_parallel/layers.py, beside the ColumnParallelLinear and RowParallelLinear
+that replace it under tensor parallelism (the spec, megalab/core/transformer/spec_utils.py, says which).
 """
 
 from __future__ import annotations

@@ -1,10 +1,12 @@
 """Chapter 06 · inference and serving: KV caches, sampling, a batching engine, an HTTP server.
 
-    kv_cache.py   contiguous and paged (block table + allocator) key/value caches
-    forward.py    one step of the model over a ragged batch, attention reading the cache
-    sampling.py   SamplingParams (Megatron's names), greedy / temperature / top-k / top-p, seeds
-    engine.py     InferenceEngine: static vs continuous batching, a scheduler with a token budget
-    server.py     an OpenAI-style /v1/completions over FastAPI + uvicorn, streaming, a load test
+    contexts/                      key/value caches: contiguous (static_context.py), paged
+                                   (dynamic_context.py, with kv_block_allocator.py)
+    text_generation_controllers/   one step of the model over a ragged batch, attention reading the cache
+    sampling_params.py             SamplingParams (Megatron's names), greedy / temperature / top-k / top-p
+    inference_request.py           one request and its state
+    engines/dynamic_engine.py      InferenceEngine: static vs continuous batching, a token-budget scheduler
+    text_generation_server/        an OpenAI-style /v1/completions over FastAPI + uvicorn, a load test
 """
 
 from megalab.core.inference.contexts.dynamic_context import PagedKVCache

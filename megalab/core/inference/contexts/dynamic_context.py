@@ -13,7 +13,7 @@ K/V of the earlier ones. Two layouts, one interface (reserve / write / read / fr
                  token position p  ->  block table[p // 4], offset p % 4
                  pool  key[layer, num_blocks, block_size, ng, hn]    blocks come and go with
                                                                       the sequences (vLLM's
-                 PagedAttention; Megatron's dynamic_context.py + block_allocator.py)
+                 PagedAttention; Megatron's dynamic_context.py + kv_block_allocator.py)
 
 ng = key/value groups on this device (num_query_groups, divided by the TP size), hn = kv_channels.
 """

@@ -5,7 +5,7 @@
                                               └────── finished ones leave ────┘
 
 A step runs the prefill of the newly admitted requests (all their prompt tokens) and the
-decode of the active ones (one token each) in a single forward (forward.py). The scheduler
+decode of the active ones (one token each) in a single forward (text_generation_controller.py). The scheduler
 admits waiting requests in arrival order while the step stays within
 
     max_batch_size  requests in the batch

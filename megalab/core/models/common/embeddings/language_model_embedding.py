@@ -7,7 +7,7 @@ Activations leave the embedding sequence-first, [s, b, h], the layout Megatron u
 
 RoPE rotates each pair (x_i, x_{i+d/2}) of a query/key head by the angle pos * base^(-2i/d), so
 q.k depends only on the distance between positions ("rotate half" layout, as Megatron's default).
-With rotary_interleaved the pairs are (x_{2i}, x_{2i+1}) instead (Meta's LLaMA code); rope.py
+With rotary_interleaved the pairs are (x_{2i}, x_{2i+1}) instead (Meta's LLaMA code); rope_utils.py
 explains both and converts weights between them.
 
 Packed documents (megalab/core/packed_seq_params.py) restart their positions at every document: the learned
