@@ -38,9 +38,12 @@ lab: setup
 workspace: setup
 	$(VENV)/bin/megalab workspace $(or $(DIR),$(WORKSPACE_DIR))
 
-# Unit tests, then every notebook under strict nbval (outputs must match the committed ones).
+# Every unit test and every notebook under strict nbval (outputs must match the committed ones), on two
+# pytest workers: a multi-rank test spends about half its time waiting (rank start-up, rendezvous, I/O), so
+# two test files at once keep both cores busy. A notebook's cells stay together on one worker (loadfile).
+TEST_WORKERS ?= 2
 test: setup
-	$(PY) -m pytest tests course --nbval -q
+	$(PY) -m pytest tests course --nbval -q -n $(TEST_WORKERS) --dist loadfile
 
 unit: setup
 	$(PY) -m pytest tests -q

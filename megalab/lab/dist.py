@@ -70,7 +70,8 @@ def publish(name: str, value: Any) -> None:
 def scratch_dir(name: str) -> Path:
     """A folder for files that notebooks, their ranks and later notebooks share (checkpoints, curves):
     under the temp dir, but this user's and this tree's own, so two learners on one machine (or two
-    workspaces) never collide. Not created here."""
+    workspaces) never collide; under `make test`'s parallel workers (pytest-xdist), each worker's own
+    too. Not created here."""
     import getpass
     import hashlib
     import tempfile
@@ -79,8 +80,8 @@ def scratch_dir(name: str) -> Path:
         user = getpass.getuser()
     except (KeyError, OSError):  # no name for this uid (containers)
         user = str(os.getuid())
-    tree = Path(__file__).resolve().parents[2]
-    return Path(tempfile.gettempdir()) / f"megalab-{user}-{hashlib.sha256(str(tree).encode()).hexdigest()[:8]}" / name
+    key = str(Path(__file__).resolve().parents[2]) + os.environ.get("PYTEST_XDIST_WORKER", "")
+    return Path(tempfile.gettempdir()) / f"megalab-{user}-{hashlib.sha256(key.encode()).hexdigest()[:8]}" / name
 
 
 def shard_bounds(length: int, world_size: int, rank: int) -> tuple[int, int]:
