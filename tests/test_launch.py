@@ -106,7 +106,10 @@ def test_killed_rank_is_blamed_not_the_peers_it_broke():
     with pytest.raises(RankFailedError, match=r"rank 2 died before finishing \(killed by SIGKILL\)") as info:
         launch.run(code, 4, backend="gloo", timeout=60)
     assert info.value.rank == 2
-    assert "because rank 2 had stopped" in info.value.details
+    # Peers that raised before torchrun stopped them are listed as fallout; under load torchrun may stop
+    # them first (then there is no fallout to list). Either way no peer is blamed.
+    assert "failed after it" not in info.value.details or "because rank 2 had stopped" in info.value.details
+    assert "[rank 0]" not in info.value.details.split("failed after it")[0]
     assert not _workers_alive()
 
 

@@ -150,5 +150,15 @@ def _busy(processes: int = 2):
 
 
 def test_a_multi_rank_exercise_on_a_loaded_machine(ws):
+    # The kernel's side (banner, check cell, autosave) is the test above; here the grader's verdicts
+    # for a multi-rank exercise while every core is busy: blank, wrong, right, each naming this exercise.
+    exercise_id = "comm.broadcast"
     with _busy():
-        _play(ws, "course/01_foundations/02_collectives.ipynb", "comm.broadcast")
+        assert _grade(ws, exercise_id).startswith(f"{exercise_id}: not implemented\n")
+        _solve(ws, exercise_id, WRONG[exercise_id])
+        verdict = _grade(ws, exercise_id)
+        assert verdict.startswith(f"{exercise_id}: failed\n"), verdict
+        assert "NotImplementedError" not in verdict and "not graded" not in verdict
+        _solve(ws, exercise_id, None)
+        verdict = _grade(ws, exercise_id)
+        assert verdict.startswith(f"{exercise_id}: passed\n"), verdict
