@@ -18,7 +18,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import median, report  # noqa: E402
 
-from megalab.extras.pipeline_sim import bubble_fraction_of_total
+from megalab.extras.pipeline_sim import bubble_fraction_of_total  # noqa: E402
 from megalab.lab import launch  # noqa: E402
 
 WORKER = """
@@ -27,6 +27,7 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 from megalab.lab import dist as mdist
 from megalab.core import parallel_state
 from megalab.core.pipeline_parallel import schedules as pp
+from megalab.extras.pipeline_sim import FixedDurationStage, measured_bubble, run_fixed_duration_pipeline
 
 TORCH = {{"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved": ScheduleInterleaved1F1B}}
 rank, world = mdist.init()

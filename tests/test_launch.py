@@ -366,9 +366,9 @@ def test_computing_cell_on_a_loaded_machine_outlives_its_timeout():
 def test_busy_loop_stops_at_the_hard_timeout_as_overloaded_not_deadlock():
     code = "x = 0\nwhile True:\n    x += 1\n"
     start = time.monotonic()
-    with pytest.raises(LaunchTimeoutError) as info:
-        launch.run(code, 1, timeout=1, hard_timeout=6)
-    assert 6 <= time.monotonic() - start < 20
+    with pytest.raises(LaunchTimeoutError) as info:  # 15 s: the rank must have started, even beside other tests
+        launch.run(code, 1, timeout=1, hard_timeout=15)
+    assert 15 <= time.monotonic() - start < 45
     err = info.value
     assert err.kind == "overloaded"
     assert "cell still computing after" in str(err) and "not deadlocked" in str(err)

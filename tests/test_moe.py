@@ -193,7 +193,7 @@ def test_dropped_tokens_are_exactly_those_past_capacity(capacity_factor):
         f"{where}: the padded routing map should contain every routed (token, expert) pair")
 
 
-@pytest.mark.exercise("permute")
+@pytest.mark.exercise("moe.permute")
 def test_permute_groups_by_expert_and_unpermute_inverts():
     x, p = _tokens(3, 10), reference_params()
     top_logits, chosen = (x @ p["router"].T).topk(2)

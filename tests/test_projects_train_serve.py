@@ -62,6 +62,7 @@ def _train_and_reference_logits(root: str, tokens: torch.Tensor):
     """4 ranks: 3 iterations at tp2·pp2 saving at 3; then load that checkpoint at tp2 (dp2) with the training
     code's own loader and return the TP model's logits for `tokens` (gathered over the vocab)."""
     from megalab.core import parallel_state
+    from megalab.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
     from megalab.lab import dist as mdist
     from megalab.training import checkpointing as ckpt
     from megalab.training.training import pretrain, setup_model_and_optimizer
@@ -73,8 +74,9 @@ def _train_and_reference_logits(root: str, tokens: torch.Tensor):
     try:
         ckpt.load_checkpoint(root, state.model, state.params, state.optimizer, state.scheduler,
                              state.ps.get_tensor_model_parallel_group())
-        with torch.no_grad():
-            return state.model.eval()(tokens)  # [b, s, V]
+        with torch.no_grad():  # the model's logits are vocab-parallel [b, s, V/t] (as Megatron's): gather them
+            logits = state.model.eval()(tokens)
+            return gather_from_tensor_model_parallel_region(logits, state.ps.get_tensor_model_parallel_group())
     finally:
         parallel_state.destroy_model_parallel()
 
