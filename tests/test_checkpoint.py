@@ -154,3 +154,22 @@ def test_commit_is_rename_then_tracker(tmp_path):
     assert names == ["iter_0000002", "iter_0000004", ckpt.TRACKER], (
         f"after committing iterations 2, 4 and 4 again, the directory holds {names}; expected only "
         f"{['iter_0000002', 'iter_0000004', ckpt.TRACKER]} (no .tmp directories or leftover files)")
+
+
+@pytest.mark.parametrize("damage", ["flipped", "truncated", "empty"])
+def test_a_damaged_metadata_file_is_a_checkpoint_error_and_left_as_it_is(tmp_path, damage):
+    """A corrupt or truncated .metadata used to escape as a raw UnpicklingError/EOFError (read before the
+    guarded load); now a CheckpointError names the file, and reading changes no file."""
+    import torch.distributed.checkpoint as dcp
+
+    path = tmp_path / "iter_0000001"
+    state = {"model.weight": torch.arange(6.0).reshape(2, 3)}
+    dcp.save(state, checkpoint_id=path, no_dist=True)
+    meta = path / ".metadata"
+    raw = meta.read_bytes()
+    meta.write_bytes({"flipped": raw[:8] + bytes(b ^ 0xFF for b in raw[8:40]) + raw[40:],
+                      "truncated": raw[: len(raw) // 2], "empty": b""}[damage])
+    before = {p.name: p.read_bytes() for p in path.iterdir()}
+    with pytest.raises(ckpt.CheckpointError, match=r"iter_0000001/\.metadata cannot be read .*corrupt or truncated"):
+        ckpt.read_state(path, {"model.weight": torch.empty(2, 3)}, no_dist=True)
+    assert {p.name: p.read_bytes() for p in path.iterdir()} == before

@@ -217,7 +217,12 @@ def find_checkpoint(load_dir: str | Path, iteration: int | None = None) -> Path:
 def read_state(path: Path, state: dict[str, torch.Tensor], no_dist: bool = False) -> None:
     """Fill `state`'s full-shape tensors from the checkpoint at path (collective unless no_dist), after checking
     that it holds every key at that shape; a corrupt or truncated file is a CheckpointError."""
-    metadata = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    try:  # before anything else: a damaged .metadata must not escape as a raw unpickling error
+        metadata = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    except Exception as e:
+        raise CheckpointError(f"{path / '.metadata'} cannot be read ({type(e).__name__}: "
+                              f"{(str(e).strip().splitlines() or [''])[0][:200]}): it is corrupt or truncated; "
+                              "load an earlier iteration") from e
     for key, t in state.items():
         if key not in metadata:
             raise CheckpointError(f"{path} lacks {key!r}: saved from a different model or optimizer")
