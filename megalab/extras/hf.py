@@ -66,9 +66,17 @@ def config_from_hf(hf_config) -> TransformerConfig:
         raise ValueError("attention_bias/mlp_bias checkpoints are not supported (LLaMA has no biases)")
     if c.get("sliding_window"):
         raise ValueError(f"sliding_window={c['sliding_window']} is not supported (full causal attention only)")
-    rope = c.get("rope_parameters") or {}
-    if rope.get("rope_type", "default") != "default":
-        raise ValueError(f"rope_type {rope['rope_type']!r} (RoPE scaling) is not supported; only 'default'")
+    if c.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"hidden_act {c['hidden_act']!r} is not supported: the LLaMA/Mixtral MLP here is SwiGLU "
+                         "(hidden_act 'silu')")
+    rope = c.get("rope_parameters") or {}  # transformers 5.x; 4.x had rope_theta and rope_scaling at the top level
+    for field, scaling in (("rope_parameters", rope), ("rope_scaling", c.get("rope_scaling") or {})):
+        kind = scaling.get("rope_type", scaling.get("type", "default"))
+        if kind != "default":
+            raise ValueError(f"{field} has rope_type {kind!r} (RoPE scaling, e.g. Llama 3.1's 'llama3'), which this "
+                             "converter does not implement: only plain RoPE ('default') is converted exactly")
+    theta = rope.get("rope_theta", c.get("rope_theta", 10000))
+    theta = int(theta) if float(theta).is_integer() else float(theta)  # a fractional base is kept, not truncated
     head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
     moe = {}
     if c["model_type"] == "mixtral":
@@ -77,7 +85,7 @@ def config_from_hf(hf_config) -> TransformerConfig:
         **moe, num_layers=c["num_hidden_layers"], hidden_size=c["hidden_size"], num_attention_heads=c["num_attention_heads"],
         num_query_groups=c.get("num_key_value_heads") or c["num_attention_heads"], kv_channels=head_dim,
         ffn_hidden_size=c["intermediate_size"], vocab_size=c["vocab_size"], seq_length=c["max_position_embeddings"],
-        rotary_base=int(rope.get("rope_theta", c.get("rope_theta", 10000))), layernorm_epsilon=c["rms_norm_eps"],
+        rotary_base=theta, layernorm_epsilon=c["rms_norm_eps"],
     )
     return replace(config, share_embeddings_and_output_weights=bool(c.get("tie_word_embeddings")))
 
