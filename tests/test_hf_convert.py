@@ -167,3 +167,20 @@ def test_hidden_act_other_than_silu_is_refused_and_fractional_rope_base_kept():
     assert config_from_hf({**c, "rope_theta": 500000.0}).rotary_base == 500000
     old_layout = config_from_hf({**c, "rope_theta": 1e6, "rope_scaling": None})  # 4.x without scaling: fine
     assert old_layout.rotary_base == 1_000_000
+
+
+def test_mixtral_in_memory_fused_experts_state_dict_converts_exactly():
+    """transformers keeps a Mixtral's experts as two 3-D tensors in memory (mlp.experts.gate_up_proj/down_proj);
+    its state_dict() used to fail with a bare KeyError. Now it converts, checked against transformers' logits."""
+    hf = hf_mixtral()
+    assert any("experts.gate_up_proj" in k for k in hf.state_dict())  # the layout this test is about
+    config = replace(config_from_hf(hf.config), attention_backend="unfused")
+    ours = GPTModel(config).eval()
+    ours.load_state_dict(from_hf_state_dict(hf.state_dict(), config))
+    x = ids()
+    with torch.no_grad():
+        require(close(ours(x), hf(x).logits, "Mixtral from its in-memory state dict: our logits vs transformers'",
+                      atol=1e-5, rtol=0))
+    broken = {k: v for k, v in hf.state_dict().items() if "experts" not in k}
+    with pytest.raises(ValueError, match="neither Mixtral layout"):
+        from_hf_state_dict(broken, config)

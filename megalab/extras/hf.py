@@ -169,6 +169,18 @@ def _mlp_from_hf(sd: dict, src: str, dst: str, config: TransformerConfig) -> dic
         return {dst + "linear_fc1.weight": torch.cat([sd.pop(src + "mlp.gate_proj.weight"),
                                                       sd.pop(src + "mlp.up_proj.weight")], dim=0),
                 dst + "linear_fc2.weight": sd.pop(src + "mlp.down_proj.weight")}
+    if src + "mlp.experts.gate_up_proj" in sd:  # transformers' in-memory layout: each expert a slice of one tensor
+        out = {dst + "router.weight": sd.pop(src + "mlp.gate.weight")}
+        gate_up, down = sd.pop(src + "mlp.experts.gate_up_proj"), sd.pop(src + "mlp.experts.down_proj")  # [E, 2f, h], [E, h, f]
+        for e in range(config.num_moe_experts):
+            expert = f"{dst}experts.local_experts.{e}."
+            out[expert + "linear_fc1.weight"] = gate_up[e]  # [gate; up], as our linear_fc1
+            out[expert + "linear_fc2.weight"] = down[e]
+        return out
+    if src + "block_sparse_moe.gate.weight" not in sd:
+        raise ValueError(f"{src}: neither Mixtral layout (checkpoint: block_sparse_moe.experts.<e>.w1/w2/w3; "
+                         f"in memory: mlp.experts.gate_up_proj/down_proj) is in this state dict, e.g. "
+                         f"{sorted(k for k in sd if k.startswith(src))[:3]}")
     out = {dst + "router.weight": sd.pop(src + "block_sparse_moe.gate.weight")}
     for e in range(config.num_moe_experts):
         hf, expert = f"{src}block_sparse_moe.experts.{e}.", f"{dst}experts.local_experts.{e}."
