@@ -193,6 +193,26 @@ def test_gpt_logits_match_plain_pytorch_reference(variant):
 
 
 @pytest.mark.exercise("model.gpt_forward")
+@pytest.mark.parametrize("variant", ["gpt", "llama"])
+def test_gpt_chunks_pass_hidden_states_and_only_the_last_one_gives_logits(variant):
+    """The forward is also a pipeline chunk's: without pre_process it takes the previous chunk's [s, b, h],
+    without post_process it returns its hidden states. Two chunks of one model, one after the other, must
+    give the whole model's logits and loss (one process, no pipeline needed to check it)."""
+    c = TransformerConfig(**TINY, **VARIANTS[variant])
+    torch.manual_seed(0)
+    model = randomize(GPTModel(c)).eval()
+    first, last = model.chunk(0, 1, pre_process=True, post_process=False), model.chunk(1, 2, False, True)
+    ids = torch.randint(0, c.vocab_size, (3, c.seq_length))
+    hidden = first(ids)
+    require(equal(tuple(hidden.shape), (c.seq_length, 3, c.hidden_size),
+                  f"the output of a first chunk (pre_process, not post_process; {variant}): its hidden states [s, b, h]"))
+    require(close(last(hidden), model(ids), f"chunk 2 of 2 fed chunk 1's output vs the whole model's logits ({variant})",
+                  atol=1e-5, rtol=1e-5))
+    require(close(last(hidden, labels=ids), model(ids, labels=ids),
+                  f"chunk 2 of 2 with labels vs the whole model's per-token loss ({variant})", atol=1e-5, rtol=1e-5))
+
+
+@pytest.mark.exercise("model.gpt_forward")
 def test_gpt_is_causal_and_checks_length():
     c = TransformerConfig(**TINY)
     model = GPTModel(c).eval()

@@ -231,7 +231,7 @@ def update(ws: Workspace) -> Update:
                 continue
             donors: dict[str, list[Exercise]] = {}  # your file -> the exercises of this module it holds
             for ex in by_path.get(rel, []):
-                if ex.id in mine and (changed_by_you or mine[ex.id].path != rel):
+                if ex.id in mine and mine[ex.id].path.endswith(".py") and (changed_by_you or mine[ex.id].path != rel):
                     donors.setdefault(mine[ex.id].path, []).append(ex)
             if donors:  # an exercise module: the new one, with your solutions (from wherever they were)
                 text = new.read_text(encoding="utf-8")

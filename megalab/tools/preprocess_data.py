@@ -7,7 +7,7 @@
 The output is written through `IndexedDatasetBuilder`, so it appears only when every line was good: a malformed
 line stops the run with `file:line: what is wrong` and leaves no .bin/.idx behind.
 
-    python -m megalab.tools.preprocess_data --input data/shakespeare.jsonl --output-prefix /tmp/shakespeare
+    python -m megalab.tools.preprocess_data --input data/shakespeare.jsonl --output-prefix corpus/shakespeare
 
 Megatron-LM: `tools/preprocess_data.py` (`Encoder.encode`, `--json-keys`, `--append-eod`, output
 `{output_prefix}_{key}_document.bin/.idx`), which fans lines out over a multiprocessing pool; here the Rust
