@@ -113,9 +113,14 @@ def _remove_abandoned_runs(base: Path) -> None:
     """Folders of runs whose process is gone without cleaning up (a killed kernel)."""
     import shutil
 
+    import time
+
     for folder in base.glob("run-*-*"):
         pid = folder.name.split("-")[1]
         if pid.isdigit() and not Path(f"/proc/{pid}").exists():
+            shutil.rmtree(folder, ignore_errors=True)
+    for folder in base.glob("launch-*"):  # a launch's ranks cannot tell when the last of them is done: a day later
+        if time.time() - folder.stat().st_mtime > 86400:
             shutil.rmtree(folder, ignore_errors=True)
 
 
