@@ -142,6 +142,8 @@ BAD_REQUESTS = {  # name -> raw body; each must get a 4xx with a message, and th
     "temperature -1": '{"prompt": "hi", "temperature": -1}',
     "prompt too long": '{"prompt": "' + "word " * 80 + '", "max_tokens": 10}',
     "unknown model": '{"model": "gpt-5", "prompt": "hi"}',
+    "max_tokens text": '{"prompt": "hi", "max_tokens": "3"}',
+    "not UTF-8": b'{"prompt": "\xff"}',
 }
 
 
