@@ -26,8 +26,11 @@ def load_ipython_extension(ipython):
 
     from megalab.lab.magic import TorchrunMagics
 
+    from megalab.lab.dist import scratch_root
+
     ipython.register_magics(TorchrunMagics)
     ipython.register_magic_function(grade_magic, "line", "grade")
+    scratch_root()  # this kernel's own temp folder, which its %%torchrun ranks inherit
     print(banner(here))
 
 

@@ -6,6 +6,7 @@ Two 2-rank launches (tp2): the first trains 4 iterations saving every 2, and ran
 tries the broken variants.
 """
 
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -71,8 +72,8 @@ def _resume_worker(root: str):
     out["mismatch"] = _try(lambda: load(bigger, f"{root}/ckpt"))
     out["partial"] = _try(lambda: load(good, f"{root}/ckpt", 4))
     out["empty"] = _try(lambda: load(good, f"{root}/nothing"))
-    out["truncated_shard"] = _try(lambda: load(good, f"{root}/truncated"))
-    out["no_metadata"] = _try(lambda: load(good, f"{root}/no_metadata"))
+    for name in DAMAGE:
+        out[name] = _try(lambda: load(good, f"{root}/{name}"))
     torch.distributed.barrier()
     return out
 
@@ -86,18 +87,42 @@ def results():
         on_disk = sorted(p.name for p in save_dir.iterdir())
         tracker = ckpt.read_tracker(save_dir)
         good = ckpt.checkpoint_dir(save_dir, 2)
-        for name in ("truncated", "no_metadata"):
+        for name, damage in DAMAGE.items():
             shutil.copytree(good, Path(root) / name / good.name)
             (Path(root) / name / ckpt.TRACKER).write_text("2")
-        shard = sorted((Path(root) / "truncated" / good.name).glob("*.distcp"))[0]
-        shard.write_bytes(shard.read_bytes()[:100])
-        (Path(root) / "no_metadata" / good.name / ".metadata").unlink()
+            damage(Path(root) / name / good.name)
+        before = _files(root)
         res = launch.run_function(_resume_worker, 2, root, launch=dict(timeout=300)).returns
-        return on_disk, tracker, res
+        return on_disk, tracker, res, before, _files(root)
+
+
+def _files(root) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for name in DAMAGE for p in (Path(root) / name).rglob("*")
+            if p.is_file()}
+
+
+def _biggest_shard(path: Path) -> Path:
+    return max(path.glob("*.distcp"), key=lambda p: p.stat().st_size)
+
+
+def _rewrite(path: Path, change) -> None:
+    path.write_bytes(change(path.read_bytes()))
+
+
+DAMAGE = {  # name: what is done to a copy of the good iteration-2 checkpoint
+    "truncated_shard": lambda d: _rewrite(_biggest_shard(d), lambda b: b[:100]),
+    "missing_shard": lambda d: _biggest_shard(d).unlink(),
+    "bit_rot": lambda d: _rewrite(_biggest_shard(d), lambda b: b[:len(b) // 2] + bytes([b[len(b) // 2] ^ 0x10])
+                                  + b[len(b) // 2 + 1:]),
+    "no_metadata": lambda d: (d / ".metadata").unlink(),
+    "flipped_metadata": lambda d: _rewrite(d / ".metadata", lambda b: b[:8] + bytes(x ^ 0xFF for x in b[8:40]) + b[40:]),
+    "truncated_common": lambda d: _rewrite(d / "common.pt", lambda b: b[:len(b) // 2]),
+    "no_tracker": lambda d: (d.parent / ckpt.TRACKER).unlink(),
+}
 
 
 def test_crash_mid_save_keeps_last_good_checkpoint(results):
-    on_disk, tracker, res = results
+    on_disk, tracker, res, _, _ = results
     assert tracker == 2
     assert "iter_0000002" in on_disk and "iter_0000004.tmp" in on_disk and "iter_0000004" not in on_disk
     (iteration, loss), = res[0]["resumed"]
@@ -111,8 +136,46 @@ def test_bad_checkpoints_give_clear_errors(results):
     assert "saved from another model" in res["mismatch"] and "hidden_size" in res["mismatch"]
     assert "does not exist" in res["partial"]
     assert "no latest_checkpointed_iteration.txt" in res["empty"]
-    assert "could not be read" in res["truncated_shard"]
     assert "incomplete" in res["no_metadata"]
+
+
+@pytest.mark.parametrize("damage,words", [
+    ("truncated_shard", r"truncated_shard/iter_0000002/__\d_0\.distcp is truncated"),
+    ("missing_shard", r"missing_shard/iter_0000002/__\d_0\.distcp is missing"),
+    ("bit_rot", r"bit_rot/iter_0000002/__\d_0\.distcp does not match its checksum"),
+    ("flipped_metadata", r"flipped_metadata/iter_0000002/\.metadata cannot be read"),
+    ("truncated_common", r"truncated_common/iter_0000002/common\.pt cannot be loaded"),
+    ("no_tracker", r"no_tracker/latest_checkpointed_iteration\.txt is missing, but .* holds iter_0000002"),
+])
+def test_every_damaged_file_is_named_on_every_rank_and_left_as_it_is(results, damage, words):
+    _, _, res, before, after = results
+    assert re.search(words, res[0][damage]), res[0][damage]
+    assert res[1][damage] == res[0][damage]  # the same verdict on every rank: none goes on alone
+    assert after == before  # loading changed no file
+
+
+def test_checksums_cost_one_crc32_per_file_and_are_optional(tmp_path):
+    """The save records each shard's CRC32; without checksums nothing is recorded and bit rot loads silently."""
+    import torch.distributed.checkpoint as dcp
+
+    state = {"model.weight": torch.arange(12.0).reshape(3, 4)}
+    metadata = dcp.save(state, checkpoint_id=tmp_path, no_dist=True)
+    files = ckpt._shard_files(metadata)
+    sums = ckpt._checksum_files(tmp_path, files, no_dist=True)
+    assert sorted(sums) == files and all(len(v) == 8 for v in sums.values())
+    torch.save({"checksums": {"algorithm": "crc32", "files": sums}}, tmp_path / "common.pt")
+    ckpt.read_state(tmp_path, {"model.weight": torch.empty(3, 4)}, no_dist=True)  # intact: loads
+    info, = metadata.storage_data.values()
+    shard = tmp_path / info.relative_path
+    raw = bytearray(shard.read_bytes())
+    raw[raw.find(state["model.weight"].numpy().tobytes()) + 21] ^= 0x01  # one bit of one element (5.0)
+    shard.write_bytes(bytes(raw))
+    with pytest.raises(ckpt.CheckpointError, match="does not match its checksum"):
+        ckpt.read_state(tmp_path, {"model.weight": torch.empty(3, 4)}, no_dist=True)
+    (tmp_path / "common.pt").unlink()  # an old checkpoint without checksums: loads, the flipped bit unseen
+    loaded = {"model.weight": torch.empty(3, 4)}
+    ckpt.read_state(tmp_path, loaded, no_dist=True)
+    assert not torch.equal(loaded["model.weight"], state["model.weight"])
 
 
 def test_tracker_and_common_errors(tmp_path):
@@ -154,3 +217,22 @@ def test_commit_is_rename_then_tracker(tmp_path):
     assert names == ["iter_0000002", "iter_0000004", ckpt.TRACKER], (
         f"after committing iterations 2, 4 and 4 again, the directory holds {names}; expected only "
         f"{['iter_0000002', 'iter_0000004', ckpt.TRACKER]} (no .tmp directories or leftover files)")
+
+
+@pytest.mark.parametrize("damage", ["flipped", "truncated", "empty"])
+def test_a_damaged_metadata_file_is_a_checkpoint_error_and_left_as_it_is(tmp_path, damage):
+    """A corrupt or truncated .metadata used to escape as a raw UnpicklingError/EOFError (read before the
+    guarded load); now a CheckpointError names the file, and reading changes no file."""
+    import torch.distributed.checkpoint as dcp
+
+    path = tmp_path / "iter_0000001"
+    state = {"model.weight": torch.arange(6.0).reshape(2, 3)}
+    dcp.save(state, checkpoint_id=path, no_dist=True)
+    meta = path / ".metadata"
+    raw = meta.read_bytes()
+    meta.write_bytes({"flipped": raw[:8] + bytes(b ^ 0xFF for b in raw[8:40]) + raw[40:],
+                      "truncated": raw[: len(raw) // 2], "empty": b""}[damage])
+    before = {p.name: p.read_bytes() for p in path.iterdir()}
+    with pytest.raises(ckpt.CheckpointError, match=r"iter_0000001/\.metadata cannot be read .*corrupt or truncated"):
+        ckpt.read_state(path, {"model.weight": torch.empty(2, 3)}, no_dist=True)
+    assert {p.name: p.read_bytes() for p in path.iterdir()} == before

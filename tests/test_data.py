@@ -412,3 +412,44 @@ def test_same_files_indices_and_blend_as_megatron_core(tmp_path, tokenizer):
     helpers.build_blending_indices(dataset_index, dataset_sample_index, weights, 3, 3000, False)
     ours_index, ours_sample_index = build_blending_indices(weights, 3000)
     assert np.array_equal(ours_index, dataset_index) and np.array_equal(ours_sample_index, dataset_sample_index)
+
+
+def _rewrite_index(tmp_path, *, doc_idx=None, lengths=None, pointers=None):
+    """d.idx of _tiny_dataset with one array replaced (same sizes), as a corrupt or hand-edited index would be."""
+    code, old_lengths, old_pointers, old_doc_idx, _, _ = reference_read(tmp_path / "d")
+    arrays = [np.asarray(old_lengths if lengths is None else lengths, "<i4"),
+              np.asarray(old_pointers if pointers is None else pointers, "<i8"),
+              np.asarray(old_doc_idx if doc_idx is None else doc_idx, "<i8")]
+    with open(tmp_path / "d.idx", "wb") as f:
+        f.write(b"MMIDIDX\x00\x00" + struct.pack("<QBQQ", 1, code, len(arrays[0]), len(arrays[2])))
+        f.write(b"".join(a.tobytes() for a in arrays))
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(doc_idx=[0, 1, 1]), r"document_indices must run from 0 to the sequence count 2 .*last 1"),
+    (dict(doc_idx=[1, 1, 2]), r"document_indices must run from 0 .*first 1"),
+    (dict(doc_idx=[0, 2, 1, 2]), r"document_indices must run from 0 to the sequence count 2 without going down"),
+    (dict(lengths=[3, -2]), r"sequence 1 has a negative length -2"),
+    (dict(pointers=[0, 4]), r"sequence 1 starts at byte 4 but the sequences before it end at byte 6"),
+])
+def test_an_inconsistent_index_is_refused_naming_the_file(tmp_path, change, message):
+    """Megatron asserts document_indices[-1] == the sequence count; a wrong pointer or length would read
+    other tokens silently."""
+    prefix = _tiny_dataset(tmp_path)
+    _rewrite_index(tmp_path, **change)
+    with pytest.raises(DataFormatError, match=r"d\.idx: " + message + r".*re-run preprocessing"):
+        IndexedDataset(prefix)
+
+
+def test_indexing_as_megatron_negative_and_slices(tmp_path):
+    ds = IndexedDataset(_tiny_dataset(tmp_path))  # sequences [1, 2, 3] and [4, 5]
+    assert ds[-1].tolist() == [4, 5] and ds[-2].tolist() == [1, 2, 3] and ds[np.int64(1)].tolist() == [4, 5]
+    assert ds.get(-1, offset=1).tolist() == [5]
+    assert [s.tolist() for s in ds[0:2]] == [[1, 2, 3], [4, 5]] and [s.tolist() for s in ds[1:]] == [[4, 5]]
+    assert ds[2:5] == []
+    with pytest.raises(ValueError, match="contiguous"):
+        ds[::2]
+    with pytest.raises(IndexError, match=r"sequence -3 out of range .*2 sequences"):
+        ds[-3]
+    with pytest.raises(TypeError, match="an integer or a slice, not str"):
+        ds["0"]

@@ -142,3 +142,45 @@ def test_converter_bad_input(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
     with pytest.raises(FileNotFoundError, match="safetensors"):
         load_hf(tmp_path)
+
+
+@pytest.mark.parametrize("layout", ["transformers 4.x (top-level rope_theta + rope_scaling)", "transformers 5.x (rope_parameters)"])
+@pytest.mark.parametrize("rope_type", ["llama3", "linear"])
+def test_rope_scaling_is_refused_in_both_config_layouts(layout, rope_type):
+    """A Llama-3.1-style config.json used to load as plain RoPE (max logit difference vs HF 1.83)."""
+    scaling = {"rope_type": rope_type, "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 8192}
+    c = {"model_type": "llama", **{k: v for k, v in SMALL.items() if k != "rope_parameters"}}
+    if layout.startswith("transformers 4"):
+        c.update(rope_theta=500000.0, rope_scaling=scaling)
+    else:
+        c.update(rope_parameters={**scaling, "rope_theta": 500000.0})
+    with pytest.raises(ValueError, match=rf"rope_type '{rope_type}' \(RoPE scaling.*only plain RoPE"):
+        config_from_hf(c)
+
+
+def test_hidden_act_other_than_silu_is_refused_and_fractional_rope_base_kept():
+    with pytest.raises(ValueError, match="hidden_act 'gelu' is not supported"):
+        config_from_hf({**SMALL, "model_type": "llama", "hidden_act": "gelu"})
+    c = {"model_type": "llama", **{k: v for k, v in SMALL.items() if k != "rope_parameters"}}
+    assert config_from_hf({**c, "rope_theta": 10000.5}).rotary_base == 10000.5  # was truncated to 10000
+    assert config_from_hf({**c, "rope_theta": 500000.0}).rotary_base == 500000
+    old_layout = config_from_hf({**c, "rope_theta": 1e6, "rope_scaling": None})  # 4.x without scaling: fine
+    assert old_layout.rotary_base == 1_000_000
+
+
+def test_mixtral_in_memory_fused_experts_state_dict_converts_exactly():
+    """transformers keeps a Mixtral's experts as two 3-D tensors in memory (mlp.experts.gate_up_proj/down_proj);
+    its state_dict() used to fail with a bare KeyError. Now it converts, checked against transformers' logits."""
+    hf = hf_mixtral()
+    assert any("experts.gate_up_proj" in k for k in hf.state_dict())  # the layout this test is about
+    config = replace(config_from_hf(hf.config), attention_backend="unfused")
+    ours = GPTModel(config).eval()
+    ours.load_state_dict(from_hf_state_dict(hf.state_dict(), config))
+    x = ids()
+    with torch.no_grad():
+        require(close(ours(x), hf(x).logits, "Mixtral from its in-memory state dict: our logits vs transformers'",
+                      atol=1e-5, rtol=0))
+    broken = {k: v for k, v in hf.state_dict().items() if "experts" not in k}
+    with pytest.raises(ValueError, match="neither Mixtral layout"):
+        from_hf_state_dict(broken, config)

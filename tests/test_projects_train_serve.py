@@ -100,7 +100,7 @@ def test_a_tp2_pp2_checkpoint_becomes_one_model_with_the_trained_logits():
             "the loaded model's output layer equals a freshly initialized one: the checkpoint's weights were not copied in")
         for shard in Path(root).glob("iter_*/*.distcp"):  # the files cut short (a full disk, a copy interrupted)
             shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 10])
-        with pytest.raises(CheckpointError, match="corrupt or truncated"):
+        with pytest.raises(CheckpointError, match=r"iter_0000003/__\d_0\.distcp is truncated"):
             projects.load_inference_model(root)
     finally:
         shutil.rmtree(root, ignore_errors=True)
@@ -153,13 +153,22 @@ def test_bad_requests_get_clear_4xx_replies(server):
 
 
 def test_trained_checkpoint_trains_only_when_project_1_is_missing(tmp_path, monkeypatch):
-    calls = []
-    monkeypatch.setattr(launch, "run_function", lambda fn, n, *args, **kw: calls.append((fn, n, args)))
-    assert projects.trained_checkpoint(tmp_path) == tmp_path
-    assert calls == [(projects.train_reference, 8, (str(tmp_path),))]  # nothing there: train the recipe on 8 ranks
-    (tmp_path / "latest_checkpointed_iteration.txt").write_text(str(projects.TRAIN_ITERS))
+    """Missing: the recipe trains in this run's own scratch folder, which is then published whole (one rename);
+    complete: nothing is trained."""
+    calls, trained = [], tmp_path / "trained"
     curve = [(1, 9.010609388351440), (2, 0.1 + 0.2)]
-    projects.save_curve(tmp_path, curve)
-    assert projects.load_curve(tmp_path) == curve  # floats come back bit for bit
-    projects.trained_checkpoint(tmp_path)
+
+    def fake_training(fn, n, run, **kw):
+        calls.append((fn, n))
+        Path(run).mkdir(parents=True)
+        (Path(run) / "latest_checkpointed_iteration.txt").write_text(str(projects.TRAIN_ITERS))
+        projects.save_curve(run, curve)
+
+    monkeypatch.setattr(launch, "run_function", fake_training)
+    assert projects.trained_checkpoint(trained) == trained
+    assert calls == [(projects.train_reference, 8)]  # nothing there: train the recipe on 8 ranks
+    assert projects.load_curve(trained) == curve  # published, floats bit for bit
+    projects.trained_checkpoint(trained)
     assert len(calls) == 1  # complete: no new training
+    with pytest.raises(CheckpointError, match="not a finished reference run"):
+        projects.publish_trained(tmp_path / "empty", trained)

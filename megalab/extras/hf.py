@@ -66,9 +66,17 @@ def config_from_hf(hf_config) -> TransformerConfig:
         raise ValueError("attention_bias/mlp_bias checkpoints are not supported (LLaMA has no biases)")
     if c.get("sliding_window"):
         raise ValueError(f"sliding_window={c['sliding_window']} is not supported (full causal attention only)")
-    rope = c.get("rope_parameters") or {}
-    if rope.get("rope_type", "default") != "default":
-        raise ValueError(f"rope_type {rope['rope_type']!r} (RoPE scaling) is not supported; only 'default'")
+    if c.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"hidden_act {c['hidden_act']!r} is not supported: the LLaMA/Mixtral MLP here is SwiGLU "
+                         "(hidden_act 'silu')")
+    rope = c.get("rope_parameters") or {}  # transformers 5.x; 4.x had rope_theta and rope_scaling at the top level
+    for field, scaling in (("rope_parameters", rope), ("rope_scaling", c.get("rope_scaling") or {})):
+        kind = scaling.get("rope_type", scaling.get("type", "default"))
+        if kind != "default":
+            raise ValueError(f"{field} has rope_type {kind!r} (RoPE scaling, e.g. Llama 3.1's 'llama3'), which this "
+                             "converter does not implement: only plain RoPE ('default') is converted exactly")
+    theta = rope.get("rope_theta", c.get("rope_theta", 10000))
+    theta = int(theta) if float(theta).is_integer() else float(theta)  # a fractional base is kept, not truncated
     head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
     moe = {}
     if c["model_type"] == "mixtral":
@@ -77,7 +85,7 @@ def config_from_hf(hf_config) -> TransformerConfig:
         **moe, num_layers=c["num_hidden_layers"], hidden_size=c["hidden_size"], num_attention_heads=c["num_attention_heads"],
         num_query_groups=c.get("num_key_value_heads") or c["num_attention_heads"], kv_channels=head_dim,
         ffn_hidden_size=c["intermediate_size"], vocab_size=c["vocab_size"], seq_length=c["max_position_embeddings"],
-        rotary_base=int(rope.get("rope_theta", c.get("rope_theta", 10000))), layernorm_epsilon=c["rms_norm_eps"],
+        rotary_base=theta, layernorm_epsilon=c["rms_norm_eps"],
     )
     return replace(config, share_embeddings_and_output_weights=bool(c.get("tie_word_embeddings")))
 
@@ -161,6 +169,18 @@ def _mlp_from_hf(sd: dict, src: str, dst: str, config: TransformerConfig) -> dic
         return {dst + "linear_fc1.weight": torch.cat([sd.pop(src + "mlp.gate_proj.weight"),
                                                       sd.pop(src + "mlp.up_proj.weight")], dim=0),
                 dst + "linear_fc2.weight": sd.pop(src + "mlp.down_proj.weight")}
+    if src + "mlp.experts.gate_up_proj" in sd:  # transformers' in-memory layout: each expert a slice of one tensor
+        out = {dst + "router.weight": sd.pop(src + "mlp.gate.weight")}
+        gate_up, down = sd.pop(src + "mlp.experts.gate_up_proj"), sd.pop(src + "mlp.experts.down_proj")  # [E, 2f, h], [E, h, f]
+        for e in range(config.num_moe_experts):
+            expert = f"{dst}experts.local_experts.{e}."
+            out[expert + "linear_fc1.weight"] = gate_up[e]  # [gate; up], as our linear_fc1
+            out[expert + "linear_fc2.weight"] = down[e]
+        return out
+    if src + "block_sparse_moe.gate.weight" not in sd:
+        raise ValueError(f"{src}: neither Mixtral layout (checkpoint: block_sparse_moe.experts.<e>.w1/w2/w3; "
+                         f"in memory: mlp.experts.gate_up_proj/down_proj) is in this state dict, e.g. "
+                         f"{sorted(k for k in sd if k.startswith(src))[:3]}")
     out = {dst + "router.weight": sd.pop(src + "block_sparse_moe.gate.weight")}
     for e in range(config.num_moe_experts):
         hf, expert = f"{src}block_sparse_moe.experts.{e}.", f"{dst}experts.local_experts.{e}."

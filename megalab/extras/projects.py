@@ -16,6 +16,7 @@ so turning the tp2·pp2 shards into one inference model is a DCP load at tp1·pp
 from __future__ import annotations
 
 import json
+import uuid
 import warnings
 from pathlib import Path
 
@@ -31,8 +32,7 @@ from megalab.training.training import TrainingConfig, build_train_dataset, pretr
 
 TRAIN_ITERS, SAVE_INTERVAL = 12, 4
 GLOBAL_BATCH, MICRO_BATCH, SEQ_LENGTH = 16, 2, 64
-WORK_DIR = mdist.scratch_dir("07-projects")  # this user's and this tree's own (no fixed path in /tmp)
-TRAINED = WORK_DIR / "trained"  # project 1's reference run: the model project 4 serves
+TRAINED = mdist.cache_dir("07-trained")  # project 1's reference run, the model project 4 serves (published whole)
 CURVE = "loss_curve.json"  # next to the checkpoints: the run's (iteration, loss) pairs
 
 
@@ -83,7 +83,7 @@ def load_curve(save_dir: str | Path) -> list[tuple[int, float]]:
     return [(it, loss) for it, loss in json.loads((Path(save_dir) / CURVE).read_text())]
 
 
-def train_reference(save: str | Path = TRAINED) -> list[tuple[int, float]]:
+def train_reference(save: str | Path) -> list[tuple[int, float]]:
     """Collective (8 ranks): the uninterrupted tp2·pp2·dp2 run, saving every SAVE_INTERVAL iterations and,
     on rank 0, its loss curve."""
     rank, _ = mdist.init()
@@ -95,12 +95,21 @@ def train_reference(save: str | Path = TRAINED) -> list[tuple[int, float]]:
     return curve
 
 
-def trained_checkpoint(save: str | Path = TRAINED) -> Path:
+def publish_trained(run: str | Path, trained: str | Path = TRAINED) -> Path:
+    """Make a finished reference run (its checkpoints and loss curve) the one project 4 serves, in one rename."""
+    if read_tracker(run) != TRAIN_ITERS or not (Path(run) / CURVE).exists():
+        raise CheckpointError(f"{run} is not a finished reference run (iteration {TRAIN_ITERS} and {CURVE})")
+    return mdist.publish_dir(Path(run), Path(trained))
+
+
+def trained_checkpoint(trained: str | Path = TRAINED) -> Path:
     """Project 1's checkpoint folder, complete (final iteration and loss curve); trains the recipe on 8 ranks
-    first if it is not."""
-    if read_tracker(save) != TRAIN_ITERS or not (Path(save) / CURVE).exists():
-        launch.run_function(train_reference, 8, str(save))
-    return Path(save)
+    first if it is not (in this run's scratch folder, then published whole)."""
+    if read_tracker(trained) != TRAIN_ITERS or not (Path(trained) / CURVE).exists():
+        run = mdist.scratch_dir("07-reference") / uuid.uuid4().hex[:8]
+        launch.run_function(train_reference, 8, str(run))
+        publish_trained(run, trained)
+    return Path(trained)
 
 
 # ------------------------------------------------------------------ project 4: serve it
@@ -133,6 +142,8 @@ BAD_REQUESTS = {  # name -> raw body; each must get a 4xx with a message, and th
     "temperature -1": '{"prompt": "hi", "temperature": -1}',
     "prompt too long": '{"prompt": "' + "word " * 80 + '", "max_tokens": 10}',
     "unknown model": '{"model": "gpt-5", "prompt": "hi"}',
+    "max_tokens text": '{"prompt": "hi", "max_tokens": "3"}',
+    "not UTF-8": b'{"prompt": "\xff"}',
 }
 
 

@@ -67,11 +67,11 @@ def publish(name: str, value: Any) -> None:
     tmp.rename(path)
 
 
-def scratch_dir(name: str) -> Path:
-    """A folder for files that notebooks, their ranks and later notebooks share (checkpoints, curves):
-    under the temp dir, but this user's and this tree's own, so two learners on one machine (or two
-    workspaces) never collide; under `make test`'s parallel workers (pytest-xdist), each worker's own
-    too. Not created here."""
+SCRATCH_ENV = "MEGALAB_SCRATCH"
+
+
+def _user_temp_root() -> Path:
+    """This user's and this tree's folder in the temp dir (and, under make test's pytest-xdist, this worker's)."""
     import getpass
     import hashlib
     import tempfile
@@ -81,7 +81,76 @@ def scratch_dir(name: str) -> Path:
     except (KeyError, OSError):  # no name for this uid (containers)
         user = str(os.getuid())
     key = str(Path(__file__).resolve().parents[2]) + os.environ.get("PYTEST_XDIST_WORKER", "")
-    return Path(tempfile.gettempdir()) / f"megalab-{user}-{hashlib.sha256(key.encode()).hexdigest()[:8]}" / name
+    return Path(tempfile.gettempdir()) / f"megalab-{user}-{hashlib.sha256(key.encode()).hexdigest()[:8]}"
+
+
+def scratch_root() -> Path:
+    """This run's own folder in the temp dir, made on first use and removed when the process that made it exits.
+
+    A run is a notebook's kernel (its %%torchrun ranks inherit the folder through MEGALAB_SCRATCH), a script, or
+    one launch of ranks started without one. So two runs at once, two learners on one node, or make test's
+    workers never see, let alone delete, each other's files.
+    """
+    import atexit
+    import shutil
+    import tempfile
+
+    root = os.environ.get(SCRATCH_ENV)
+    if root is None and "TORCHELASTIC_RUN_ID" in os.environ:  # ranks whose parent made none: one per launch
+        root = str(_user_temp_root() / f"launch-{os.environ['TORCHELASTIC_RUN_ID']}")
+    if root is None:
+        base = _user_temp_root()
+        base.mkdir(parents=True, exist_ok=True)
+        _remove_abandoned_runs(base)
+        root = tempfile.mkdtemp(prefix=f"run-{os.getpid()}-", dir=base)
+        os.environ[SCRATCH_ENV] = root
+        atexit.register(shutil.rmtree, root, True)
+    Path(root).mkdir(parents=True, exist_ok=True)
+    return Path(root)
+
+
+def _remove_abandoned_runs(base: Path) -> None:
+    """Folders of runs whose process is gone without cleaning up (a killed kernel)."""
+    import shutil
+
+    import time
+
+    for folder in base.glob("run-*-*"):
+        pid = folder.name.split("-")[1]
+        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
+            shutil.rmtree(folder, ignore_errors=True)
+    for folder in base.glob("launch-*"):  # a launch's ranks cannot tell when the last of them is done: a day later
+        if time.time() - folder.stat().st_mtime > 86400:
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+def scratch_dir(name: str) -> Path:
+    """`name` inside this run's own folder (scratch_root), created: checkpoints and crash demos that a notebook's
+    cells and ranks share, gone when the run ends."""
+    path = scratch_root() / name
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def cache_dir(name: str) -> Path:
+    """A folder that outlives runs, this user's and this tree's (preprocessed data, project 1's trained model for
+    project 4). Write into it only with publish_dir, so a reader never sees half a result. Not created here."""
+    return _user_temp_root() / "cache" / name
+
+
+def publish_dir(built: Path, final: Path) -> Path:
+    """Move a fully written folder `built` to `final` (same file system), replacing what was there: a reader finds
+    a whole folder (old or new) or, for the instant between two renames, none; never a half-written one."""
+    import shutil
+    import uuid
+
+    final.parent.mkdir(parents=True, exist_ok=True)
+    old = final.with_name(f"{final.name}.old-{uuid.uuid4().hex[:8]}")
+    if final.exists():
+        os.rename(final, old)
+    os.rename(built, final)
+    shutil.rmtree(old, ignore_errors=True)
+    return final
 
 
 def shard_bounds(length: int, world_size: int, rank: int) -> tuple[int, int]:

@@ -17,6 +17,7 @@ tokenizer's own threads (`encode_batch`) do that.
 import argparse
 import json
 import os
+import uuid
 from pathlib import Path
 
 import numpy as np
@@ -24,7 +25,7 @@ from tqdm.auto import tqdm
 
 from megalab.core.datasets import DATA_DIR
 from megalab.core.datasets.indexed_dataset import DataFormatError, DType, IndexedDatasetBuilder
-from megalab.lab.dist import scratch_dir
+from megalab.lab.dist import cache_dir
 from megalab.training.tokenizer.tokenizer import DEFAULT_TOKENIZER, Tokenizer
 
 
@@ -74,9 +75,11 @@ def preprocess(input_path: str | Path, output_prefix: str | Path, tokenizer: Tok
 def prepare_corpus(names: tuple[str, ...] = ("shakespeare", "milton"), out_dir: str | Path | None = None,
                    tokenizer_path: str | Path = DEFAULT_TOKENIZER) -> list[str]:
     """The shipped corpus files `data/{name}.jsonl`, preprocessed once into `out_dir` (default: this user's and
-    this tree's `data` folder in the temp dir, megalab.lab.dist.scratch_dir) and reused while newer than the JSONL and
-    the tokenizer. Returns the dataset prefixes."""
-    out_dir = Path(out_dir or scratch_dir("data"))
+    this tree's cache, megalab.lab.dist.cache_dir("data")) and reused while newer than the JSONL and the
+    tokenizer. Each pair is written under a name of its own, then renamed into place (.idx last), so ranks or
+    runs preparing it at the same time never read a half-written file. Returns the dataset prefixes."""
+    out_dir = Path(out_dir or cache_dir("data"))
+    out_dir.mkdir(parents=True, exist_ok=True)
     tokenizer, prefixes = None, []
     for name in names:
         source = DATA_DIR / f"{name}.jsonl"
@@ -84,7 +87,9 @@ def prepare_corpus(names: tuple[str, ...] = ("shakespeare", "milton"), out_dir: 
         idx = Path(f"{prefix}_text_document.idx")
         if not idx.exists() or idx.stat().st_mtime < max(source.stat().st_mtime, Path(tokenizer_path).stat().st_mtime):
             tokenizer = tokenizer or Tokenizer.from_file(tokenizer_path)
-            preprocess(source, prefix, tokenizer)
+            private = preprocess(source, out_dir / f".{name}-{os.getpid()}-{uuid.uuid4().hex[:8]}", tokenizer)
+            os.replace(f"{private}.bin", f"{prefix}_text_document.bin")
+            os.replace(f"{private}.idx", idx)
         prefixes.append(f"{prefix}_text_document")
     return prefixes
 

@@ -24,6 +24,12 @@ parameter before the save and each rank keeps its range after the load (Megatron
 Atomic: every rank writes into iter_0000020.tmp; only when all finished does rank 0 rename it
 and then replace the tracker. A crash mid-save leaves a .tmp folder that loading never reads.
 
+Checked on load, never modified: a missing or truncated shard, a damaged .metadata or common.pt, a
+missing tracker beside iter_* folders, a checkpoint of another model: each is a CheckpointError
+naming the file, on every rank. With checksums=True (the default) the CRC32 of every shard goes into
+common.pt at save (the ranks hash their share of the files in parallel, ~3.7 GB/s per core here) and
+is verified at load, so bit rot inside a shard is caught too; neither DCP nor Megatron keeps checksums.
+
 Megatron-LM: megatron/training/checkpointing.py (`save_checkpoint`, `load_checkpoint`,
 `get_checkpoint_tracker_filename`, `read_metadata`), megatron/core/dist_checkpointing/.
 """
@@ -33,6 +39,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import shutil
+import zlib
 from pathlib import Path
 
 import torch
@@ -60,6 +67,10 @@ def read_tracker(load_dir: str | Path) -> int | None:
     """The iteration named in the tracker file, or None if the folder holds no checkpoint yet."""
     tracker = Path(load_dir) / TRACKER
     if not tracker.exists():
+        saved = sorted(p.name for p in Path(load_dir).glob("iter_*") if p.is_dir() and not p.name.endswith(".tmp"))
+        if saved:  # checkpoints without the file that says which one is complete: never guess, never start over
+            raise CheckpointError(f"{tracker} is missing, but {load_dir} holds {', '.join(saved)}: write the iteration "
+                                  f"to load into it (e.g. {int(saved[-1][5:])}) or pass iteration=")
         return None
     text = tracker.read_text().strip()
     if not text.isdigit():
@@ -163,11 +174,13 @@ def commit_checkpoint(tmp: Path, save_dir: str | Path, iteration: int) -> Path:
 
 
 def save_checkpoint(save_dir: str | Path, iteration: int, model: nn.Module, params: list[nn.Parameter],
-                    optimizer: torch.optim.Optimizer, scheduler, consumed_samples: int, tp_group=None) -> Path:
+                    optimizer: torch.optim.Optimizer, scheduler, consumed_samples: int, tp_group=None,
+                    checksums: bool = True) -> Path:
     """Collective: save model, optimizer, RNG and data position of `iteration` (see the module docstring).
 
     params: the parameters this rank holds (its stages); model: the full model they belong to.
     tp_group: the current state's tensor-parallel group unless given (none when no state is current).
+    checksums: record every shard's CRC32 in common.pt, verified at load (costs one read of each file).
     """
     tp_group = ps.resolve_group(tp_group, "tp")
     rank = dist.get_rank()
@@ -179,14 +192,79 @@ def save_checkpoint(save_dir: str | Path, iteration: int, model: nn.Module, para
     dist.barrier()
     state = full_state_dict(model, params, optimizer, tp_group)
     state[f"rng.rank{rank}"] = torch.get_rng_state()
-    dcp.save(state, checkpoint_id=tmp)
+    metadata = dcp.save(state, checkpoint_id=tmp)
+    sums = _checksum_files(tmp, _shard_files(metadata)) if checksums else None
     if rank == 0:
         common = {"iteration": iteration, "consumed_samples": consumed_samples, "scheduler": scheduler.state_dict(),
                   "model_config": dataclasses.asdict(model.config), "world_size": dist.get_world_size()}
+        if sums is not None:
+            common["checksums"] = {"algorithm": "crc32", "files": sums}
         torch.save(common, tmp / "common.pt")
         commit_checkpoint(tmp, save_dir, iteration)
     dist.barrier()
     return final
+
+
+# ------------------------------------------------------------------ shard files and their checksums
+def _shard_files(metadata) -> list[str]:
+    """The data files a DCP checkpoint's metadata points into (relative names, sorted)."""
+    return sorted({info.relative_path for info in metadata.storage_data.values()})
+
+
+def _crc32(path: Path) -> str:
+    crc = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(8 << 20):
+            crc = zlib.crc32(chunk, crc)
+    return f"{crc:08x}"
+
+
+def _my_share(files: list[str], no_dist: bool) -> list[str]:
+    """This rank's share of the files (all of them without a process group): hashing runs in parallel."""
+    return files if no_dist or not dist.is_initialized() else files[dist.get_rank()::dist.get_world_size()]
+
+
+def _checksum_files(path: Path, files: list[str], no_dist: bool = False) -> dict[str, str]:
+    """{file: CRC32} of every file, each rank hashing its share; collective unless no_dist."""
+    mine = {name: _crc32(path / name) for name in _my_share(files, no_dist)}
+    if no_dist or not dist.is_initialized():
+        return mine
+    parts = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, mine)
+    return {name: crc for part in parts for name, crc in sorted(part.items())}
+
+
+def _same_verdict(problem: str | None, no_dist: bool) -> None:
+    """Raise the first rank's problem on every rank (so no rank goes on into a collective alone)."""
+    if not no_dist and dist.is_initialized():
+        problems = [None] * dist.get_world_size()
+        dist.all_gather_object(problems, problem)
+        problem = next((p for p in problems if p), None)
+    if problem:
+        raise CheckpointError(problem)
+
+
+def check_shards(path: Path, metadata, checksums: dict | None = None, no_dist: bool = False) -> None:
+    """Every shard the metadata points into exists and is long enough, and (given checksums) still has
+    the CRC32 it was saved with. Collective unless no_dist; a CheckpointError naming the file on every rank."""
+    problem = None
+    for index, info in metadata.storage_data.items():
+        shard = path / info.relative_path
+        if not shard.exists():
+            problem = f"{shard} is missing (it holds {index.fqn}): the checkpoint is incomplete; load an earlier iteration"
+            break
+        if shard.stat().st_size < info.offset + info.length:
+            problem = (f"{shard} is truncated: {shard.stat().st_size} bytes, {index.fqn} needs bytes up to "
+                       f"{info.offset + info.length}; load an earlier iteration")
+            break
+    if problem is None and checksums is not None:
+        for name in _my_share(sorted(checksums["files"]), no_dist):
+            if (path / name).exists() and _crc32(path / name) != checksums["files"][name]:
+                problem = (f"{path / name} does not match its checksum from the save (CRC32 "
+                           f"{checksums['files'][name]}): the file was changed or damaged on disk; load an earlier "
+                           "iteration or restore the file")
+                break
+    _same_verdict(problem, no_dist)
 
 
 # ------------------------------------------------------------------ load
@@ -216,8 +294,19 @@ def find_checkpoint(load_dir: str | Path, iteration: int | None = None) -> Path:
 
 def read_state(path: Path, state: dict[str, torch.Tensor], no_dist: bool = False) -> None:
     """Fill `state`'s full-shape tensors from the checkpoint at path (collective unless no_dist), after checking
-    that it holds every key at that shape; a corrupt or truncated file is a CheckpointError."""
-    metadata = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    that it holds every key at that shape and that its shards are whole (and match the checksums in common.pt,
+    when it has them); a corrupt, truncated or missing file is a CheckpointError naming it, on every rank."""
+    problem = None
+    try:  # before anything else: a damaged .metadata must not escape as a raw unpickling error
+        full_metadata = dcp.FileSystemReader(path).read_metadata()
+        metadata = full_metadata.state_dict_metadata
+    except Exception as e:
+        problem = (f"{path / '.metadata'} cannot be read ({type(e).__name__}: "
+                   f"{(str(e).strip().splitlines() or [''])[0][:200]}): it is corrupt or truncated; load an earlier "
+                   "iteration")
+    _same_verdict(problem, no_dist)
+    checksums = read_common(path).get("checksums") if (path / "common.pt").exists() else None
+    check_shards(path, full_metadata, checksums, no_dist)
     for key, t in state.items():
         if key not in metadata:
             raise CheckpointError(f"{path} lacks {key!r}: saved from a different model or optimizer")

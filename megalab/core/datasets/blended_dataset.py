@@ -71,11 +71,16 @@ class BlendedDataset(torch.utils.data.Dataset):
         return {"dataset_id": d, **self.datasets[d][int(self.dataset_sample_index[idx])]}
 
 
+def dataset_size(weight: float, num_samples: int, surplus: float = 0.005) -> int:
+    """Samples to build from one dataset of a blend: its share, rounded up, plus a surplus, rounded up (Megatron's)."""
+    return math.ceil(math.ceil(weight * num_samples) * (1 + surplus))
+
+
 def build_blended_gpt_dataset(prefixes: list[str], weights: list[float], seq_length: int, num_samples: int, seed: int,
                               eod: int, **gpt_kwargs) -> BlendedDataset:
-    """One GPTDataset per indexed-dataset prefix, each sized ceil(weight * num_samples * 1.005) as Megatron does,
-    blended to num_samples."""
+    """One GPTDataset per indexed-dataset prefix, each sized ceil(ceil(weight * num_samples) * 1.005) as Megatron
+    does (blended_megatron_dataset_builder._get_size_per_split_per_dataset, 0.5% surplus), blended to num_samples."""
     w = normalize(weights)
-    datasets = [GPTDataset(IndexedDataset(prefix), seq_length, math.ceil(wd * num_samples * 1.005), seed, eod, **gpt_kwargs)
+    datasets = [GPTDataset(IndexedDataset(prefix), seq_length, dataset_size(wd, num_samples), seed, eod, **gpt_kwargs)
                 for prefix, wd in zip(prefixes, w, strict=True)]
     return BlendedDataset(datasets, list(w), num_samples)

@@ -131,6 +131,28 @@ class _IndexReader:
         self.sequence_lengths = np.frombuffer(buffer, np.int32, S, offset)  # [S]
         self.sequence_pointers = np.frombuffer(buffer, np.int64, S, offset + 4 * S)  # [S]
         self.document_indices = np.frombuffer(buffer, np.int64, D, offset + 12 * S)  # [D]
+        self._check(np.dtype(self.dtype).itemsize)
+
+    def _check(self, itemsize: int) -> None:
+        """What Megatron's reader asserts, and what would make later reads silently wrong: document
+        boundaries from 0 to the sequence count, never decreasing; no negative length; each sequence
+        starting where the one before it ends."""
+        docs, S = self.document_indices, self.sequence_count
+        if len(docs) == 0 or docs[0] != 0 or docs[-1] != S or np.any(np.diff(docs) < 0):
+            first, last = (int(docs[0]), int(docs[-1])) if len(docs) else (None, None)
+            raise DataFormatError(
+                f"{self.idx_path}: document_indices must run from 0 to the sequence count {S} without going "
+                f"down (first {first}, last {last}, {len(docs)} entries); the index is corrupt, re-run preprocessing")
+        if np.any(self.sequence_lengths < 0):
+            bad = int(np.flatnonzero(self.sequence_lengths < 0)[0])
+            raise DataFormatError(f"{self.idx_path}: sequence {bad} has a negative length "
+                                  f"{int(self.sequence_lengths[bad])}; the index is corrupt, re-run preprocessing")
+        starts = np.concatenate([[0], np.cumsum(self.sequence_lengths[:-1], dtype=np.int64)]) * itemsize if S else []
+        if S and not np.array_equal(self.sequence_pointers, starts):
+            bad = int(np.flatnonzero(self.sequence_pointers != starts)[0])
+            raise DataFormatError(
+                f"{self.idx_path}: sequence {bad} starts at byte {int(self.sequence_pointers[bad])} but the sequences "
+                f"before it end at byte {int(starts[bad])}; the index is corrupt, re-run preprocessing")
 
 
 class IndexedDataset:
@@ -166,13 +188,28 @@ class IndexedDataset:
     def __len__(self) -> int:
         return self.index.sequence_count
 
-    def __getitem__(self, idx: int) -> np.ndarray:
+    def __getitem__(self, idx: int | slice) -> np.ndarray | list[np.ndarray]:
+        """ds[i] (negative counts from the end) is sequence i; ds[a:b] the list of sequences a..b-1, as in
+        Megatron (contiguous slices only)."""
+        if isinstance(idx, slice):
+            start, stop, step = idx.indices(len(self))
+            if step != 1:
+                raise ValueError(f"slices of an IndexedDataset must be contiguous (step 1), got step {step}")
+            return [self.get(i) for i in range(start, stop)]
         return self.get(idx)
 
+    def _sequence(self, idx) -> int:
+        if isinstance(idx, bool) or not isinstance(idx, (int, np.integer)):
+            raise TypeError(f"an IndexedDataset takes an integer or a slice, not {type(idx).__name__} ({idx!r})")
+        i = int(idx) + len(self) if idx < 0 else int(idx)
+        if not 0 <= i < len(self):
+            raise IndexError(f"sequence {int(idx)} out of range for {self.path_prefix} ({len(self)} sequences)")
+        return i
+
     def get(self, idx: int, offset: int = 0, length: int | None = None) -> np.ndarray:
-        """Tokens [offset, offset + length) of sequence `idx` (to its end when length is None)."""
-        if not 0 <= idx < len(self):
-            raise IndexError(f"sequence {idx} out of range for {self.path_prefix} ({len(self)} sequences)")
+        """Tokens [offset, offset + length) of sequence `idx` (negative: from the end; to its end when
+        length is None)."""
+        idx = self._sequence(idx)
         seq_length = int(self.index.sequence_lengths[idx])
         if length is None:
             length = seq_length - offset

@@ -24,7 +24,8 @@ class InferenceRequest:
     generated_tokens: list[int] = field(default_factory=list)
     generated_log_probs: list[float] = field(default_factory=list)
     status: str = "waiting"  # waiting -> active -> completed
-    finish_reason: str | None = None  # "length" or "stop" (the termination_id came out)
+    finish_reason: str | None = None  # "length", "stop" (termination_id), "cancelled" or "error"
+    error: str | None = None  # why it failed, when finish_reason == "error"
     arrival_time: float = field(default_factory=time.perf_counter)
     finish_time: float | None = None
     generator: torch.Generator | None = None

@@ -12,6 +12,7 @@ the termination id from the tokenizer). Megatron's sampling: TextGenerationContr
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -28,18 +29,28 @@ class SamplingParams:
     termination_id: int | None = None  # stop after generating this token
 
     def __post_init__(self):
-        if not (isinstance(self.temperature, int | float) and self.temperature >= 0):
-            raise ValueError(f"temperature must be >= 0 (0 means greedy), got {self.temperature!r}")
-        if not (isinstance(self.top_k, int) and self.top_k >= 0):
+        if not (_is_number(self.temperature) and 0 <= self.temperature < math.inf):
+            raise ValueError(f"temperature must be a finite number >= 0 (0 means greedy), got {self.temperature!r}")
+        if not (_is_int(self.top_k) and self.top_k >= 0):
             raise ValueError(f"top_k must be an integer >= 0 (0 means off, 1 greedy), got {self.top_k!r}")
-        if not (isinstance(self.top_p, int | float) and 0.0 <= self.top_p <= 1.0):
+        if not (_is_number(self.top_p) and 0.0 <= self.top_p <= 1.0):
             raise ValueError(f"top_p must be in [0, 1] (0 means off), got {self.top_p!r}")
-        if not (isinstance(self.num_tokens_to_generate, int) and self.num_tokens_to_generate >= 1):
+        if not (_is_int(self.num_tokens_to_generate) and self.num_tokens_to_generate >= 1):
             raise ValueError(f"num_tokens_to_generate must be a positive integer, got {self.num_tokens_to_generate!r}")
+        if self.seed is not None and not (_is_int(self.seed) and 0 <= self.seed < 2**63):
+            raise ValueError(f"seed must be an integer in [0, 2**63), got {self.seed!r}")
 
     @property
     def greedy(self) -> bool:
         return self.top_k == 1 or self.temperature == 0
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_number(x) -> bool:
+    return (isinstance(x, int | float) and not isinstance(x, bool)) and not math.isnan(x)
 
 
 def filter_logits(logits: torch.Tensor, top_k: int = 0, top_p: float = 0.0) -> torch.Tensor:
@@ -58,17 +69,24 @@ def filter_logits(logits: torch.Tensor, top_k: int = 0, top_p: float = 0.0) -> t
         sorted_logits, order = torch.sort(logits, descending=True)
         cumulative = sorted_logits.softmax(-1).cumsum(-1)
         drop = cumulative - sorted_logits.softmax(-1) >= top_p  # mass before this token already reached top_p
+        drop[0] = False  # the most likely token always stays (also when top_p rounds to 0 in float32)
         logits[order[drop]] = float("-inf")
     return logits
     ### END SOLUTION
 
 
 def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None) -> int:
-    """One token id from the logits [V] of one request (drawn on the CPU, where its generator lives)."""
+    """One token id from the logits [V] of one request (drawn on the CPU, where its generator lives).
+
+    The logits are shifted so their maximum is 0 before dividing by the temperature: however small
+    the temperature, the top token keeps probability > 0 and nothing overflows into NaN (down to the smallest float64).
+    """
     logits = logits.float().cpu()
+    if logits.isnan().any() or logits.isposinf().any():
+        raise ValueError("the model produced NaN or +inf logits for this request; it cannot be sampled")
     if params.greedy:
         return int(logits.argmax())
-    logits = logits / params.temperature
+    logits = ((logits.double() - logits.max()) / params.temperature).float()  # <= 0, the top at 0 (float64: any T > 0)
     if params.top_k or params.top_p:
         logits = filter_logits(logits, params.top_k, params.top_p)
     probs = logits.softmax(-1)

@@ -40,7 +40,7 @@ class TransformerConfig:
     activation_func: str = "gelu"
     gated_linear_unit: bool = False  # True with "silu" is SwiGLU (LLaMA)
     position_embedding_type: str = "learned_absolute"
-    rotary_base: int = 10000
+    rotary_base: float = 10000  # RoPE's base (rope_theta); fractional bases are kept
     rotary_percent: float = 1.0
     rotary_interleaved: bool = False  # rotate pairs (x0, x1), (x2, x3)... (Meta's LLaMA) instead of halves (HF)
     add_bias_linear: bool = True

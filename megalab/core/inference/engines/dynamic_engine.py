@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import itertools
 import time
+import traceback
 from collections import deque
 from collections.abc import Callable
 
@@ -92,31 +93,38 @@ class InferenceEngine:
 
     @torch.inference_mode()
     def step(self) -> list[InferenceRequest]:
-        """One forward: prefill the newcomers, decode one token for the others. Returns those that finished."""
+        """One forward: prefill the newcomers, decode one token for the others. Returns those that finished.
+
+        A request that fails (its forward, its sampling, its callback) is failed alone: when the batched
+        forward raises, each request runs alone (its K/V slots are simply rewritten) and only those
+        that still fail are ended with finish_reason "error"; the others go on with the same tokens.
+        """
         admitted = self.schedule()
         for request in admitted:
             request.status = "active"
-        ids, positions, segments = [], [], []
-        for request in self.active:  # decode: the newest token, at the end of the sequence
-            start = len(request.prompt_tokens) + len(request.generated_tokens) - 1
-            segments.append(Segment(request.request_id, start, 1))
-            ids.append(request.generated_tokens[-1])
-        for request in admitted:  # prefill: the whole prompt
-            segments.append(Segment(request.request_id, 0, len(request.prompt_tokens)))
-            ids.extend(request.prompt_tokens)
+        batch = [(r, Segment(r.request_id, len(r.prompt_tokens) + len(r.generated_tokens) - 1, 1))
+                 for r in self.active]  # decode: the newest token, at the end of the sequence
+        batch += [(r, Segment(r.request_id, 0, len(r.prompt_tokens))) for r in admitted]  # prefill: the prompt
         self.active.extend(admitted)
-        if not segments:
+        if not batch:
             return []
-        for seg in segments:
-            positions.extend(range(seg.start, seg.start + seg.length))
-            self.cache.reserve(seg.seq_id, seg.start + seg.length)
-        device = self.model.embedding.word_embeddings.weight.device
-        logits = forward_step(self.model, torch.tensor(ids, device=device), torch.tensor(positions, device=device),
-                              segments, self.cache)  # [T, V]
-        last_rows = torch.tensor([s.length for s in segments]).cumsum(0) - 1  # each request's last token
+        try:
+            rows = self._forward(batch)
+        except Exception as exc:
+            if len(batch) == 1:
+                self._fail(batch[0][0], exc)
+                rows = [None]
+            else:
+                rows = [self._forward_alone(item) for item in batch]
         finished = []
-        for request, row in zip(self.active, logits[last_rows]):
-            self._append(request, row)
+        for (request, _), row in zip(batch, rows):
+            if row is None:  # failed alone above
+                continue
+            try:
+                self._append(request, row)
+            except Exception as exc:
+                self._fail(request, exc)
+                continue
             if request.finish_reason is not None:
                 finished.append(request)
         for request in finished:
@@ -125,16 +133,52 @@ class InferenceEngine:
         self.steps += 1
         return finished
 
+    def _forward(self, batch: list[tuple[InferenceRequest, Segment]]) -> torch.Tensor:
+        """Logits [len(batch), V]: one forward over every segment's tokens, each request's last row."""
+        ids, positions, segments = [], [], [seg for _, seg in batch]
+        for request, seg in batch:
+            ids.extend(request.generated_tokens[-1:] if request.generated_tokens else request.prompt_tokens)
+            positions.extend(range(seg.start, seg.start + seg.length))
+            self.cache.reserve(seg.seq_id, seg.start + seg.length)
+        device = self.model.embedding.word_embeddings.weight.device
+        logits = forward_step(self.model, torch.tensor(ids, device=device), torch.tensor(positions, device=device),
+                              segments, self.cache)  # [T, V]
+        last_rows = torch.tensor([s.length for s in segments], device=device).cumsum(0) - 1
+        return logits[last_rows]
+
+    def _forward_alone(self, item: tuple[InferenceRequest, Segment]) -> torch.Tensor | None:
+        try:
+            return self._forward([item])[0]
+        except Exception as exc:
+            self._fail(item[0], exc)
+            return None
+
+    def _fail(self, request: InferenceRequest, exc: BaseException) -> None:
+        """End one request with finish_reason "error" (the reason kept in request.error); the rest go on."""
+        traceback.print_exception(exc)
+        request.error = f"{type(exc).__name__}: {exc}"
+        self.cancel(request, "error")
+
+    def cancel(self, request: InferenceRequest, reason: str = "cancelled") -> None:
+        """End one request now (a client went away, a stop string matched, a failure) and free its cache."""
+        if request in self.active:
+            self.active.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        elif request.status == "completed":
+            return  # already over
+        self.cache.free(request.request_id)
+        request.status, request.finish_reason, request.finish_time = "completed", reason, time.perf_counter()
+        if request.on_token is not None:
+            try:
+                request.on_token(request, None)
+            except Exception:  # its listener is gone too: nothing more to tell
+                pass
+
     def abort_all(self, reason: str = "error") -> None:
         """End every request in flight or waiting (e.g. after a failed step) and free their cache."""
-        for request in self.active:
-            self.cache.free(request.request_id)
         for request in [*self.active, *self.waiting]:
-            request.status, request.finish_reason, request.finish_time = "completed", reason, time.perf_counter()
-            if request.on_token is not None:
-                request.on_token(request, None)
-        self.active.clear()
-        self.waiting.clear()
+            self.cancel(request, reason)
 
     def _append(self, request: InferenceRequest, logits: torch.Tensor) -> None:
         params = request.sampling_params

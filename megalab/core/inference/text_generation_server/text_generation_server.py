@@ -6,9 +6,11 @@
 
 The event loop only parses, validates and waits; one background thread runs engine.step()
 whenever requests are in flight, so every connected client shares the continuous batch.
-Bad requests (malformed JSON, wrong types, out-of-range sampling values, prompts too long for
-the model) get a 400 with an OpenAI-style {"error": {"message", "type"}} body; the server keeps
-serving. It binds 127.0.0.1 unless told otherwise. Megatron serves with a Flask text-generation
+Every error has OpenAI's shape {"error": {"message", "type", "param", "code"}}: a bad request
+(a body that is not UTF-8 JSON, a wrong type, which is never coerced, an unknown or unsupported
+field, a value out of range, a prompt too long for the model) is a 400 naming the field; a request
+the engine fails is a 500 for that request alone, the others in its batch go on; a client that
+disconnects has its request cancelled and its KV blocks freed. It binds 127.0.0.1 unless told otherwise. Megatron serves with a Flask text-generation
 server (megatron/inference/text_generation_server.py) and an OpenAI-compatible endpoint in
 megatron/core/inference (text_generation_server/ endpoints/completions.py).
 """
@@ -33,27 +35,90 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from megalab.core.inference.engines.dynamic_engine import InferenceEngine
 from megalab.core.inference.sampling_params import SamplingParams
 
 
+MAX_BODY_BYTES = 1 << 20  # 1 MiB: far more than any prompt this model can take
+MAX_STOP = 4  # stop strings per request, as OpenAI
+
+
 class CompletionRequest(BaseModel):
-    """The common OpenAI /v1/completions body (fields it does not know are ignored)."""
-    model_config = ConfigDict(extra="ignore")
+    """The OpenAI /v1/completions body, checked strictly: a wrong type is a 400, never coerced
+    ("max_tokens": "3" or true is refused), and so is a field this server does not know."""
+    model_config = ConfigDict(strict=True, extra="forbid")
     model: str | None = None
     prompt: str = Field(min_length=1)
-    max_tokens: int = Field(16, ge=1)
-    temperature: float = Field(1.0, ge=0.0, le=2.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=0)
+    max_tokens: int = Field(16, ge=1, le=1 << 20)
+    temperature: float = Field(1.0, ge=0.0, le=2.0, allow_inf_nan=False)
+    top_p: float = Field(1.0, gt=0.0, le=1.0, allow_inf_nan=False)
+    top_k: int = Field(0, ge=0, le=1 << 20)
     stream: bool = False
-    seed: int | None = None
+    stream_options: StreamOptions | None = None
+    seed: int | None = Field(None, ge=0, lt=1 << 63)
+    stop: str | list[str] | None = None
+    user: str | None = None  # OpenAI's end-user id: accepted, not used
+    # OpenAI fields this server does not implement: accepted only at the value that changes nothing
+    n: int = 1
+    best_of: int = 1
+    echo: bool = False
+    logprobs: int | None = None
+    suffix: str | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_strings(cls, stop):
+        stops = [stop] if isinstance(stop, str) else stop or []
+        if len(stops) > MAX_STOP or any(not s for s in stops):
+            raise ValueError(f"give at most {MAX_STOP} non-empty stop strings")
+        return stops
+
+    @model_validator(mode="after")
+    def _unsupported(self):
+        neutral = {"n": 1, "best_of": 1, "echo": False, "logprobs": None, "suffix": None,
+                   "presence_penalty": 0.0, "frequency_penalty": 0.0}
+        for name, value in neutral.items():
+            if getattr(self, name) != value:
+                raise ValueError(f"{name}={getattr(self, name)!r} is not supported by this server "
+                                 f"(only {name}={value!r}); {UNSUPPORTED_HINTS[name]}")
+        if self.logit_bias:
+            raise ValueError(f"logit_bias is not supported by this server; {UNSUPPORTED_HINTS['logit_bias']}")
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options is only allowed with stream=true")
+        return self
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+    include_usage: bool = False
+
+
+CompletionRequest.model_rebuild()
+
+UNSUPPORTED_HINTS = {
+    "n": "send n separate requests (with different seeds) instead",
+    "best_of": "send several requests and pick the best yourself",
+    "echo": "prepend the prompt to the completion yourself",
+    "logprobs": "the engine's SamplingParams(return_log_probs=True) gives them in Python",
+    "suffix": "this model only continues text",
+    "presence_penalty": "leave it at 0",
+    "frequency_penalty": "leave it at 0",
+    "logit_bias": "leave it out",
+}
 
 
 class EngineLoop:
-    """Runs engine.step() in one background thread while requests are in flight."""
+    """Runs engine.step() in one background thread while requests are in flight.
+
+    Every touch of the engine (add, cancel, step) holds one lock, so a request can be cancelled
+    from the server's event loop between two steps.
+    """
 
     def __init__(self, engine: InferenceEngine):
         self.engine, self.lock = engine, threading.Condition()
@@ -67,6 +132,7 @@ class EngineLoop:
     def stop(self) -> None:
         with self.lock:
             self.running = False
+            self.engine.abort_all("cancelled")
             self.lock.notify()
         self.thread.join()
 
@@ -76,6 +142,10 @@ class EngineLoop:
             self.lock.notify()
             return request
 
+    def cancel(self, request, reason: str = "cancelled") -> None:
+        with self.lock:
+            self.engine.cancel(request, reason)
+
     def _run(self) -> None:
         while True:
             with self.lock:
@@ -84,14 +154,60 @@ class EngineLoop:
                 if not self.running:
                     return
                 try:
-                    self.engine.step()
-                except Exception:  # fail the requests in flight, keep serving
+                    self.engine.step()  # fails a broken request alone
+                except Exception:  # a fault outside any one request (the scheduler): end them all, keep serving
                     traceback.print_exc()
                     self.engine.abort_all("error")
 
 
+class BadRequest(Exception):
+    def __init__(self, message: str, status: int = 400, kind: str = "invalid_request_error"):
+        super().__init__(message)
+        self.status, self.kind = status, kind
+
+
 def _error(status: int, message: str, kind: str = "invalid_request_error") -> JSONResponse:
-    return JSONResponse(status_code=status, content={"error": {"message": message, "type": kind}})
+    """OpenAI's error shape: {"error": {"message", "type", "param", "code"}}."""
+    return JSONResponse(status_code=status,
+                        content={"error": {"message": message, "type": kind, "param": None, "code": None}})
+
+
+def _reject_constant(name: str):
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def parse_completion_request(raw: bytes) -> CompletionRequest:
+    """The body's bytes -> a checked CompletionRequest, or BadRequest saying what is wrong and where."""
+    if len(raw) > MAX_BODY_BYTES:
+        raise BadRequest(f"the request body is {len(raw)} bytes; the limit is {MAX_BODY_BYTES}", 413)
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise BadRequest(f"the request body is not UTF-8 ({exc.reason} at byte {exc.start}): send UTF-8 JSON")
+    try:
+        body = json.loads(text, parse_constant=_reject_constant)
+    except (ValueError, RecursionError) as exc:
+        reason = "nested too deeply" if isinstance(exc, RecursionError) else str(exc)
+        raise BadRequest(f"malformed JSON: {reason}") from None
+    if not isinstance(body, dict):
+        raise BadRequest(f"the body must be a JSON object like {{\"prompt\": \"...\"}}, got a {type(body).__name__}")
+    try:
+        return CompletionRequest.model_validate(body)
+    except ValidationError as exc:
+        raise BadRequest(_describe(exc)) from None
+
+
+def _describe(exc: ValidationError) -> str:
+    problems = []
+    for e in exc.errors():
+        where = ".".join(str(p) for p in e["loc"]) or "body"
+        if e["type"] == "extra_forbidden":
+            problems.append(f"{where}: unknown field (this server takes {', '.join(CompletionRequest.model_fields)})")
+        elif e["type"] == "value_error":  # our own validators: their message is the whole story
+            problems.append(f"{where + ': ' if e['loc'] else ''}{e['msg'].removeprefix('Value error, ')}")
+        else:
+            problems.append(f"{where}: {e['msg']}")
+    return "; ".join(problems)
 
 
 def _codec(tokenizer):
@@ -101,19 +217,30 @@ def _codec(tokenizer):
     return tokenizer.encode, tokenizer.decode
 
 
-class _Detokenizer:
-    """Text of the tokens so far, handed out in pieces; holds back a cut multi-byte character."""
+class _TextStream:
+    """Text of the tokens so far, handed out in pieces. Holds back a cut multi-byte character and any
+    tail that could still grow into a stop string; ends at the first stop string, which is not sent."""
 
-    def __init__(self, decode):
-        self.decode, self.tokens, self.sent = decode, [], 0
+    def __init__(self, decode, stop: list[str] = ()):
+        self.decode, self.stop, self.tokens, self.sent = decode, list(stop or ()), [], 0
 
-    def push(self, token: int | None, final: bool) -> str:
+    def push(self, token: int | None, final: bool) -> tuple[str, bool]:
+        """(new text to send, whether a stop string ended the completion)."""
         if token is not None:
             self.tokens.append(token)
         text = self.decode(self.tokens)
-        if text.endswith("\ufffd") and not final:
-            return ""
-        piece, self.sent = text[self.sent:], len(text)
+        hits = [i for i in (text.find(s, self.sent) for s in self.stop) if i >= 0]
+        if hits:
+            return self._take(text, min(hits)), True
+        if final:
+            return self._take(text, len(text)), False
+        if text.endswith("\ufffd"):
+            return "", False
+        held = max((k for s in self.stop for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
+        return self._take(text, max(self.sent, len(text) - held)), False
+
+    def _take(self, text: str, end: int) -> str:
+        piece, self.sent = text[self.sent:end], end
         return piece
 
 
@@ -130,66 +257,110 @@ def create_app(engine: InferenceEngine, tokenizer, model_name: str = "megalab-gp
 
     app = FastAPI(title="megalab inference server", lifespan=lifespan)
 
+    @app.exception_handler(StarletteHTTPException)  # unknown route (404), wrong method (405), ...
+    async def http_error(request: Request, exc: StarletteHTTPException):
+        return _error(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}")
+
     @app.exception_handler(RequestValidationError)
     async def bad_request(request: Request, exc: RequestValidationError):
-        problems = []
-        for e in exc.errors():
-            if e["type"] == "json_invalid":
-                problems.append(f"malformed JSON: {e.get('ctx', {}).get('error', e['msg'])}")
-            else:
-                where = ".".join(str(p) for p in e["loc"] if p != "body") or "body"
-                problems.append(f"{where}: {e['msg']}")
-        return _error(400, "; ".join(problems))
+        return _error(400, "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors()))
+
+    @app.exception_handler(Exception)  # a bug of ours: still OpenAI's shape, and the server goes on
+    async def server_error(request: Request, exc: Exception):
+        traceback.print_exception(exc)
+        return _error(500, f"internal error: {type(exc).__name__} (see the server log)", "server_error")
 
     @app.get("/health")
     async def health():
         return {"status": "ok", "model": model_name, "active": len(engine.active), "waiting": len(engine.waiting)}
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest):
-        if body.model not in (None, model_name):
-            return _error(404, f"model {body.model!r} is not served here; this server serves {model_name!r}",
-                          "model_not_found")
+    async def completions(http: Request):
         try:
+            body = parse_completion_request(await http.body())
+            if body.model not in (None, model_name):
+                raise BadRequest(f"model {body.model!r} is not served here; this server serves {model_name!r}",
+                                 404, "model_not_found")
             params = SamplingParams(temperature=body.temperature, top_k=body.top_k,
                                     top_p=0.0 if body.top_p == 1.0 else body.top_p,
                                     num_tokens_to_generate=body.max_tokens, seed=body.seed, termination_id=termination_id)
             prompt_tokens = encode(body.prompt)
             loop, tokens = asyncio.get_running_loop(), asyncio.Queue()
             on_token = lambda request, token: loop.call_soon_threadsafe(  # runs in the engine thread
-                tokens.put_nowait, (token, request.finish_reason, request))
-            loop_thread.add_request(prompt_tokens, params, on_token)
-        except ValueError as exc:
+                tokens.put_nowait, (token, request.finish_reason))
+            request = loop_thread.add_request(prompt_tokens, params, on_token)
+        except BadRequest as exc:
+            return _error(exc.status, str(exc), exc.kind)
+        except ValueError as exc:  # the engine's own checks (prompt too long for the model, ...)
             return _error(400, str(exc))
         meta = {"id": f"cmpl-{uuid.uuid4().hex[:16]}", "object": "text_completion", "created": int(time.time()),
                 "model": model_name}
-        detok = _Detokenizer(decode)
+        text = _TextStream(decode, body.stop)
 
-        async def next_piece():  # -> (text, finish_reason or None, request)
-            token, finish, request = await tokens.get()
-            return detok.push(token, finish is not None), finish, request
+        async def next_piece():  # -> (text, finish_reason or None); a matched stop string ends the request
+            token, finish = await tokens.get()
+            piece, stopped = text.push(token, finish is not None)
+            if stopped and finish is None:
+                loop_thread.cancel(request, "stop")
+                finish = "stop"
+            return piece, finish
+
+        def usage():
+            n_prompt, n_out = len(prompt_tokens), len(request.generated_tokens)
+            return {"prompt_tokens": n_prompt, "completion_tokens": n_out, "total_tokens": n_prompt + n_out}
 
         if body.stream:
             async def events():
                 finish = None
-                while finish is None:
-                    piece, finish, request = await next_piece()
-                    choice = {"text": piece, "index": 0, "logprobs": None, "finish_reason": finish}
-                    yield f"data: {json.dumps({**meta, 'choices': [choice]})}\n\n"
-                yield "data: [DONE]\n\n"
+                try:
+                    while finish is None:
+                        piece, finish = await next_piece()
+                        if finish == "error":
+                            yield f"data: {json.dumps(_failed(request))}\n\n"
+                            break
+                        choice = {"text": piece, "index": 0, "logprobs": None, "finish_reason": finish}
+                        yield f"data: {json.dumps({**meta, 'choices': [choice]})}\n\n"
+                    if body.stream_options and body.stream_options.include_usage:
+                        yield f"data: {json.dumps({**meta, 'choices': [], 'usage': usage()})}\n\n"
+                    yield "data: [DONE]\n\n"
+                finally:  # the client went away (or the server stops): stop generating for it
+                    if finish is None:
+                        loop_thread.cancel(request)
             return StreamingResponse(events(), media_type="text/event-stream")
 
-        text, finish = [], None
-        while finish is None:
-            piece, finish, request = await next_piece()
-            text.append(piece)
+        pieces, finish, checked = [], None, loop.time()
+        try:
+            while finish is None:
+                try:
+                    piece, finish = await asyncio.wait_for(next_piece(), timeout=DISCONNECT_POLL_S)
+                    pieces.append(piece)
+                except TimeoutError:
+                    pass
+                if finish is None and loop.time() - checked >= DISCONNECT_POLL_S:  # is the client still there?
+                    checked = loop.time()
+                    if await http.is_disconnected():
+                        break
+        finally:
+            if finish is None:  # the client went away (or this handler was cancelled)
+                loop_thread.cancel(request)
+        if finish is None:
+            return _error(499, "the client closed the connection", "client_closed")
         if finish == "error":
-            return _error(500, "the engine failed while generating this request (see the server log)", "server_error")
-        n_prompt, n_out = len(prompt_tokens), len(request.generated_tokens)
-        return {**meta, "choices": [{"text": "".join(text), "index": 0, "logprobs": None, "finish_reason": finish}],
-                "usage": {"prompt_tokens": n_prompt, "completion_tokens": n_out, "total_tokens": n_prompt + n_out}}
+            return JSONResponse(status_code=500, content=_failed(request))
+        return {**meta, "choices": [{"text": "".join(pieces), "index": 0, "logprobs": None, "finish_reason": finish}],
+                "usage": usage()}
 
     return app
+
+
+DISCONNECT_POLL_S = 0.25  # how often a waiting non-streamed request checks that its client is still there
+
+
+def _failed(request) -> dict:
+    """The error body of a request the engine failed (alone: the others in its batch went on)."""
+    return {"error": {"message": f"the engine failed while generating this request ({request.error}); "
+                                 "other requests are unaffected (see the server log)",
+                      "type": "server_error", "param": None, "code": None}}
 
 
 def _free_port(host: str) -> int:
@@ -294,8 +465,11 @@ def load_test(url: str, prompts: list[str], concurrency: int = 64, requests_per_
                 if line == "data: [DONE]":
                     done = True
                 elif line.startswith("data: "):
-                    if json.loads(line[6:])["choices"][0]["finish_reason"] == "error":
-                        raise httpx.HTTPError("the engine failed while streaming this request")
+                    event = json.loads(line[6:])
+                    if "error" in event:
+                        raise httpx.HTTPError(f"the server failed this request: {event['error']['message']}")
+                    if not event["choices"]:  # the usage event (stream_options.include_usage)
+                        continue
                     ttft = time.perf_counter() - start if ttft is None else ttft
                     tokens += 1
         if not done or ttft is None:

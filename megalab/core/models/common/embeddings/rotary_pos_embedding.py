@@ -24,7 +24,7 @@ class RotaryEmbedding(nn.Module):
     chunks' positions in the full sequence (zigzag or contiguous); packed batches are refused there.
     Megatron: RotaryEmbedding.forward, which calls get_pos_emb_on_this_cp_rank under CP."""
 
-    def __init__(self, kv_channels: int, rotary_percent: float = 1.0, rotary_base: int = 10000,
+    def __init__(self, kv_channels: int, rotary_percent: float = 1.0, rotary_base: float = 10000,
                  rotary_interleaved: bool = False, cp_group: dist.ProcessGroup | None = None, cp_zigzag: bool = True):
         super().__init__()
         self.rotary_interleaved = rotary_interleaved
