@@ -1,0 +1,116 @@
+"""The NCCL p2p model checker (megalab/extras/p2p_model.py), and every p2p exchange in megalab under it."""
+
+import pytest
+import torch
+
+from megalab.extras import p2p_model as pm
+from megalab.extras.p2p_model import P2P, P2PDeadlock, P2PMismatch
+
+SHAPE, DTYPE = (1, 2), "float32"
+
+
+def _op(kind, peer, tag=0):
+    return P2P(kind, peer, tag, SHAPE, DTYPE)
+
+
+def _ring(world, batched):
+    """Every rank sends to rank+1 and receives from rank-1, as two lone ops or one batch."""
+    streams = {}
+    for r in range(world):
+        send, recv = _op("send", (r + 1) % world), _op("recv", (r - 1) % world)
+        streams[r] = [[send, recv]] if batched else [[send], [recv]]
+    return streams
+
+
+# ------------------------------------------------------------------ the model itself
+def test_unbatched_ring_deadlocks_and_batched_ring_completes():
+    for world in (2, 3, 8):
+        with pytest.raises(P2PDeadlock) as e:
+            pm.replay(_ring(world, batched=False))
+        assert sorted(e.value.stuck) == list(range(world)), f"a ring of {world} lone isend-then-irecv: every rank stuck"
+        assert "rank 0 is stuck in unit #0" in str(e.value) and "send→1" in str(e.value)
+        pm.replay(_ring(world, batched=True))
+
+
+def test_alternating_order_and_chains_complete():
+    # even ranks send first, odd ranks receive first (Megatron's _p2p_ops order): no cycle even when unbatched
+    world = 4
+    streams = {r: ([[_op("send", (r + 1) % world)], [_op("recv", (r - 1) % world)]] if r % 2 == 0 else
+                   [[_op("recv", (r - 1) % world)], [_op("send", (r + 1) % world)]]) for r in range(world)}
+    pm.replay(streams)
+    with pytest.raises(P2PDeadlock, match="never posts the matching receive"):
+        pm.replay({0: [[_op("send", 1)]], 1: []})
+
+
+def test_crossed_tags_between_two_ranks_are_a_mismatch():
+    """pp=2: prev == next. Megatron's batch order (send_prev, recv_prev, send_next, recv_next) pairs rank 0's
+    gradient with rank 1's activation buffer (Megatron-LM #750); activations first, then gradients, does not."""
+    act, grad = 0, 1
+    megatron = {r: [[_op("send", 1 - r, grad), _op("recv", 1 - r, act), _op("send", 1 - r, act),
+                     _op("recv", 1 - r, grad)]] for r in (0, 1)}
+    with pytest.raises(P2PMismatch, match="without tags"):
+        pm.replay(megatron)
+    ours = {r: [[_op("send", 1 - r, act), _op("recv", 1 - r, act), _op("send", 1 - r, grad),
+                 _op("recv", 1 - r, grad)]] for r in (0, 1)}
+    pm.replay(ours)
+
+
+# The streams the interleaved executor issued before issue 23 (pp=2, m=4, v=2; recorded with record_pipeline):
+# one unit per "|", "s1" = send with tag 1 (gradient) to the other rank, "r0" = receive with tag 0 (activation).
+OLD_INTERLEAVED = {
+    0: "s0 | s0 r0 | s0 r0 | s0 | s0 r1 | s1 | s0 r1 | s1 r0 | s0 r1 | r0 | s0 r1 | r1 | s1 r1 | s1 r1 | r1",
+    1: "r0 | s0 r0 | s0 r0 | s1 r0 | s1 r0 | s0 r1 | s1 r0 | s0 r1 | s1 r0 | s1 r0 | s1 r1 | s1 r1 | s1",
+}
+
+
+def _parse(streams):
+    kinds = {"s": "send", "r": "recv"}
+    return {r: [[_op(kinds[t[0]], 1 - r, int(t[1:])) for t in unit.split()] for unit in text.split(" | ")]
+            for r, text in streams.items()}
+
+
+def test_the_old_interleaved_executor_deadlocks():
+    with pytest.raises(P2PDeadlock) as e:
+        pm.replay(_parse(OLD_INTERLEAVED))
+    assert set(e.value.stuck) == {0, 1}
+    assert "rank 0 is stuck in unit #5" in str(e.value) and "rank 1 is stuck in unit #4" in str(e.value)
+
+
+def test_recording_sees_what_the_code_issues():
+    def code(rank, group):
+        buf = torch.empty(SHAPE)
+        ops = [torch.distributed.P2POp(torch.distributed.isend, torch.ones(SHAPE), (rank + 1) % 3, group, tag=5),
+               torch.distributed.P2POp(torch.distributed.irecv, buf, (rank - 1) % 3, group, tag=5)]
+        for request in torch.distributed.batch_isend_irecv(ops):
+            request.wait()
+        torch.distributed.isend(torch.ones(3, dtype=torch.bfloat16), group_dst=(rank + 1) % 3, group=group)
+
+    streams = pm.record(code, 3)
+    assert streams[1] == [[P2P("send", 2, 5, SHAPE, DTYPE), P2P("recv", 0, 5, SHAPE, DTYPE)],
+                          [P2P("send", 2, 0, (3,), "bfloat16")]]
+    assert torch.distributed.isend.__module__ == "torch.distributed.distributed_c10d"  # the stand-in is gone again
+
+
+# ------------------------------------------------------------------ the pipeline executor under the model
+GRID = [(p, m, 1, kind) for kind in ("gpipe", "1f1b") for p in range(2, 9) for m in range(1, 17)]
+GRID += [(p, m, v, "interleaved") for p in range(2, 9) for v in (2, 3) for m in range(p, 17, p)]
+
+
+def test_pipeline_schedules_cannot_deadlock_under_nccl():
+    """pp 2-8, m 1-16 (any m for GPipe/1F1B, multiples of pp interleaved), v 1-3: the executor's real streams."""
+    failures = []
+    for p, m, v, kind in GRID:
+        try:
+            pm.check_pipeline(p, m, v, kind)
+        except (P2PDeadlock, P2PMismatch) as e:
+            failures.append(str(e))
+    assert not failures, f"{len(failures)} of {len(GRID)} configurations fail under NCCL's rules; the first:\n" + \
+        failures[0]
+
+
+def test_one_f_one_b_streams_are_megatrons():
+    """1F1B pp=2 m=2 as Megatron's forward_backward_pipelining_without_interleaving issues it."""
+    act, grad = 0, 1
+    streams = pm.record_pipeline(2, 2, 1, "1f1b")
+    assert streams[0] == [[_op("send", 1, act)], [_op("send", 1, act), _op("recv", 1, grad)], [_op("recv", 1, grad)]]
+    assert streams[1] == [[_op("recv", 0, act)], [_op("recv", 0, act), _op("send", 0, grad)], [_op("send", 0, grad)]]
