@@ -96,6 +96,10 @@ GRID = [(p, m, 1, kind) for kind in ("gpipe", "1f1b") for p in range(2, 9) for m
 GRID += [(p, m, v, "interleaved") for p in range(2, 9) for v in (2, 3) for m in range(p, 17, p)]
 
 
+@pytest.mark.exercise("pp.communicate")
+@pytest.mark.exercise("pp.num_warmup")
+@pytest.mark.exercise("pp.schedule_table")
+@pytest.mark.exercise("pp.one_f_one_b")
 def test_pipeline_schedules_cannot_deadlock_under_nccl():
     """pp 2-8, m 1-16 (any m for GPipe/1F1B, multiples of pp interleaved), v 1-3: the executor's real streams."""
     failures = []
@@ -114,3 +118,12 @@ def test_one_f_one_b_streams_are_megatrons():
     streams = pm.record_pipeline(2, 2, 1, "1f1b")
     assert streams[0] == [[_op("send", 1, act)], [_op("send", 1, act), _op("recv", 1, grad)], [_op("recv", 1, grad)]]
     assert streams[1] == [[_op("recv", 0, act)], [_op("recv", 0, act), _op("send", 0, grad)], [_op("send", 0, grad)]]
+
+
+@pytest.mark.exercise("pp.communicate")
+def test_receive_buffers_have_the_models_dtype():
+    """A bf16 model sends bf16 activations; fp32 receive buffers would not match them (gloo: an error, NCCL: garbage)."""
+    for kind, v, m in (("1f1b", 1, 5), ("gpipe", 1, 3), ("interleaved", 2, 6)):
+        pm.check_pipeline(3, m, v, kind, dtype=torch.bfloat16)
+        streams = pm.record_pipeline(3, m, v, kind, dtype=torch.bfloat16)
+        assert {op.dtype for stream in streams.values() for unit in stream for op in unit} == {"bfloat16"}

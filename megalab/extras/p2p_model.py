@@ -156,7 +156,8 @@ class _Recorder:
             get_rank=lambda group=None: self.rank, get_world_size=lambda group=None: self.world_size,
             get_global_rank=lambda group, group_rank: group_rank, get_group_rank=lambda group, global_rank: global_rank,
             get_process_group_ranks=lambda group: list(range(self.world_size)),
-            is_initialized=lambda: True, is_available=lambda: True, group=type("group", (), {"WORLD": group}),
+            is_initialized=lambda: True, is_available=lambda: True, get_backend=lambda group=None: "recorded",
+            group=type("group", (), {"WORLD": group}),
         )
         for name in ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor", "broadcast",
                      "barrier", "all_to_all_single"):
@@ -231,10 +232,11 @@ def replay(streams: dict[int, Stream]) -> None:
                         sender, receiver = ((rank, op), (partner[0], other)) if op.op == "send" else \
                             ((partner[0], other), (rank, op))
                         src, dst, n = keys[(rank, u, i)]
-                        raise P2PMismatch(
-                            f"message #{n} from rank {src} to rank {dst}: rank {sender[0]} issues {sender[1]} but "
-                            f"rank {receiver[0]} posts {receiver[1]}; NCCL pairs sends and receives between two "
-                            "ranks in issue order, without tags, so the data would land in the wrong buffer")
+                        why = ("NCCL pairs sends and receives between two ranks in issue order, without tags, so the "
+                               "data would land in the wrong buffer" if op.tag != other.tag else
+                               "the receive buffer does not fit the message (gloo: an error; NCCL: wrong data)")
+                        raise P2PMismatch(f"message #{n} from rank {src} to rank {dst}: rank {sender[0]} issues "
+                                          f"{sender[1]} but rank {receiver[0]} posts {receiver[1]}; {why}")
                     done.update({(rank, u, i), partner})
                 if all((rank, u, i) in done for i in range(len(stream[u]))):
                     position[rank] += 1
@@ -276,24 +278,26 @@ class _Scale(torch.nn.Module):
 
 
 def record_pipeline(pp_size: int, num_microbatches: int, num_model_chunks: int = 1, kind: str = "1f1b",
-                    hidden: int = 2) -> dict[int, Stream]:
-    """Each rank's p2p stream from the real executor (`forward_backward_pipelining`) over stand-in chunks."""
+                    dtype: torch.dtype = torch.float32) -> dict[int, Stream]:
+    """Each rank's p2p stream from the real executor (`forward_backward_pipelining`) over stand-in chunks
+    whose parameters (and so activations) have `dtype`."""
     from megalab.core.pipeline_parallel import schedules
 
-    shape = (1, hidden)
-    inputs = [torch.ones(shape) for _ in range(num_microbatches)]
+    shape = (1, 2)
+    inputs = [torch.ones(shape, dtype=dtype) for _ in range(num_microbatches)]
 
     def run(rank, group):
-        chunks = [_Scale() for _ in range(num_model_chunks)]
+        chunks = [_Scale().to(dtype) for _ in range(num_model_chunks)]
         schedules.forward_backward_pipelining(chunks, inputs, inputs, lambda out, target: (out * target).sum(), shape,
                                               kind=kind, group=group)
 
     return record(run, pp_size)
 
 
-def check_pipeline(pp_size: int, num_microbatches: int, num_model_chunks: int = 1, kind: str = "1f1b") -> None:
+def check_pipeline(pp_size: int, num_microbatches: int, num_model_chunks: int = 1, kind: str = "1f1b",
+                   dtype: torch.dtype = torch.float32) -> None:
     """Record the executor's streams for this configuration and replay them; raises on deadlock or mismatch."""
-    streams = record_pipeline(pp_size, num_microbatches, num_model_chunks, kind)
+    streams = record_pipeline(pp_size, num_microbatches, num_model_chunks, kind, dtype)
     try:
         replay(streams)
     except (P2PDeadlock, P2PMismatch) as e:
