@@ -127,3 +127,50 @@ def test_receive_buffers_have_the_models_dtype():
         pm.check_pipeline(3, m, v, kind, dtype=torch.bfloat16)
         streams = pm.record_pipeline(3, m, v, kind, dtype=torch.bfloat16)
         assert {op.dtype for stream in streams.values() for unit in stream for op in unit} == {"bfloat16"}
+
+
+# ------------------------------------------------------------------ rings: collectives from send/recv, ring attention
+@pytest.mark.exercise("comm.all_gather")
+@pytest.mark.exercise("comm.reduce_scatter")
+@pytest.mark.exercise("comm.ring_all_reduce")
+@pytest.mark.exercise("comm.broadcast")
+def test_collectives_from_send_recv_cannot_deadlock_under_nccl():
+    from megalab.extras import comm
+    from megalab.lab.dist import shard_bounds
+
+    def shard(rank, group):  # this rank's share of 10 elements
+        start, stop = shard_bounds(10, torch.distributed.get_world_size(group), rank)
+        return torch.ones(stop - start)
+
+    for world in (2, 3, 4, 8):
+        for name, run in (
+            ("broadcast", lambda rank, group: comm.broadcast(torch.ones(5), src=1, group=group)),
+            ("all_gather", lambda rank, group: comm.all_gather(torch.empty(10), shard(rank, group), group)),
+            ("reduce_scatter", lambda rank, group: comm.reduce_scatter(shard(rank, group), torch.ones(10), group)),
+            ("ring_all_reduce", lambda rank, group: comm.ring_all_reduce(torch.ones(10), group)),
+        ):
+            streams = pm.record(run, world)
+            assert any(streams.values()), f"comm.{name} on {world} ranks issued no p2p operation"
+            try:
+                pm.replay(streams)
+            except (P2PDeadlock, P2PMismatch) as e:
+                raise AssertionError(f"comm.{name} on {world} ranks fails under NCCL's rules:\n{e}") from None
+
+
+@pytest.mark.exercise("cp.ring_step")
+@pytest.mark.exercise("cp.backward_ring")
+def test_ring_attention_cannot_deadlock_under_nccl():
+    from megalab.transformer_engine.context_parallel import context_parallel_attention
+
+    def run(rank, group):
+        q, k, v = (torch.randn(1, 2, 4, 8, requires_grad=True) for _ in range(3))  # [b, heads, s/cp, hn]
+        context_parallel_attention(q, k, v, group=group).sum().backward()
+
+    for cp in (2, 3, 4):
+        streams = pm.record(run, cp)
+        assert all(streams.values()), f"ring attention on {cp} ranks: some rank issued no p2p operation"
+        try:
+            pm.replay(streams)
+        except (P2PDeadlock, P2PMismatch) as e:
+            raise AssertionError(f"ring attention (forward + backward) on cp={cp} fails under NCCL's rules:\n{e}") \
+                from None
