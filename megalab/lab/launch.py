@@ -33,6 +33,12 @@ ranks and their children use:
 A deadlock is not called before `timeout`: a cell may sleep, wait for another node or for a
 file, and CPU time cannot tell that from a deadlock. On NCCL a rank waiting for a stuck GPU
 collective may spin on the CPU, so there a deadlock can look like "overloaded".
+
+Slurm (`slurm=True`): the run dir lives under `cwd/.megalab/runs`, which every node must share; srun
+starts one agent per node (megalab.lab.worker.node_agent), which runs torchrun there. To stop a run,
+the launcher asks the agents (RUN_DIR/stop), then srun, then scancel: killing srun alone would leave
+the other nodes' ranks running. After srun ends, the launcher waits (bounded) until every node's exit
+file and every rank's results are visible on the shared filesystem.
 """
 
 from __future__ import annotations
