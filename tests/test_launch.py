@@ -4,8 +4,10 @@ import contextlib
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
+import tempfile
 import textwrap
 import threading
 import time
@@ -189,9 +191,19 @@ def test_interrupt_kills_every_rank(tmp_path):
     assert not _workers_alive()
 
 
-def test_bad_requests_are_clear_errors():
-    with pytest.raises(LaunchError, match="needs 2 CUDA devices.*--backend gloo"):
+def test_bad_requests_are_clear_errors(monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    with pytest.raises(LaunchError, match="this machine has none.*--backend gloo \\(or auto\\) to run the cell on CPU"):
         launch.run("pass", 2, backend="nccl")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(LaunchError, match="needs 4 CUDA devices.*1 is visible. Start at most 1 rank per node \\(-n 1\\), "
+                                          "or use --backend gloo"):
+        launch.run("pass", 4, backend="nccl")
+    assert launch.resolve_backend("auto", 4) == "gloo" and launch.resolve_backend("auto", 1) == "nccl"
     with pytest.raises(LaunchError, match="ranks must lie in 0..1"):
         launch.run("pass", 2, ranks="0,5")
     with pytest.raises(LaunchError, match="--rdzv-endpoint"):
@@ -221,31 +233,145 @@ def test_two_nodes_on_one_machine_static_rendezvous():
     assert results[1].results == {"square": {2: 4, 3: 9}}
 
 
-def test_slurm_allocation_runs_torchrun_on_every_node(tmp_path, monkeypatch):
-    """A fake srun/scontrol pair: srun starts its command once per node, as Slurm would."""
+# srun as Slurm runs it, on one machine: its command once per "node", each in a session of its own (a remote
+# node's processes are not in the launcher's process group); SIGINT/SIGTERM are forwarded to the tasks.
+# Nodes from FAKE_SRUN_FIRST_REMOTE on (default: all but the first) carry MEGALAB_FAKE_REMOTE=1:
+# `_hide_remote_nodes` keeps the launcher from seeing them.
+FAKE_SRUN = """\
+#!/usr/bin/env python3
+import os, signal, subprocess, sys
+args = sys.argv[1:]
+first = next(i for i, a in enumerate(args) if not a.startswith("--"))
+options, cmd = args[:first], args[first:]
+nodes = int(next(a.split("=")[1] for a in options if a.startswith("--nodes=")))
+with open(os.environ["FAKE_SRUN_LOG"], "a") as log:
+    log.write(" ".join(options) + "\\n")
+remote = int(os.environ.get("FAKE_SRUN_FIRST_REMOTE", "1"))
+procs = [subprocess.Popen(cmd, start_new_session=True, env={**os.environ, "SLURM_NODEID": str(i), "SLURM_STEP_ID": "0",
+                                                           **({"MEGALAB_FAKE_REMOTE": "1"} if i >= remote else {})})
+         for i in range(nodes)]
+def forward(signum, frame):
+    for p in procs:
+        try:
+            p.send_signal(signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+signal.signal(signal.SIGINT, forward)
+signal.signal(signal.SIGTERM, forward)
+sys.exit(max(abs(p.wait()) for p in procs))
+"""
+
+
+def _fake_slurm(tmp_path, monkeypatch, nodes=2):
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    (bin_dir / "scontrol").write_text("#!/bin/sh\necho localhost\necho localhost\n")
-    (bin_dir / "srun").write_text(textwrap.dedent("""\
-        #!/usr/bin/env python3
-        import os, subprocess, sys
-        args = sys.argv[1:]
-        nodes = int(next(a.split("=")[1] for a in args if a.startswith("--nodes=")))
-        cmd = [a for a in args if not a.startswith("--") or not any(a.startswith(p) for p in ("--nodes", "--ntasks", "--kill-on-bad-exit"))]
-        procs = [subprocess.Popen(cmd, env={**os.environ, "SLURM_NODEID": str(i)}) for i in range(nodes)]
-        sys.exit(max(p.wait() for p in procs))
-    """))
+    (bin_dir / "scontrol").write_text("#!/bin/sh\n" + "echo localhost\n" * nodes)
+    (bin_dir / "srun").write_text(FAKE_SRUN)
     for f in bin_dir.iterdir():
         f.chmod(0o755)
     monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
     monkeypatch.setenv("SLURM_JOB_ID", "4242")
-    monkeypatch.setenv("SLURM_JOB_NODELIST", "node[1-2]")
+    monkeypatch.setenv("SLURM_JOB_NODELIST", f"node[1-{nodes}]")
+    monkeypatch.setenv("FAKE_SRUN_LOG", str(tmp_path / "srun.log"))
+
+
+def _hide_remote_nodes(monkeypatch):
+    """The launcher sees only its own node's processes, as on a real cluster."""
+    real = launch._processes
+
+    def local_only():
+        table = real()
+        remote = set()
+        for pid in table:
+            try:
+                if b"MEGALAB_FAKE_REMOTE=1" in Path(f"/proc/{pid}/environ").read_bytes():
+                    remote.add(pid)
+            except OSError:
+                continue
+        return {pid: row for pid, row in table.items() if pid not in remote}
+
+    monkeypatch.setattr(launch, "_processes", local_only)
+
+
+def test_slurm_allocation_runs_torchrun_on_every_node(tmp_path, monkeypatch):
+    """A fake srun/scontrol pair: srun starts its command once per node, as Slurm would."""
+    _fake_slurm(tmp_path, monkeypatch)
+    monkeypatch.setenv("SLURM_CPUS_PER_TASK", "6")
     cmd = launch.torchrun_command(Path("cell.py"), 2, slurm=True, rdzv_endpoint="localhost:1234")
     assert cmd[:2] == ["srun", "--nodes=2"] and "--rdzv-backend=c10d" in cmd and "--rdzv-id=megalab-4242" in cmd
-    res = launch.run(HELLO, 2, slurm=True, rdzv_endpoint=f"localhost:{launch.free_port()}", cwd=tmp_path, timeout=120)
+    assert "--cpus-per-task=6" in cmd and "--overlap" in cmd and "--node-agent" in cmd
+    res = launch.run_function(_rank_and_arg, 2, 5, launch=dict(slurm=True, cwd=tmp_path, timeout=120, keep_run_dir=True))
     assert res.world_size == 4
-    assert res.results == {"square": {0: 0, 1: 1, 2: 4, 3: 9}}
-    assert "[rank 3] sum 10" in res.text()
+    assert res.returns == {0: (0, 4, 5), 1: (1, 4, 5), 2: (2, 4, 5), 3: (3, 4, 5)}
+    assert "--cpus-per-task=" in (tmp_path / "srun.log").read_text()
+    # everything the ranks read lives in the run dir on the shared filesystem, nothing in a node's own /tmp
+    assert res.run_dir.parent == tmp_path / ".megalab" / "runs"
+    assert tempfile.gettempdir() not in (res.run_dir / "cell.py").read_text()
+
+
+def test_slurm_rendezvous_port_is_never_fixed(monkeypatch):
+    monkeypatch.setenv("SLURM_JOB_ID", "123456")
+    assert launch.slurm_rdzv_endpoint(["gpu-a17", "gpu-a18"]) == "gpu-a17:23456"  # from the job id: not ours
+    here = socket.gethostname().split(".")[0]
+    host, _, port = launch.slurm_rdzv_endpoint([here, "gpu-b2"]).rpartition(":")
+    assert host == here and port != "29500" and 1024 < int(port) < 65536  # a free port on this node
+
+
+def test_slurm_timeout_leaves_no_rank_behind_on_any_node(tmp_path, monkeypatch):
+    """A deadlocked multi-node cell, launched from a node outside the allocation (a login node): the launcher
+    sees none of the ranks' processes, so killing srun is not enough; the node agents stop their ranks."""
+    _fake_slurm(tmp_path, monkeypatch)
+    monkeypatch.setenv("FAKE_SRUN_FIRST_REMOTE", "0")
+    _hide_remote_nodes(monkeypatch)
+    code = "from megalab.lab import dist as mdist\nimport time\nmdist.init()\ntime.sleep(600)\n"
+    with pytest.raises(LaunchTimeoutError):
+        launch.run(code, 1, slurm=True, cwd=tmp_path, timeout=6, hard_timeout=8)
+
+    def left():  # this run's processes on any "node": torchrun, ranks, agents (the run dir is under tmp_path)
+        marker = str(tmp_path).encode()
+        return [int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit() and _cmdline(p).find(marker) >= 0]
+
+    deadline = time.monotonic() + 3
+    while left() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not left() and not _workers_alive(), "processes left running after a Slurm timeout"
+
+
+def _cmdline(proc: Path) -> bytes:
+    try:
+        return (proc / "cmdline").read_bytes()
+    except OSError:
+        return b""
+
+
+def test_shared_filesystem_results_are_awaited(tmp_path, monkeypatch):
+    """Another node's files show late on NFS: the launcher waits for each node's exit file, each rank's .done
+    and the values it lists, within SHARED_FS_WAIT."""
+    run_dir = tmp_path
+    (run_dir / "publish").mkdir()
+    (run_dir / "node0.exit").write_text("0")
+    (run_dir / "rank0.done").write_text('["returns.rank0.pkl"]')
+    assert sorted(launch._missing_node_files(run_dir, 2, 2)) == ["node1.exit", "publish/returns.rank0.pkl", "rank1.done"]
+
+    def late():
+        time.sleep(0.6)
+        for name in ("node1.exit", "rank1.done", "publish/returns.rank0.pkl"):
+            (run_dir / name).write_text("[]")
+
+    threading.Thread(target=late).start()
+    start = time.monotonic()
+    assert launch._await_nodes(run_dir, 2, 2, succeeded=True) and time.monotonic() - start >= 0.5
+    monkeypatch.setattr(launch, "SHARED_FS_WAIT", 0.3)
+    (run_dir / "node1.exit").unlink()
+    assert not launch._await_nodes(run_dir, 2, 2, succeeded=True)
+
+
+def test_omp_threads_come_from_the_cores_this_process_may_use(monkeypatch):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3, 4, 5})
+    monkeypatch.setattr(os, "cpu_count", lambda: 64)
+    res = launch.run("import os\nprint(os.environ['OMP_NUM_THREADS'])", 2, timeout=120)
+    assert res.stdout == {0: "3\n", 1: "3\n"}
 
 
 def test_run_function_returns_per_rank():

@@ -87,16 +87,18 @@ def send_recv(
 ) -> None:
     """Send `send_tensor` to group rank `dst` while receiving `recv_tensor` from group rank `src`.
 
-    Both messages are posted (isend/irecv) before we wait for either. With blocking sends, a ring
-    where every rank sends first can deadlock: each waits for a neighbour that is itself waiting
-    to send. Megatron's pipeline p2p does the same with batch_isend_irecv
+    Both messages are posted as ONE batch (`dist.batch_isend_irecv`) before we wait. Posted one by
+    one, a ring where every rank sends first can deadlock: each waits for a neighbour that is itself
+    waiting to send. gloo happens to buffer small sends; NCCL runs a communicator's operations in issue
+    order and a send may wait for its receive, so a lone `isend` then `irecv` on every rank of a ring
+    hangs there (megalab/extras/p2p_model.py shows it). Megatron's pipeline p2p does the same
     (`_batched_p2p_ops` in megatron/core/pipeline_parallel/p2p_communication.py).
     """
     group = dist.group.WORLD if group is None else group
-    requests = [
-        dist.isend(send_tensor, group_dst=dst, group=group),
-        dist.irecv(recv_tensor, group_src=src, group=group),
-    ]
+    requests = dist.batch_isend_irecv([
+        dist.P2POp(dist.isend, send_tensor, group=group, group_peer=dst),
+        dist.P2POp(dist.irecv, recv_tensor, group=group, group_peer=src),
+    ])
     for request in requests:
         request.wait()
 

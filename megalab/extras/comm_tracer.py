@@ -13,7 +13,8 @@ algorithms, n the payload and t the group size:
     all-reduce       2 (t-1)/t n     (a reduce-scatter, then an all-gather)
     all-gather       (t-1)/t n
     reduce-scatter   (t-1)/t n
-    isend            n               (point to point; the matching irecv is not counted)
+    isend            n               (point to point, each send of a dist.batch_isend_irecv; the
+                                      matching irecv is not counted)
 
 Narayanan et al. 2021 count tensor-parallel traffic this way ("8 b s h (t-1)/t per layer").
 Megatron has no such tool; NCCL's own counters or a profiler trace play its role there.
@@ -35,8 +36,9 @@ _RING = {
     "reduce_scatter_single": (1, lambda t: (t - 1) / t),  # the [t n] input
     "all_gather_into_tensor": (0, lambda t: (t - 1) / t),  # older names of the two above
     "reduce_scatter_tensor": (1, lambda t: (t - 1) / t),
-    "isend": (0, lambda t: 1),  # point-to-point (ring attention): the tensor sent
 }
+# Point-to-point sends are counted inside dist.batch_isend_irecv (ring attention, pipeline p2p): a wrapped
+# dist.isend would not pass P2POp's check that its op is torch.distributed.isend itself.
 
 
 @dataclass(frozen=True)
@@ -54,7 +56,7 @@ def _nbytes(arg) -> int:
 
 
 class CollectiveTracer:
-    """Records every all-reduce, all-gather, reduce-scatter and isend issued inside the `with` block."""
+    """Records every all-reduce, all-gather, reduce-scatter and batched send issued inside the `with` block."""
 
     def __init__(self):
         self.records: list[Collective] = []
@@ -69,10 +71,21 @@ class CollectiveTracer:
 
         return traced
 
+    def _wrap_batch(self, fn):
+        def traced(p2p_op_list):
+            for op in p2p_op_list:
+                if op.op is dist.isend:
+                    self.records.append(Collective("isend", _nbytes(op.tensor), 2, float(_nbytes(op.tensor))))
+            return fn(p2p_op_list)
+
+        return traced
+
     def __enter__(self) -> CollectiveTracer:
         for name, (index, factor) in _RING.items():
             self._originals[name] = getattr(dist, name)
             setattr(dist, name, self._wrap(name, self._originals[name], index, factor))
+        self._originals["batch_isend_irecv"] = dist.batch_isend_irecv
+        dist.batch_isend_irecv = self._wrap_batch(dist.batch_isend_irecv)
         return self
 
     def __exit__(self, *exc) -> None:

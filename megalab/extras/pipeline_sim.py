@@ -22,6 +22,7 @@ from megalab.core.pipeline_parallel.schedules import (
     get_schedule,
     virtual_stage,
 )
+from megalab.lab.dist import device
 
 
 # --------------------------------------------------------------------------------------- schedules (pure)
@@ -131,10 +132,10 @@ def run_fixed_duration_pipeline(num_microbatches: int, kind: str = "1f1b", num_m
     or every rank when no state is current (a pure pipeline)."""
     if group is None:
         group = ps.get_pipeline_model_parallel_group() if ps.model_parallel_is_initialized() else dist.group.WORLD
-    v = num_model_chunks
-    chunks = [FixedDurationStage(forward_ms / v, backward_ms / v) for _ in range(v)]
+    v, dev = num_model_chunks, device()
+    chunks = [FixedDurationStage(forward_ms / v, backward_ms / v).to(dev) for _ in range(v)]
     shape = (4, 8)
-    inputs = [torch.ones(shape) for _ in range(num_microbatches)]
+    inputs = [torch.ones(shape, device=dev) for _ in range(num_microbatches)]
     dist.barrier(group=group)
     return forward_backward_pipelining(chunks, inputs, inputs, lambda out, target: (out * target).sum(), shape,
                                        kind=kind, group=group)

@@ -33,10 +33,18 @@ ranks and their children use:
 A deadlock is not called before `timeout`: a cell may sleep, wait for another node or for a
 file, and CPU time cannot tell that from a deadlock. On NCCL a rank waiting for a stuck GPU
 collective may spin on the CPU, so there a deadlock can look like "overloaded".
+
+Slurm (`slurm=True`): the run dir lives under `cwd/.megalab/runs`, which every node must share; srun
+starts one agent per node (megalab.lab.worker.node_agent), which runs torchrun there. To stop a run,
+the launcher asks the agents (RUN_DIR/stop), then srun, then scancel: killing srun alone would leave
+the other nodes' ranks running. After srun ends, the launcher waits (bounded) until every node's exit
+file and every rank's results are visible on the shared filesystem.
 """
 
 from __future__ import annotations
 
+import base64
+import contextlib
 import json
 import os
 import pickle
@@ -143,11 +151,17 @@ def resolve_backend(backend: str, nproc_per_node: int) -> str:
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if backend == "auto":
         return "nccl" if gpus >= nproc_per_node else "gloo"
+    if gpus == 0:
+        raise LaunchError(
+            "--backend nccl runs on GPUs, and this machine has none (torch.cuda.is_available() is False). "
+            "Use --backend gloo (or auto) to run the cell on CPU here, or run it on a GPU node."
+        )
     if gpus < nproc_per_node:
         raise LaunchError(
             f"--backend nccl needs {nproc_per_node} CUDA devices on this node (one per rank), "
-            f"but {gpus} {'is' if gpus == 1 else 'are'} visible. Use --backend gloo (or auto) to "
-            f"run on CPU, or start at most {gpus} ranks per node."
+            f"but {gpus} {'is' if gpus == 1 else 'are'} visible. Start at most {gpus} "
+            f"rank{'s' if gpus != 1 else ''} per node (-n {gpus}), or use --backend gloo (or auto) to run "
+            f"{nproc_per_node} ranks on CPU."
         )
     return backend
 
@@ -173,6 +187,30 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def available_cpus() -> int:
+    """The cores this process may run on (its affinity: a Slurm task or a container gets fewer than cpu_count)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def slurm_cpus_per_node() -> int:
+    """Cores for the ranks of one node in a Slurm allocation: the job's --cpus-per-task, else what this
+    node's task may use."""
+    return int(os.environ.get("SLURM_CPUS_PER_TASK") or available_cpus())
+
+
+def slurm_rdzv_endpoint(nodes: list[str]) -> str:
+    """Where the ranks meet: a free port on this node when it is part of the allocation (the notebook's
+    kernel usually runs on the first node), else on the first node a port derived from SLURM_JOB_ID (so two
+    jobs sharing a node do not collide)."""
+    here = socket.gethostname().split(".")[0]
+    if here in (n.split(".")[0] for n in nodes):
+        return f"{here}:{free_port()}"
+    return f"{nodes[0]}:{20000 + int(os.environ.get('SLURM_JOB_ID', '0')) % 20000}"
+
+
 def slurm_nodes() -> list[str]:
     """Hostnames of the current Slurm allocation, in Slurm's order."""
     if "SLURM_JOB_ID" not in os.environ:
@@ -192,13 +230,16 @@ def torchrun_command(
 ) -> list[str]:
     """The command line: torchrun (single node, static multi-node, c10d multi-node or srun)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc_per_node}", "--max-restarts=0"]
-    if slurm:
+    if slurm:  # srun starts one agent per node (megalab.lab.worker.node_agent), which runs torchrun there
         nodes = slurm_nodes()
         nnodes = len(nodes)
-        endpoint = rdzv_endpoint or f"{nodes[0]}:29500"
+        endpoint = rdzv_endpoint or slurm_rdzv_endpoint(nodes)
         job = os.environ["SLURM_JOB_ID"]
         cmd += [f"--nnodes={nnodes}", "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}", f"--rdzv-id=megalab-{job}"]
-        cmd = ["srun", f"--nodes={nnodes}", f"--ntasks={nnodes}", "--ntasks-per-node=1", "--kill-on-bad-exit=1", *cmd]
+        cmd += ["-m", "megalab.lab.worker", str(script)]
+        agent = [sys.executable, "-m", "megalab.lab.worker", "--node-agent", str(script.parent), "--"]
+        return ["srun", f"--nodes={nnodes}", f"--ntasks={nnodes}", "--ntasks-per-node=1",
+                f"--cpus-per-task={slurm_cpus_per_node()}", "--overlap", "--kill-on-bad-exit=1", *agent, *cmd]
     elif nnodes == 1 and rdzv_endpoint is None:
         cmd += ["--standalone"]  # torchrun binds a free port itself: parallel launches never collide
     else:
@@ -342,6 +383,71 @@ def _kill_all(proc: subprocess.Popen, run_dir: Path) -> None:
             except ProcessLookupError:
                 pass
         time.sleep(0.02)
+
+
+SLURM_STOP_GRACE = 15.0  # seconds the node agents get to stop their ranks after RUN_DIR/stop appears
+SHARED_FS_WAIT = 60.0  # seconds other nodes' files may take to show on a shared filesystem (NFS caches)
+
+
+def _wait_exit(proc: subprocess.Popen, seconds: float) -> bool:
+    try:
+        proc.wait(timeout=seconds)
+        return True
+    except subprocess.TimeoutExpired:
+        return False
+
+
+def _stop_slurm_step(proc: subprocess.Popen, run_dir: Path) -> None:
+    """Stop the ranks on every node before srun itself goes (SIGKILL to srun leaves remote ranks running):
+    ask each node's agent through the shared run dir (RUN_DIR/stop), then srun (two SIGINTs within a
+    second end the step), then scancel the step the agents reported."""
+    if proc.poll() is not None:
+        return
+    (run_dir / "stop").touch()
+    if _wait_exit(proc, SLURM_STOP_GRACE):
+        return
+    for _ in range(2):
+        with contextlib.suppress(ProcessLookupError):
+            proc.send_signal(signal.SIGINT)
+        time.sleep(0.3)
+    if _wait_exit(proc, 5.0):
+        return
+    steps = set()
+    for path in run_dir.glob("node*.agent"):
+        with contextlib.suppress(ValueError, OSError):
+            steps.add(json.loads(path.read_text())["step"])
+    if shutil.which("scancel"):
+        for step in sorted(s for s in steps if s.strip(".")):
+            subprocess.run(["scancel", step], capture_output=True, timeout=30)
+    _wait_exit(proc, 5.0)
+
+
+def _missing_node_files(run_dir: Path, nnodes: int, world: int) -> list[str]:
+    """What the run dir still lacks of a finished multi-node run: each node agent's exit file, each rank's
+    .done (or .error.json), and the values each .done lists as published."""
+    missing = [f"node{k}.exit" for k in range(nnodes) if not (run_dir / f"node{k}.exit").exists()]
+    for r in range(world):
+        done = run_dir / f"rank{r}.done"
+        if (run_dir / f"rank{r}.error.json").exists():
+            continue
+        try:
+            published = json.loads(done.read_text() or "[]")
+        except (OSError, ValueError):  # not there yet, or not complete yet
+            missing.append(done.name)
+            continue
+        missing += [f"publish/{n}" for n in published if not (run_dir / "publish" / n).exists()]
+    return missing
+
+
+def _await_nodes(run_dir: Path, nnodes: int, world: int, succeeded: bool) -> bool:
+    """After srun: wait (bounded) until every node's files show in the shared run dir; True when they do.
+    A failed step gets a short wait only (its agents may have been killed before writing)."""
+    deadline = time.monotonic() + (SHARED_FS_WAIT if succeeded else 5.0)
+    while _missing_node_files(run_dir, nnodes, world):
+        if time.monotonic() > deadline:
+            return not succeeded  # a failure is reported from what is there
+        time.sleep(0.2)
+    return True
 
 
 def _die_with_parent() -> None:  # runs in the child between fork and exec
@@ -682,8 +788,10 @@ def run(
         PYTHONUNBUFFERED="1",
         MPLBACKEND="Agg",  # ranks draw to files; the notebook plots what they publish
     )
-    # An explicit OMP_NUM_THREADS silences torchrun's banner; split the cores between ranks.
-    child_env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc_per_node)))
+    # An explicit OMP_NUM_THREADS silences torchrun's banner; split the cores this process (or, under Slurm,
+    # each node's task) may use between the node's ranks.
+    cpus = slurm_cpus_per_node() if slurm else available_cpus()
+    child_env.setdefault("OMP_NUM_THREADS", str(max(1, cpus // nproc_per_node)))
     child_env.update(env or {})
 
     cmd = torchrun_command(script, nproc_per_node, nnodes, node_rank, rdzv_endpoint, slurm)
@@ -703,12 +811,19 @@ def run(
     except BaseException as exc:  # KeyboardInterrupt from the notebook: stop every rank
         error = exc
     finally:
+        if slurm:
+            _stop_slurm_step(proc, run_dir)
         _kill_all(proc, run_dir)
     elapsed = time.monotonic() - start
 
     torchrun_log = log_path.read_text(errors="replace")
+    if error is None and slurm and not _await_nodes(run_dir, nnodes, world, proc.returncode == 0):
+        error = LaunchError(
+            f"srun finished, but not every node's files appeared in {run_dir} within {SHARED_FS_WAIT:g} s "
+            f"({', '.join(_missing_node_files(run_dir, nnodes, world)[:4])} ...): the run folder (.megalab/runs "
+            "under the notebook's folder) must be on a filesystem every node of the allocation shares")
     local_ranks = set(_rank_files(run_dir, "pid"))
-    if error is None and not _finished(run_dir, nproc_per_node):
+    if error is None and not _finished(run_dir, world if slurm else nproc_per_node):
         error = _failure_error(run_dir, world, torchrun_log)
     if error is not None:
         if not keep_run_dir:
@@ -743,18 +858,15 @@ def run_function(fn: Callable, nproc_per_node: int, *args, **kwargs) -> LaunchRe
     module, name = fn.__module__, fn.__qualname__
     if module == "__main__" or "<locals>" in name:
         raise LaunchError(f"run_function needs a module-level function of an importable module, not {module}.{name}")
-    payload = Path(tempfile.mkdtemp(prefix="megalab-args-")) / "args.pkl"
-    payload.write_bytes(pickle.dumps((args, kwargs)))
+    # The arguments travel inside the script (run dir: shared under Slurm), never in a node-local file.
+    payload = base64.b64encode(pickle.dumps((args, kwargs))).decode()
     code = (
-        "import importlib, pickle\n"
+        "import base64, importlib, pickle\n"
         "from megalab.lab.dist import publish\n"
-        f"args, kwargs = pickle.loads(open({str(payload)!r}, 'rb').read())\n"
+        f"args, kwargs = pickle.loads(base64.b64decode({payload!r}))\n"
         f"fn = importlib.import_module({module!r})\n"
         f"for part in {name!r}.split('.'):\n"
         "    fn = getattr(fn, part)\n"
         "publish('returns', fn(*args, **kwargs))\n"
     )
-    try:
-        return run(code, nproc_per_node, **options)
-    finally:
-        shutil.rmtree(payload.parent, ignore_errors=True)
+    return run(code, nproc_per_node, **options)

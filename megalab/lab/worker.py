@@ -8,8 +8,15 @@ torchrun starts `python -m megalab.lab.worker CELL.py` once per rank. The worker
     3. arms faulthandler: SIGUSR1 dumps every thread's Python stack to rank{k}.stack (how a
        timed-out, deadlocked cell shows where each rank was stuck), and so do fatal signals;
     4. runs the cell; an exception is written to rank{k}.error.json for the launcher to raise;
-    5. marks rank{k}.done, then tears down in order (barrier, destroy_process_group) and leaves
-       with os._exit, skipping the C++ destructors that sometimes abort a finished gloo rank.
+    5. marks rank{k}.done (listing the values it published, so a launcher on another node knows which
+       files to wait for on a shared filesystem), then tears down in order (barrier,
+       destroy_process_group) and leaves with os._exit, skipping the C++ destructors that sometimes
+       abort a finished gloo rank.
+
+Under Slurm, `python -m megalab.lab.worker --node-agent RUN_DIR -- TORCHRUN...` is what srun starts on
+each node (`node_agent`): it runs that node's torchrun and stops it, ranks included, when the launcher
+asks through the shared run dir (RUN_DIR/stop) or Slurm signals the step, so no rank outlives a timeout
+on a node the launcher cannot reach.
 """
 
 import ctypes
@@ -18,6 +25,8 @@ import json
 import linecache
 import os
 import signal
+import socket
+import subprocess
 import sys
 import time
 import traceback
@@ -124,11 +133,76 @@ def main(cell_path: str) -> None:
         sys.stdout.flush(), sys.stderr.flush()
         os._exit(1)
 
-    (run_dir / f"rank{rank}.done").touch()
+    published = sorted(p.name for p in (run_dir / "publish").glob(f"*.rank{rank}.pkl"))
+    (run_dir / f"rank{rank}.done").write_text(json.dumps(published))
     _teardown()
     sys.stdout.flush(), sys.stderr.flush()
     os._exit(0)
 
 
+# --------------------------------------------------------------------------- the per-node agent (Slurm)
+AGENT_POLL = 0.2  # seconds between looks at RUN_DIR/stop
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every live descendant of `pid` on this node (from /proc parent links)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            try:
+                ppid = int(Path(entry.path, "stat").read_bytes().rpartition(b")")[2].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry.name))
+    found, todo = [], list(children.get(pid, []))
+    while todo:
+        child = todo.pop()
+        found.append(child)
+        todo += children.get(child, [])
+    return found
+
+
+def _kill_tree(pid: int) -> None:
+    """SIGKILL `pid` and all its descendants (ranks have sessions of their own: walk the parent links)."""
+    for _ in range(50):
+        victims = [*_descendants(pid), pid]
+        alive = False
+        for victim in victims:
+            try:
+                os.kill(victim, signal.SIGKILL)
+                alive = True
+            except ProcessLookupError:
+                pass
+        if not alive:
+            return
+        time.sleep(0.05)
+
+
+def node_agent(run_dir: Path, cmd: list[str]) -> int:
+    """Run this node's torchrun (`cmd`); stop it and its ranks when RUN_DIR/stop appears or on SIGTERM/
+    SIGINT/SIGHUP (srun forwards them; scancel sends them). Writes RUN_DIR/node{N}.agent (host, pid, Slurm
+    step) when started and RUN_DIR/node{N}.exit (torchrun's exit code) when done."""
+    node = os.environ.get("SLURM_NODEID", "0")
+    stop_requested = []
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, lambda signum, frame: stop_requested.append(signum))
+    proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent)
+    step = f"{os.environ.get('SLURM_JOB_ID', '')}.{os.environ.get('SLURM_STEP_ID', '')}"
+    (run_dir / f"node{node}.agent").write_text(json.dumps({"host": socket.gethostname(), "pid": os.getpid(),
+                                                           "step": step}))
+    while proc.poll() is None:
+        if stop_requested or (run_dir / "stop").exists():
+            _kill_tree(proc.pid)
+            break
+        time.sleep(AGENT_POLL)
+    code = proc.wait()
+    tmp = run_dir / f"node{node}.exit.tmp"
+    tmp.write_text(str(code))
+    tmp.rename(run_dir / f"node{node}.exit")
+    return code
+
+
 if __name__ == "__main__":
+    if sys.argv[1] == "--node-agent":  # python -m megalab.lab.worker --node-agent RUN_DIR -- CMD...
+        sys.exit(min(255, abs(node_agent(Path(sys.argv[2]), sys.argv[4:]))))
     main(sys.argv[1])

@@ -124,8 +124,8 @@ def _mask(kind: str, c: int, device) -> torch.Tensor | None:
 class AttentionWork:
     """What one rank's attention computed: block pairs, as a causal kernel counts them
     (a diagonal block is half a block), their FLOPs (QK^T and PV, 4 b np sq sk hn per full block)
-    and the CPU seconds this thread spent computing them (forward only; thread time, so other
-    processes sharing the cores do not count)."""
+    and the seconds spent computing them (forward only; `compute_clock`: on CPU this thread's time, so
+    other processes sharing the cores do not count; on a GPU wall time after a synchronize)."""
 
     blocks: float = 0.0
     flops: float = 0.0
@@ -147,17 +147,30 @@ def _block_pairs(q_chunks, kv_chunks, c):
             for i, qc in enumerate(q_chunks) for j, kc in enumerate(kv_chunks) if causal_block_mask(qc, kc) != "skip"]
 
 
+def compute_clock(device: torch.device) -> float:
+    """A clock for compute time: CPU time of this thread, or on CUDA (kernels run asynchronously) the
+    wall time once the device has finished its queued work."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        return time.perf_counter()
+    return time.thread_time()
+
+
 # ------------------------------------------------------------------ the ring
 def ring_step(tensor: torch.Tensor, group) -> tuple[torch.Tensor, list]:
     """Post the exchange around the CP ring: send `tensor` to the next rank, receive the previous
-    rank's into a new buffer. Returns (buffer, requests); wait on the requests before reading it."""
+    rank's into a new buffer. Returns (buffer, requests); wait on the requests before reading it.
+
+    Send and receive go out as ONE batch (`dist.batch_isend_irecv`, as TE's flash_attn_p2p_communicate
+    with batch_p2p_comm): a lone isend on every rank of the ring can wait forever under NCCL for a
+    receive its neighbour posts only after its own send (megalab/extras/p2p_model.py)."""
     ranks = dist.get_process_group_ranks(group)
     me = ranks.index(dist.get_rank())
-    # EXERCISE cp.ring_step: isend to ranks[me+1], irecv from ranks[me-1] (mod cp), both asynchronous
+    # EXERCISE cp.ring_step: one batch_isend_irecv: send to ranks[me+1], receive from ranks[me-1] (mod cp)
     ### BEGIN SOLUTION
     buffer = torch.empty_like(tensor)
-    requests = [dist.isend(tensor.contiguous(), ranks[(me + 1) % len(ranks)], group=group),
-                dist.irecv(buffer, ranks[(me - 1) % len(ranks)], group=group)]
+    requests = dist.batch_isend_irecv([dist.P2POp(dist.isend, tensor.contiguous(), ranks[(me + 1) % len(ranks)], group),
+                                       dist.P2POp(dist.irecv, buffer, ranks[(me - 1) % len(ranks)], group)])
     return buffer, requests
     ### END SOLUTION
 
@@ -183,13 +196,13 @@ class RingAttention(torch.autograd.Function):
             if step + 1 < cp:
                 next_block, requests = ring_step(block, group)  # in flight while we compute
             for rows, cols, kind in _block_pairs(q_chunks, rank_chunks(cp, owner, zigzag), c):
-                start = time.thread_time()
+                start = compute_clock(q.device) if work is not None else 0.0
                 block_out, block_lse = block_attention(q[:, :, rows], block[0][:, :, cols], block[1][:, :, cols],
                                                        _mask(kind, c, q.device))
                 out[:, :, rows], lse[:, :, rows] = merge_attention(out[:, :, rows], lse[:, :, rows],
                                                                    block_out, block_lse)
                 if work is not None:
-                    work.add(kind, q[:, :, rows], c, time.thread_time() - start)
+                    work.add(kind, q[:, :, rows], c, compute_clock(q.device) - start)
             if step + 1 < cp:
                 _wait(requests)
                 block = next_block
@@ -249,10 +262,10 @@ class AllGatherAttention(torch.autograd.Function):
         s_local = q.shape[2]
         positions = [cp_rank_positions(s_local * cp, cp, r, zigzag) for r in range(cp)]
         mask = (positions[rank][:, None] < torch.cat(positions)[None, :]).to(q.device)  # key after query: hidden
-        start = time.thread_time()
+        start = compute_clock(q.device) if work is not None else 0.0
         out, lse = block_attention(q, k, v, mask)
         if work is not None:
-            work.add("masked", q, k.shape[2], time.thread_time() - start)
+            work.add("masked", q, k.shape[2], compute_clock(q.device) - start)
         ctx.save_for_backward(q, k, v, out, lse, mask)
         ctx.group = group
         return out

@@ -37,7 +37,7 @@ import torch.distributed as dist
 from torch import nn
 
 from megalab.core import parallel_state as ps
-from megalab.core.pipeline_parallel.p2p_communication import _communicate
+from megalab.core.pipeline_parallel import p2p_communication as p2p
 
 SCHEDULES = ("none", "gpipe", "1f1b", "interleaved")
 
@@ -182,82 +182,202 @@ class PipelineResult:
     peak_in_flight: int = 0  # most micro-batch activations this rank held at once (all chunks)
 
 
+def synchronized_time(device: torch.device) -> float:
+    """time.perf_counter() once `device` has finished its queued work (CUDA kernels run asynchronously)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
+class _Steps:
+    """One rank's forward and backward steps over its chunks, the activations they keep alive, and the
+    record of when each ran (Megatron: forward_step / backward_step and the schedules' tensor lists)."""
+
+    def __init__(self, chunks, inputs, targets, loss_func, pp_size, pp_rank, device, deallocate):
+        self.chunks, self.inputs, self.targets, self.loss_func = chunks, inputs, targets, loss_func
+        self.pp_size, self.pp_rank, self.device, self.deallocate = pp_size, pp_rank, device, deallocate
+        self.num_stages = pp_size * len(chunks)
+        self.input_tensors, self.output_tensors = {}, {}  # (microbatch, chunk) -> tensor, alive from F to B
+        self.result = PipelineResult(losses=[])
+
+    def is_first(self, chunk: int) -> bool:
+        return virtual_stage(self.pp_size, self.pp_rank, chunk) == 0
+
+    def is_last(self, chunk: int) -> bool:
+        return virtual_stage(self.pp_size, self.pp_rank, chunk) == self.num_stages - 1
+
+    def forward(self, op: Op, input_tensor: torch.Tensor | None) -> torch.Tensor | None:
+        """Run F; return the activation to send on (None on the last virtual stage, which computes the loss:
+        loss_func(output, target) / m, so gradients are those of the mean loss, as Megatron's forward_step)."""
+        start, key = synchronized_time(self.device), (op.microbatch, op.chunk)
+        x = self.inputs[op.microbatch] if self.is_first(op.chunk) else input_tensor
+        output = send = self.chunks[op.chunk](x)
+        if self.is_last(op.chunk):
+            loss = self.loss_func(output, self.targets[op.microbatch])
+            self.result.losses.append(loss.item())
+            output, send = loss / len(self.inputs), None
+        self.input_tensors[key], self.output_tensors[key] = x, output
+        self.result.peak_in_flight = max(self.result.peak_in_flight, len(self.output_tensors))
+        self.result.timeline.append(OpRecord(dist.get_rank(), op, start, synchronized_time(self.device)))
+        return send
+
+    def backward(self, op: Op, output_grad: torch.Tensor | None) -> torch.Tensor | None:
+        """Run B; return the gradient of the stage's input to send back (None on the first virtual stage)."""
+        start, key = synchronized_time(self.device), (op.microbatch, op.chunk)
+        x, output = self.input_tensors.pop(key), self.output_tensors.pop(key)
+        if self.is_last(op.chunk):
+            output.backward()
+        else:
+            custom_backward(output, output_grad)
+        self.result.timeline.append(OpRecord(dist.get_rank(), op, start, synchronized_time(self.device)))
+        if self.is_first(op.chunk):
+            return None
+        return x.grad if x.grad is not None else torch.zeros_like(x)  # a stage that ignores its input
+
+    def sent(self, output: torch.Tensor | None) -> None:
+        """The output went to the next stage (the exchange waited for it): free its memory, keep its graph."""
+        if output is not None and self.deallocate:
+            deallocate_output_tensor(output)
+
+
 def forward_backward_pipelining(
     chunks: Sequence[nn.Module], inputs: Sequence[torch.Tensor], targets: Sequence[torch.Tensor],
     loss_func: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], tensor_shape: Sequence[int], *,
-    kind: str = "1f1b", group: dist.ProcessGroup | None = None, dtype: torch.dtype = torch.float32,
+    kind: str = "1f1b", group: dist.ProcessGroup | None = None, dtype: torch.dtype | None = None,
     deallocate: bool = True,
 ) -> PipelineResult:
     """One training step's forward and backward over len(inputs) micro-batches on this rank's `chunks`.
 
-    Runs `get_schedule(...)` op by op. After each op one batched exchange sends what the op
-    produced (an activation forward, an input gradient backward) and receives what the next op
-    needs. Only the receives are waited for; a sent output is freed once its send completed
-    (`deallocate`). Waiting for the sends as well can deadlock: with pp=2 interleaved, rank 0
-    would wait for rank 1 to receive a gradient while rank 1 waits for rank 0 to receive one.
-    (Megatron avoids that by sending and receiving forward and backward tensors in one batch
-    in the steady state.) The first virtual stage reads `inputs[mb]`, the last computes
-    loss_func(output, targets[mb]) / m, so gradients are those of the mean loss (as Megatron's
-    forward_step divides by num_microbatches). Gradients accumulate in the chunks' parameters.
+    Runs the ops of `get_schedule(...)` in that order, communicating as Megatron's schedules do: after
+    each step one batched exchange (p2p_communication) that is exactly the complement of what the
+    neighbours post at the same step, so it cannot deadlock under NCCL (tests/test_p2p_model.py checks
+    every schedule for pp 2-8, m up to 16). Received tensors get the chunks' dtype and device (or
+    `dtype`). The first virtual stage reads `inputs[mb]`, the last computes the loss; gradients
+    accumulate in the chunks' parameters. Op times are taken after a CUDA synchronize on GPUs.
     """
     group = ps.resolve_group(group, "pp", alone=False)  # the current state's pipeline group unless given
     pp_size, pp_rank = dist.get_world_size(group), dist.get_rank(group)
-    v, m = len(chunks), len(inputs)
-    num_stages = pp_size * v
-    ops = get_schedule(pp_size, pp_rank, m, v, kind)
-    kw = dict(group=group, dtype=dtype)
-    is_first = lambda op: virtual_stage(pp_size, pp_rank, op.chunk) == 0
-    is_last = lambda op: virtual_stage(pp_size, pp_rank, op.chunk) == num_stages - 1
+    get_schedule(pp_size, pp_rank, len(inputs), len(chunks), kind)  # validates the configuration
+    param = next((p for c in chunks for p in c.parameters()), None)
+    device = param.device if param is not None else torch.device("cpu")
+    kw = dict(group=group, dtype=dtype or (param.dtype if param is not None else torch.float32), device=device)
+    steps = _Steps(chunks, inputs, targets, loss_func, pp_size, pp_rank, device, deallocate)
+    if kind == "interleaved":
+        forward_backward_pipelining_with_interleaving(steps, tensor_shape, kw)
+    else:  # GPipe is 1F1B with every forward in the warmup; "none" (pp=1) is 1F1B without warmup
+        num_warmup = len(inputs) if kind == "gpipe" else get_num_warmup_microbatches(pp_size, pp_rank, len(inputs))
+        forward_backward_pipelining_without_interleaving(steps, num_warmup, tensor_shape, kw)
+    return steps.result
 
-    def needs_recv(op: Op) -> tuple[bool, bool]:  # (recv_prev, recv_next)
-        return (op.kind == "F" and not is_first(op), op.kind == "B" and not is_last(op))
 
-    input_tensors, output_tensors = {}, {}  # (microbatch, chunk) -> tensor, alive from F to B
-    result = PipelineResult(losses=[])
-    pending: list[tuple[dist.Work, torch.Tensor | None]] = []  # sends in flight, with the output to free after
-    *received, _ = _communicate(None, None, *needs_recv(ops[0]), tensor_shape, **kw)
-    for i, op in enumerate(ops):
-        key = (op.microbatch, op.chunk)
-        send_next = send_prev = None
-        start = time.perf_counter()
-        if op.kind == "F":
-            input_tensor = inputs[op.microbatch] if is_first(op) else received[0]
-            output = chunks[op.chunk](input_tensor)
-            if is_last(op):
-                loss = loss_func(output, targets[op.microbatch])
-                result.losses.append(loss.item())
-                output = loss / m
-            else:
-                send_next = output
-            input_tensors[key], output_tensors[key] = input_tensor, output
-            result.peak_in_flight = max(result.peak_in_flight, len(output_tensors))
+def forward_backward_pipelining_without_interleaving(steps: _Steps, num_warmup: int, tensor_shape, kw) -> None:
+    """1F1B (Megatron's function of this name), and GPipe when num_warmup = m.
+
+        warmup    recv_forward · F · send_forward                      (num_warmup times)
+        steady    F · send_forward_recv_backward · B · send_backward_recv_forward
+        cooldown  recv_backward · B · send_backward                    (num_warmup times)
+
+    On the first stage the receives from / sends to the previous stage are skipped, on the last
+    those to / from the next: each exchange pairs with the neighbour's complementary one.
+    """
+    m, first, last = len(steps.inputs), steps.is_first(0), steps.is_last(0)
+    remaining = m - num_warmup
+    recv_forward = lambda: None if first else p2p.recv_forward(tensor_shape, **kw)
+    recv_backward = lambda: None if last else p2p.recv_backward(tensor_shape, **kw)
+    for i in range(num_warmup):
+        output = steps.forward(Op("F", i), recv_forward())
+        p2p.send_forward(output, **kw)
+        steps.sent(output)
+    input_tensor = recv_forward() if remaining > 0 else None
+    for i in range(remaining):
+        output = steps.forward(Op("F", num_warmup + i), input_tensor)
+        output_grad = p2p.send_forward_recv_backward(output, tensor_shape, **kw)
+        steps.sent(output)
+        input_grad = steps.backward(Op("B", i), output_grad)
+        if i == remaining - 1:
+            p2p.send_backward(input_grad, **kw)
         else:
-            input_tensor, output = input_tensors.pop(key), output_tensors.pop(key)
-            if is_last(op):
-                output.backward()
-            else:
-                custom_backward(output, received[1])
-            if not is_first(op):
-                send_prev = input_tensor.grad
-        result.timeline.append(OpRecord(dist.get_rank(), op, start, time.perf_counter()))
-        next_recv = needs_recv(ops[i + 1]) if i + 1 < len(ops) else (False, False)
-        *received, sends = _communicate(send_next, send_prev, *next_recv, tensor_shape, **kw)
-        pending += [(request, send_next if deallocate else None) for request in sends]
-        pending = _retire(pending, wait=i + 1 == len(ops))
-    return result
+            input_tensor = p2p.send_backward_recv_forward(input_grad, tensor_shape, **kw)
+    for i in range(remaining, m):
+        p2p.send_backward(steps.backward(Op("B", i), recv_backward()), **kw)
 
 
-def _retire(pending: list, wait: bool) -> list:
-    """Free the outputs whose sends completed (all of them, waiting, if `wait`); return the rest."""
-    still = []
-    for request, output in pending:
-        if wait:
-            request.wait()
-        if request.is_completed():
-            if output is not None:
-                deallocate_output_tensor(output)
+def _arrival_order(pp_size: int, pp_rank: int, num_microbatches: int, num_model_chunks: int) -> tuple[list, list]:
+    """The (microbatch, chunk) keys of the activations and of the gradients this rank receives, in
+    arrival order: the order in which its neighbours' schedules produce them (p2p is FIFO)."""
+    prev, next_ = (pp_rank - 1) % pp_size, (pp_rank + 1) % pp_size
+    last = pp_size * num_model_chunks - 1
+    acts = [(op.microbatch, op.chunk + (pp_rank == 0))
+            for op in get_schedule(pp_size, prev, num_microbatches, num_model_chunks, "interleaved")
+            if op.kind == "F" and virtual_stage(pp_size, prev, op.chunk) < last]
+    grads = [(op.microbatch, op.chunk - (pp_rank == pp_size - 1))
+             for op in get_schedule(pp_size, next_, num_microbatches, num_model_chunks, "interleaved")
+             if op.kind == "B" and virtual_stage(pp_size, next_, op.chunk) > 0]
+    return acts, grads
+
+
+def forward_backward_pipelining_with_interleaving(steps: _Steps, tensor_shape, kw) -> None:
+    """Interleaved 1F1B (Megatron's function of this name, batch_p2p_comm without overlap).
+
+    Virtual micro-batch k is the k-th entry of get_schedule_table. After every step (warmup: F_k;
+    steady: F_{w+k} then B_k; cooldown: B_k) ONE exchange sends what the step produced and receives
+    what the neighbours send at the same step. The first rank runs pp−1 steps ahead of the last, so
+    what it receives from the last rank is for a later forward: received tensors are kept by key.
+    """
+    pp_size, pp_rank, v, m = steps.pp_size, steps.pp_rank, len(steps.chunks), len(steps.inputs)
+    total = m * v
+    num_warmup = get_num_warmup_microbatches(pp_size, pp_rank, m, v)
+    remaining = total - num_warmup
+    table = get_schedule_table(m, v, pp_size)
+    fwd = lambda k: Op("F", table[k][0], table[k][1])
+    bwd = lambda k: Op("B", table[k][0], v - 1 - table[k][1])  # backward runs the chunks in reverse
+    act_keys, grad_keys = (iter(keys) for keys in _arrival_order(pp_size, pp_rank, m, v))
+    acts, grads = {}, {}  # (microbatch, chunk) -> received tensor, until its op runs
+
+    def keep(act: torch.Tensor | None, grad: torch.Tensor | None) -> None:
+        if act is not None:
+            acts[next(act_keys)] = act
+        if grad is not None:
+            grads[next(grad_keys)] = grad
+
+    def forward(op: Op) -> torch.Tensor | None:
+        return steps.forward(op, None if steps.is_first(op.chunk) else acts.pop((op.microbatch, op.chunk)))
+
+    def backward(op: Op) -> torch.Tensor | None:
+        return steps.backward(op, None if steps.is_last(op.chunk) else grads.pop((op.microbatch, op.chunk)))
+
+    def peer_sends(k: int, forward: bool) -> bool:
+        """Does the neighbour send at the exchange after step k (Megatron: recv_tensor_from_previous_stage)?
+        Only the leading rank (the first going forward, the last going backward) can find it silent: it is
+        pp−1 steps ahead, so nothing yet, and nothing for the last chunk's output."""
+        leading = pp_rank == (0 if forward else pp_size - 1)
+        if not leading:
+            return True
+        if k < pp_size - 1:
+            return False
+        aligned = (fwd if forward else bwd)(k - (pp_size - 1))
+        return aligned.chunk != (v - 1 if forward else 0)
+
+    if pp_rank != 0:
+        keep(p2p.recv_forward(tensor_shape, **kw), None)
+    for k in range(num_warmup):
+        output = forward(fwd(k))
+        recv_prev = peer_sends(k, True) and k != total - 1
+        if k == num_warmup - 1 and remaining > 0:  # the last warmup step also fetches the first gradient
+            keep(*p2p.send_forward_backward_recv_forward_backward(output, None, recv_prev, pp_rank != pp_size - 1,
+                                                                  tensor_shape, **kw))
         else:
-            still.append((request, output))
-    return still
-
-
+            keep(p2p.send_forward_recv_forward(output, recv_prev, tensor_shape, **kw), None)
+        steps.sent(output)
+    for k in range(remaining):
+        output, input_grad = forward(fwd(num_warmup + k)), backward(bwd(k))
+        recv_prev = peer_sends(num_warmup + k, True) and k != remaining - 1
+        keep(*p2p.send_forward_backward_recv_forward_backward(output, input_grad, recv_prev, peer_sends(k, False),
+                                                              tensor_shape, **kw))
+        steps.sent(output)
+    if remaining == 0 and pp_rank != pp_size - 1:
+        keep(None, p2p.recv_backward(tensor_shape, **kw))
+    for k in range(remaining, total):
+        input_grad = backward(bwd(k))
+        keep(None, p2p.send_backward_recv_backward(input_grad, peer_sends(k, False) and k != total - 1,
+                                                   tensor_shape, **kw))
