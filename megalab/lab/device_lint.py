@@ -38,6 +38,7 @@ COLLECTIVES = {"all_reduce", "all_gather", "all_gather_into_tensor", "all_gather
 COLLECTIVES -= {"all_gather_object"}  # pickles objects: any device
 # calling these with a module hands its parameters to collectives
 WRAPPERS = {"DistributedDataParallel", "DDP", "FullyShardedDataParallel", "fully_shard"}
+CONTAINERS = {"ModuleList", "Sequential", "ModuleDict"}
 # methods that return a tensor on the same device (taint flows through them)
 SAME_DEVICE_METHODS = {"view", "reshape", "float", "double", "half", "bfloat16", "long", "int", "bool", "clone",
                        "contiguous", "flatten", "t", "unsqueeze", "squeeze", "transpose", "permute", "expand",
@@ -138,7 +139,12 @@ class _Scope:
                 return ("tensor", made)
             made = self._module_ctor(node)
             if made:  # a wrapper (DDP) is where its module is: the module is checked where it is made
-                wrapper = made.split(".")[-1] in WRAPPERS
+                last = made.split(".")[-1]
+                if last in CONTAINERS:  # nn.Sequential(...): where the modules inside are
+                    inner = [self.origin(n) for a in node.args for n in ast.walk(a) if n is not a
+                             and isinstance(n, (ast.Name, ast.Call))] + [self.origin(a) for a in node.args]
+                    return ("module", made) if any(o and o[0] == "module" for o in inner) else None
+                wrapper = last in WRAPPERS
                 return None if wrapper or any(k.arg == "device" for k in node.keywords) else ("module", made)
             if isinstance(node.func, ast.Attribute):
                 if node.func.attr in MOVES:
@@ -315,7 +321,9 @@ def default_paths(root: Path = ROOT) -> list[Path]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    paths = [Path(p) for p in (argv if argv is not None else sys.argv[1:])] or default_paths()
+    args = [Path(p) for p in (argv if argv is not None else sys.argv[1:])]
+    paths = [f for p in args for f in ((sorted(p.rglob("*.py")) + sorted(p.rglob("*.ipynb"))) if p.is_dir() else [p])]
+    paths = paths or default_paths()
     findings = lint_paths(paths)
     for f in findings:
         print(f)
