@@ -78,3 +78,59 @@ def test_top_ops_reports_cpu_time_for_a_cpu_model_on_a_gpu_machine(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a GPU machine profiling a CPU model
     rows = top_ops(prof, n=3)
     assert rows[0]["self_ms"] > 0 and abs(sum(r["share"] for r in top_ops(prof, n=1000)) - 1) < 1e-6, rows
+
+
+# ------------------------------------------------------------------ on a GPU (make gpu-test runs these)
+@pytest.mark.gpu
+def test_clip_grad_norm_on_one_gpu():
+    from megalab.core.optimizer.clip_grads import clip_grad_norm
+
+    p = nn.Parameter(torch.ones(3, device="cuda"))
+    p.grad = torch.full((3,), 2.0, device="cuda")
+    assert abs(clip_grad_norm([p], 1.0) - 12**0.5) < 1e-5 and p.grad.device.type == "cuda"
+
+
+@pytest.mark.gpu
+def test_fp32_triton_attention_is_ieee_exact_on_gpu():
+    """TF32 dots would be ~1e-3 off; IEEE fp32 is ~1e-6 from the fp64 reference."""
+    import torch.nn.functional as F
+
+    from megalab.kernels.flash_attention import flash_attention
+
+    q, k, v = (torch.randn(1, 2, 256, 64, device="cuda", generator=torch.Generator("cuda").manual_seed(i))
+               for i in range(3))
+    ref = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), is_causal=True).float()
+    assert (flash_attention(q, k, v, causal=True) - ref).abs().max().item() < 1e-5
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d, dtype", [(128, torch.float32), (256, torch.float32), (256, torch.bfloat16)])
+def test_triton_backward_fits_shared_memory_at_large_head_dims(d, dtype):
+    import torch.nn.functional as F
+
+    from megalab.kernels.flash_attention import flash_attention
+
+    q, k, v = (torch.randn(1, 2, 300, d, device="cuda", dtype=dtype, requires_grad=True) for _ in range(3))
+    ours = torch.autograd.grad(flash_attention(q, k, v, causal=True).float().sum(), (q, k, v))
+    ref = torch.autograd.grad(F.scaled_dot_product_attention(q, k, v, is_causal=True).float().sum(), (q, k, v))
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    for a, b in zip(ours, ref):
+        torch.testing.assert_close(a, b, atol=tol, rtol=tol)
+
+
+def _one_rank_training(root):
+    from megalab.training.training import TrainingConfig, build_train_dataset, pretrain, small_gpt_config
+
+    dataset, tokenizer = build_train_dataset(num_samples=4, seq_length=64)
+    config = TrainingConfig(model=small_gpt_config(tokenizer.vocab_size), train_iters=2, micro_batch_size=2,
+                            global_batch_size=2, lr_warmup_iters=0)
+    return [r["loss"] for r in pretrain(config, dataset, on_log=None)], torch.distributed.get_backend()
+
+
+@pytest.mark.gpu
+def test_training_runs_on_nccl_at_world_size_one(tmp_path):
+    """NCCL maps to CUDA only: any CPU tensor in a collective fails even with one rank."""
+    from megalab.lab import launch
+
+    losses, backend = launch.run_function(_one_rank_training, 1, str(tmp_path), launch=dict(timeout=300)).returns[0]
+    assert backend == "nccl" and len(losses) == 2 and all(x == x for x in losses)

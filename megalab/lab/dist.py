@@ -26,7 +26,8 @@ import torch.distributed as dist
 def init(backend: str | None = None, timeout_s: float | None = None) -> tuple[int, int]:
     """init_process_group with the backend the launcher picked; returns (rank, world_size).
 
-    NCCL ranks also get their GPU (cuda:LOCAL_RANK). Safe to call twice.
+    NCCL ranks also get their GPU (cuda:LOCAL_RANK); so do gloo ranks under MEGALAB_DEVICE=cuda (see device()).
+    Safe to call twice.
     """
     backend = backend or os.environ.get("MEGALAB_BACKEND") or ("nccl" if torch.cuda.is_available() else "gloo")
     if not dist.is_initialized():
@@ -34,6 +35,8 @@ def init(backend: str | None = None, timeout_s: float | None = None) -> tuple[in
         if backend == "nccl":
             torch.cuda.set_device(local_rank())
             kwargs["device_id"] = torch.device("cuda", local_rank())
+        elif os.environ.get("MEGALAB_DEVICE") == "cuda":
+            torch.cuda.set_device(_shared_gpu())
         dist.init_process_group(backend, **kwargs)
     return dist.get_rank(), dist.get_world_size()
 
@@ -43,10 +46,23 @@ def local_rank() -> int:
 
 
 def device() -> torch.device:
-    """The device this rank computes on: its own GPU under NCCL, else the CPU."""
+    """The device this rank computes on: its own GPU under NCCL, else the CPU.
+
+    MEGALAB_DEVICE=cuda (set by `make gpu-test` when a cell has more ranks than there are GPUs): gloo ranks
+    compute on the GPUs too, sharing them round robin; gloo then moves tensors through host memory for the
+    collectives it supports on CUDA (megalab/lab/gpu_check.py lists them)."""
     if dist.is_initialized() and dist.get_backend() == "nccl":
         return torch.device("cuda", local_rank())
+    if os.environ.get("MEGALAB_DEVICE") == "cuda":
+        return torch.device("cuda", _shared_gpu())
     return torch.device("cpu")
+
+
+def _shared_gpu() -> int:
+    if not torch.cuda.is_available():
+        raise RuntimeError("MEGALAB_DEVICE=cuda, but this machine has no CUDA GPU: unset MEGALAB_DEVICE "
+                           "(ranks then compute on the CPU with gloo)")
+    return local_rank() % torch.cuda.device_count()
 
 
 def publish(name: str, value: Any) -> None:
