@@ -90,3 +90,18 @@ def test_megalab_device_cuda_without_a_gpu_says_what_to_do(monkeypatch):
 def test_makefile_has_the_target():
     text = (ROOT / "Makefile").read_text()
     assert "gpu-test:" in text and "megalab.lab.gpu_check" in text
+
+
+def test_instructors_tested_on_table_holds_only_real_runs():
+    """The table starts empty ("No GPU run yet"); any row in it has the shape make gpu-test prints."""
+    import re
+
+    text = (ROOT / "course" / "INSTRUCTORS.md").read_text()
+    section = text.split("### Tested on", 1)[1]
+    lines = [ln for ln in section.splitlines() if ln.startswith("|")]
+    assert lines[:2] == ["| date | GPU | torch | NCCL | what ran |", "|---|---|---|---|---|"]
+    rows = lines[2:]
+    row_shape = re.compile(r"^\| \d{4}-\d\d-\d\d \| .+ \| torch \S+ \| NCCL \S+ \| make gpu-test: .+ \|$")
+    assert all(row_shape.match(r) for r in rows), rows
+    assert rows or "No GPU run yet" in section
+    assert row_shape.match(gpu_check.tested_on_row("1 x H100", "2.13.0", "2.27.5", "make gpu-test: 34/34 notebooks passed"))
