@@ -23,7 +23,7 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1" or not torch.cuda.is_avail
 FUSED_BACKENDS = ("sdpa", "triton", "flash_attn", "auto")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def flash_attn_status() -> tuple[bool, str]:
     """Whether Tri Dao's flash-attn really runs here, and why (not).
 

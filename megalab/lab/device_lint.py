@@ -107,7 +107,7 @@ def module_classes(root: Path = ROOT) -> set[str]:
 
 
 class _Scope:
-    def __init__(self, linter: "_Linter", name: str, tainted: dict, modules: set):
+    def __init__(self, linter: _Linter, name: str, tainted: dict, modules: set):
         self.linter, self.name = linter, name
         self.tainted = dict(tainted)  # name -> (kind "tensor"/"module", what made it)
         self.modules = set(modules)  # names bound to a module (on any device)
