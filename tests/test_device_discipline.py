@@ -134,3 +134,20 @@ def test_training_runs_on_nccl_at_world_size_one(tmp_path):
 
     losses, backend = launch.run_function(_one_rank_training, 1, str(tmp_path), launch=dict(timeout=300)).returns[0]
     assert backend == "nccl" and len(losses) == 2 and all(x == x for x in losses)
+
+
+def test_training_device_says_what_to_use(monkeypatch):
+    from megalab.training.training import TrainingConfig, small_gpt_config, training_device
+
+    def config(device):
+        return TrainingConfig(model=small_gpt_config(64), train_iters=1, device=device)
+
+    assert training_device(config("meta")) == torch.device("meta")
+    assert training_device(config(None)) == torch.device("cpu")  # no process group: the CPU
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ValueError, match="no CUDA GPU: leave device=None"):
+        training_device(config("cuda"))
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "nccl")
+    with pytest.raises(ValueError, match="under NCCL"):
+        training_device(config("cpu"))

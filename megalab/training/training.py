@@ -129,8 +129,24 @@ def num_microbatches(config: TrainingConfig, dp: int) -> int:
     return config.global_batch_size // per_step
 
 
+def training_device(config: TrainingConfig) -> torch.device:
+    """Where this rank trains: config.device, or the rank's own (mdist.device()). A CUDA device without a GPU,
+    or a CPU device under NCCL (which moves CUDA tensors only), is an error that says what to use."""
+    if config.device is None:
+        return mdist.device()
+    device = torch.device(config.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"TrainingConfig(device={config.device!r}) but this machine has no CUDA GPU: leave device=None "
+                         "(the rank's device) or use 'cpu'")
+    if device.type != "cuda" and dist.is_initialized() and dist.get_backend() == "nccl":
+        raise ValueError(f"TrainingConfig(device={config.device!r}) under NCCL, which moves CUDA tensors only: leave "
+                         "device=None (the rank's GPU) or launch with --backend gloo")
+    return device
+
+
 def setup_model_and_optimizer(config: TrainingConfig) -> TrainState:
     """Collective: parallel groups, the model's stages on this rank, DDP, AdamW with decay groups, the schedule."""
+    device = training_device(config)
     ps = parallel_state.initialize_model_parallel(config.tensor_model_parallel_size,
                                                   config.pipeline_model_parallel_size, config.context_parallel_size)
     num_microbatches(config, ps.get_data_parallel_world_size())
@@ -139,7 +155,7 @@ def setup_model_and_optimizer(config: TrainingConfig) -> TrainState:
         spec = context_parallel_layer_spec(ps.get_tensor_model_parallel_group(), ps.get_context_parallel_group())
     else:
         spec = tensor_parallel_layer_spec(ps.get_tensor_model_parallel_group())
-    model = GPTModel(config.model, spec).to(torch.device(config.device) if config.device else mdist.device())
+    model = GPTModel(config.model, spec).to(device)
     stages = build_gpt_stages(model, ps.get_pipeline_model_parallel_world_size(),
                               ps.get_pipeline_model_parallel_rank())
     # grads are averaged over DP x CP: CP ranks saw other tokens of the same sequences
