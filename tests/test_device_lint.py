@@ -25,6 +25,8 @@ def names(source: str) -> list[tuple[str, str]]:
     ("model = GPTModel(config)\nddp = DistributedDataParallel(model)", [("model", "DistributedDataParallel")]),
     ("t = torch.zeros(4)\ndef worker():\n    dist.all_reduce(t)", [("t", "dist.all_reduce")]),
     ("if r == 0:\n    t = torch.arange(3)\n    dist.send(t, 1)", [("t", "dist.send")]),
+    ("def make():\n    return nn.Sequential(nn.Linear(2, 2))\nm = make()\nm(x)", [("m", "a forward call")]),
+    ("def draw(seed):\n    return torch.randn(4, generator=g)\ndist.all_reduce(draw(0))", [("draw(0)", "dist.all_reduce")]),
 ])
 def test_lint_finds(source, expected):
     assert names(source) == expected
@@ -42,6 +44,8 @@ def test_lint_finds(source, expected):
     "model = GPTModel(config).to(dev)\nddp = DistributedDataParallel(model)\nddp(x.to(dev))",
     "n = torch.tensor(3.0)\nk = n.item()\ndist.all_reduce(y)",
     "obj = torch.zeros(2)\ndist.all_gather_object(out, obj)",  # pickled: any device
+    "def make():\n    return nn.Sequential(nn.Linear(2, 2)).to(dev)\nm = make()\nm(x)",
+    "def draw(seed):\n    return torch.randn(4, generator=g).to(dev)\ndist.all_reduce(draw(0))",
 ])
 def test_lint_passes(source):
     assert names(source) == []
@@ -59,6 +63,7 @@ def test_allow_list_and_notebook_cells(tmp_path):
     assert (finding.path, finding.line, finding.name) == ("n.ipynb#cell0", 3, "x")
     assert "device=dev" in str(finding)
     assert lint_paths([path], root=tmp_path, allow={"n.ipynb::<cell>::x": "CPU-only on purpose"}) == []
+    assert lint_paths([path], root=tmp_path, allow={"n.ipynb::<cell>::*": "the whole cell is CPU-only"}) == []
 
 
 def test_module_classes_found_in_megalab():
