@@ -151,3 +151,19 @@ def test_training_device_says_what_to_use(monkeypatch):
     monkeypatch.setattr(dist, "get_backend", lambda group=None: "nccl")
     with pytest.raises(ValueError, match="under NCCL"):
         training_device(config("cpu"))
+
+
+def test_published_values_arrive_on_the_cpu_detached_even_when_nested(monkeypatch, tmp_path):
+    """A rank's CUDA tensors inside a dict would unpickle onto that rank's GPU in the notebook: move them all."""
+    import pickle
+
+    from megalab.lab import dist as mdist
+
+    (tmp_path / "publish").mkdir()
+    monkeypatch.setenv("MEGALAB_RUN_DIR", str(tmp_path))
+    monkeypatch.setenv("RANK", "0")
+    w = torch.ones(2, dtype=torch.float64, requires_grad=True) * 2
+    mdist.publish("results", {"w": w, "runs": [(1, w)], "n": 3})
+    got = pickle.loads((tmp_path / "publish" / "results.rank0.pkl").read_bytes())
+    assert not got["w"].requires_grad and not got["runs"][0][1].requires_grad and got["n"] == 3
+    assert got["w"].dtype == torch.float64 and got["runs"][0][1].device.type == "cpu"

@@ -65,8 +65,21 @@ def _shared_gpu() -> int:
     return local_rank() % torch.cuda.device_count()
 
 
+def to_cpu(value: Any) -> Any:
+    """value with every tensor in it (through dicts, lists, tuples) detached and on the CPU."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu()
+    if isinstance(value, dict):
+        return type(value)((k, to_cpu(v)) for k, v in value.items())
+    if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
+        return type(value)(to_cpu(v) for v in value)
+    return value
+
+
 def publish(name: str, value: Any) -> None:
-    """Hand a picklable value back to the notebook: after the cell, `name` holds {rank: value}."""
+    """Hand a picklable value back to the notebook: after the cell, `name` holds {rank: value}.
+
+    Tensors (also inside dicts, lists, tuples) arrive detached on the CPU: ranks' GPUs are not the notebook's."""
     if not name.isidentifier():
         raise ValueError(f"publish name must be a Python identifier (it becomes a notebook variable), got {name!r}")
     run_dir = os.environ.get("MEGALAB_RUN_DIR")
@@ -74,8 +87,7 @@ def publish(name: str, value: Any) -> None:
         warnings.warn("megalab.lab.dist.publish only works under megalab.lab.launch / %%torchrun; value dropped", stacklevel=2)
         return
     rank = int(os.environ.get("RANK", "0"))
-    if isinstance(value, torch.Tensor):
-        value = value.detach().cpu()
+    value = to_cpu(value)
     path = Path(run_dir) / "publish" / f"{name}.rank{rank}.pkl"
     tmp = path.with_suffix(".tmp")
     with open(tmp, "wb") as f:
