@@ -121,7 +121,7 @@ def plan_rows(paths: list[Path], n_gpus: int, root: Path = ROOT) -> list[Row]:
         cells = plan_notebook(path, n_gpus)
         name = str(path.relative_to(root / "course")) if path.is_relative_to(root / "course") else path.name
         if not cells:
-            rows.append(Row(name, "1", "one process, cuda" if n_gpus else "one process, cpu", "planned"))
+            rows.append(Row(name, "1", "one process", "planned"))  # its cells choose their device
             continue
         backends = sorted({c.backend for c in cells})
         lacking = sorted({op for c in cells for op in c.unsupported})
