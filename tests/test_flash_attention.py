@@ -187,7 +187,7 @@ def test_tiles_fit_hopper_shared_memory_up_to_head_dim_256(d, dtype):
         c = kernel_config(kind, d, dtype)
         used = shared_memory_bytes(kind, c["BLOCK_M"], c["BLOCK_N"], d, dtype.itemsize, c["num_stages"])
         assert used <= SMEM_BUDGET == 227 * 1024, (kind, c, used)
-        assert c["INPUT_PRECISION"] == ("ieee" if dtype == torch.float32 else "tf32")
+        assert c["INPUT_PRECISION"] == ("ieee" if dtype == torch.float32 else None)  # 16-bit: the backend's default
     # the old fixed choice (64 x 64 tiles, Triton's default 3 stages) does not fit the fp32 backward at d = 128
     assert shared_memory_bytes("bwd", 64, 64, 128, 4, 3) > SMEM_BUDGET
 
