@@ -18,8 +18,11 @@ one kernel per key tile accumulates dK, dV over the query tiles; one per query t
 Causal programs skip the tiles above the diagonal: about half the work.
 
 Tensors are [b, h, s, d] (like F.scaled_dot_product_attention). The kernels use plain pointer
-arithmetic (`tl.make_block_ptr` is gone in triton 3.9). Megatron-LM does not write its own
-attention kernel: `TEDotProductAttention` (megatron/core/extensions/transformer_engine.py) calls
+arithmetic (`tl.make_block_ptr` is gone in triton 3.9), int64 where b*h*s*d can pass 2**31. On a GPU,
+fp32 dots run in IEEE fp32 (Triton's default is TF32), and the tiles and pipeline stages are chosen per
+head dim and dtype to fit Hopper's 227 KB of shared memory per block (kernel_configs).
+
+Megatron-LM does not write its own attention kernel: `TEDotProductAttention` (megatron/core/extensions/transformer_engine.py) calls
 Transformer Engine, which dispatches to cuDNN's or Tri Dao's flash-attn kernels.
 """
 
