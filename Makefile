@@ -11,7 +11,7 @@ ROOT_FLAG := $(if $(filter 0,$(shell id -u)),--allow-root,)
 FIRST_NOTEBOOK := course/01_foundations/01_setup_and_torchrun.ipynb
 WORKSPACE_DIR ?= $(HOME)/megalab-workspace
 
-.PHONY: setup lab workspace test unit nbval notebooks student grade bench lint clean
+.PHONY: setup lab workspace test unit nbval notebooks student grade bench lint clean gpu-test
 
 ifdef WORKSPACE
 setup:
@@ -44,6 +44,12 @@ workspace: setup
 TEST_WORKERS ?= 2
 test: setup
 	$(PY) -m pytest tests course --nbval -q -n $(TEST_WORKERS) --dist loadfile
+
+# On a GPU node: the gpu-marked tests and every notebook's cells on CUDA (NCCL where a cell's ranks fit the GPUs,
+# else gloo with the ranks sharing the GPUs), a table per notebook and the course/INSTRUCTORS.md row to paste.
+# Without CUDA it says so and runs nothing. `python -m megalab.lab.gpu_check --plan 8` shows the plan anywhere.
+gpu-test: setup
+	$(PY) -m megalab.lab.gpu_check
 
 unit: setup
 	$(PY) -m pytest tests -q

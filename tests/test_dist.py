@@ -50,7 +50,7 @@ def _sum_of_shards(lengths):
     out = []
     for length in lengths:
         start, stop = mdist.shard_bounds(length, world, rank)
-        part = torch.arange(start, stop, dtype=torch.float64).sum()
+        part = torch.arange(start, stop, dtype=torch.float64, device=mdist.device()).sum()
         dist.all_reduce(part)
         out.append((part.item(), float(sum(range(length)))))
     return out

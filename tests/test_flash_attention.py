@@ -86,7 +86,8 @@ def test_auto_backend_selection():
     assert resolve_attention_backend("auto", torch.device("cpu")) == "sdpa"  # the interpreter is too slow for a model
     assert resolve_attention_backend("triton", torch.device("cpu")) == "triton"  # ... but selectable by name
     assert resolve_attention_backend("auto", torch.device("cuda"), torch.float32, dropout_p=0.1) == "sdpa"
-    assert resolve_attention_backend("auto", torch.device("cuda"), torch.float32) == "triton"
+    # fp32 must not get a TF32/bf16 kernel: SDPA's fp32 kernel, not Triton's default TF32 dots or flash-attn
+    assert resolve_attention_backend("auto", torch.device("cuda"), torch.float32) == "sdpa"
 
 
 def test_core_attention_triton_backend_matches_sdpa_backend():
@@ -133,3 +134,122 @@ def test_doctor_reports_the_auto_attention_backend():
     assert facts()["attention_auto"] == expected
     line = next(ln for ln in report().splitlines() if ln.startswith("attention (auto)"))
     assert {"sdpa": "SDPA", "triton": "Triton", "flash_attn": "flash-attn"}[expected] in line
+
+
+# ------------------------------------------------------------------ GPU rules a CPU run cannot show (issue 23)
+def test_fp32_dots_are_ieee_in_every_launch(monkeypatch):
+    """Triton's tl.dot defaults to TF32 for fp32 on NVIDIA (~1e-3 error); the interpreter ignores the setting,
+    so check what every launch asks for: IEEE for fp32 inputs."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    if not INTERPRET:
+        pytest.skip("checks the interpreter's launches")
+    seen = []
+    run = InterpretedFunction.run
+    monkeypatch.setattr(InterpretedFunction, "run",
+                        lambda self, *a, **kw: (seen.append((self.fn.__name__, kw.get("INPUT_PRECISION"))), run(self, *a, **kw))[1])
+    q, k, v = _qkv((1, 1, 20, 16))
+    flash_attention(q, k, v, causal=True).sum().backward()
+    dots = {name: p for name, p in seen if name != "_bwd_preprocess"}
+    assert set(dots) == {"_fwd_kernel", "_bwd_dkdv_kernel", "_bwd_dq_kernel"} and set(dots.values()) == {"ieee"}, seen
+
+
+def test_every_tl_dot_takes_the_launch_precision():
+    import ast
+    import inspect
+
+    from megalab.kernels import flash_attention as fa
+
+    tree = ast.parse(inspect.getsource(fa))
+    dots = [n for n in ast.walk(tree) if isinstance(n, ast.Call) and ast.unparse(n.func) == "tl.dot"]
+    assert dots and all(any(k.arg == "input_precision" and ast.unparse(k.value) == "INPUT_PRECISION" for k in d.keywords)
+                        for d in dots), [ast.unparse(d) for d in dots]
+
+
+def test_offsets_are_int64():
+    import inspect
+
+    from megalab.kernels import flash_attention as fa
+
+    for kernel in (fa._fwd_kernel, fa._bwd_preprocess, fa._bwd_dkdv_kernel, fa._bwd_dq_kernel):
+        assert "bh = tl.program_id(1).to(tl.int64)" in inspect.getsource(kernel.fn), kernel.fn.__name__
+    q = torch.empty(1, 1, 2**26, 64, device="meta")  # 2**32 elements in one head
+    with pytest.raises(ValueError, match="int32"):
+        flash_attention(q, q, q)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("d", [16, 32, 64, 128, 256])
+def test_tiles_fit_hopper_shared_memory_up_to_head_dim_256(d, dtype):
+    from megalab.kernels.flash_attention import SMEM_BUDGET, kernel_config, shared_memory_bytes
+
+    for kind in ("fwd", "bwd"):
+        c = kernel_config(kind, d, dtype)
+        used = shared_memory_bytes(kind, c["BLOCK_M"], c["BLOCK_N"], d, dtype.itemsize, c["num_stages"])
+        assert used <= SMEM_BUDGET == 227 * 1024, (kind, c, used)
+        assert c["INPUT_PRECISION"] == ("ieee" if dtype == torch.float32 else None)  # 16-bit: the backend's default
+    # the old fixed choice (64 x 64 tiles, Triton's default 3 stages) does not fit the fp32 backward at d = 128
+    assert shared_memory_bytes("bwd", 64, 64, 128, 4, 3) > SMEM_BUDGET
+
+
+def test_head_dim_over_256_is_a_clear_error_and_a_too_large_tile_falls_back(monkeypatch):
+    import triton
+
+    from megalab.kernels import flash_attention as fa
+
+    with pytest.raises(ValueError, match="up to 256|over the Triton kernels' 256"):
+        fa.kernel_config("fwd", 512, torch.bfloat16)
+    launched = []
+
+    class Kernel:  # raises like Triton when a config needs more shared memory than the GPU has
+        def __getitem__(self, grid):
+            def launch(*args, **kw):
+                if kw["num_stages"] > 1:
+                    raise triton.runtime.errors.OutOfResources(300_000, 232_448, "shared memory")
+                launched.append(kw)
+            return launch
+
+    cfg = fa._launch(Kernel(), lambda c: (1,), (), "bwd", 128, torch.float32, 4096)
+    assert cfg["num_stages"] == 1 and launched == [dict(BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
+                                                        INPUT_PRECISION="ieee", num_stages=1, num_warps=8)]
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch):
+    """A CUDA machine (sm_90) where the flash_attn package is found: the test decides whether its extension loads."""
+    import importlib.util
+    import sys
+
+    import megalab.kernels as kernels
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "flash_attn" else find_spec(name, *a))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
+    kernels.flash_attn_status.cache_clear()
+    yield lambda loads: monkeypatch.setitem(sys.modules, "flash_attn_2_cuda", __import__("types").ModuleType("x") if loads else None)
+    kernels.flash_attn_status.cache_clear()
+
+
+def test_flash_attn_found_but_its_cuda_extension_broken_falls_back_with_the_reason(fake_cuda):
+    from megalab.kernels import explain_attention_backend, flash_attn_status
+
+    fake_cuda(False)  # built for another torch: importing flash_attn_2_cuda fails
+    ok, why = flash_attn_status()
+    assert not ok and "CUDA extension does not load" in why and "rebuild" in why
+    backend, reason = explain_attention_backend("auto", torch.device("cuda"), torch.bfloat16, head_dim=64)
+    assert backend == "sdpa" and "does not load" in reason
+    with pytest.raises(ValueError, match="cannot run"):
+        resolve_attention_backend("flash_attn", torch.device("cuda"), torch.bfloat16)
+
+
+def test_auto_picks_flash_attn_only_where_it_is_correct(fake_cuda):
+    from megalab.kernels import explain_attention_backend
+
+    fake_cuda(True)
+    cuda = torch.device("cuda")
+    assert explain_attention_backend("auto", cuda, torch.bfloat16, head_dim=128)[0] == "flash_attn"
+    backend, reason = explain_attention_backend("auto", cuda, torch.bfloat16, head_dim=512)
+    assert backend == "sdpa" and "up to 256" in reason
+    backend, reason = explain_attention_backend("auto", cuda, torch.float32, head_dim=64)
+    assert backend == "sdpa" and "fp32" in reason

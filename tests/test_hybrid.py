@@ -39,7 +39,7 @@ def _steps(layouts):
     for name, (sizes, cfg, zero, m) in layouts.items():
         state = ps.initialize_model_parallel(**sizes)
         r = hybrid.train_step(TransformerConfig(**cfg), state, batch_size=8, num_microbatches=m, zero_stage=zero)
-        worst = torch.tensor(r.worst_weight_diff)
+        worst = torch.tensor(r.worst_weight_diff, device=mdist.device())
         dist.all_reduce(worst, op=dist.ReduceOp.MAX)
         out[name] = (r.loss, r.reference_loss, worst.item())
         ps.destroy_model_parallel()

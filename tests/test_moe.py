@@ -427,9 +427,12 @@ def _gpt_case(rank):
 
     config = TransformerConfig(**{**BASE, "num_layers": 2, "vocab_size": 64, "num_moe_experts": 4},
                                moe_token_dispatcher_type="alltoall", moe_aux_loss_coeff=0.01)
-    ids = torch.randint(0, 64, (4, 8), generator=torch.Generator().manual_seed(0))
+    from megalab.lab import dist as mdist
+
+    dev = mdist.device()
+    ids = torch.randint(0, 64, (4, 8), generator=torch.Generator().manual_seed(0)).to(dev)
     torch.manual_seed(0)
-    single = GPTModel(config)
+    single = GPTModel(config).to(dev)
     with MoEAuxLossAutoScaler.loss_scale(0.5):  # the aux losses are averaged too (Megatron's schedules
         ref_losses = [single(ids[2 * d:2 * d + 2], labels=ids[2 * d:2 * d + 2]).mean() for d in range(2)]
     ref_loss = sum(ref_losses) / 2  # the mean over the two data-parallel replicas (each its own aux loss)
@@ -438,12 +441,13 @@ def _gpt_case(rank):
                                          expert_tensor_parallel_size=1)
     try:
         torch.manual_seed(0)
-        model = GPTModel(TransformerConfig(**{**config.__dict__, "sequence_parallel": True}), tensor_parallel_layer_spec())
+        model = GPTModel(TransformerConfig(**{**config.__dict__, "sequence_parallel": True}),
+                         tensor_parallel_layer_spec()).to(dev)
         dp_rank = state.get_data_parallel_rank()
         loss = model(ids[2 * dp_rank:2 * dp_rank + 2], labels=ids[2 * dp_rank:2 * dp_rank + 2]).mean()
         loss.backward()
         finalize_model_grads([model], state)
-        losses = [torch.zeros(()) for _ in range(2)]
+        losses = [torch.zeros((), device=dev) for _ in range(2)]
         torch.distributed.all_gather(losses, loss.detach(), group=state.get_data_parallel_group())
         diffs = {"the mean loss": abs(sum(losses) / 2 - ref_loss).item()}
         for name in ("router.weight", "experts.local_experts.0.linear_fc1.weight"):

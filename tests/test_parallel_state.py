@@ -237,9 +237,9 @@ def _groups_worker(layouts):
         expected = {name: next(g for g in fam if rank in g) for name, fam in
                     ps.rank_groups(ps.ParallelSizes(world, **kwargs)).items() if any(rank in g for g in fam)}
         members = {name: dist.get_process_group_ranks(state.group(name)) for name in expected}
-        value = torch.tensor([float(rank)])
+        value = torch.tensor([float(rank)], device=mdist.device())
         dist.all_reduce(value, group=ps.get_tensor_model_parallel_group())
-        ep_value = torch.tensor([float(rank)])
+        ep_value = torch.tensor([float(rank)], device=mdist.device())
         dist.all_reduce(ep_value, group=ps.get_expert_model_parallel_group())
         report.append(dict(
             mismatches={name: (members.get(name), ranks) for name, ranks in expected.items() if members.get(name) != ranks},
@@ -308,7 +308,7 @@ def _init_destroy_worker(cycles: int):
     counts = []
     for _ in range(cycles):
         ps.initialize_model_parallel(tensor_model_parallel_size=2, pipeline_model_parallel_size=2)
-        value = torch.ones(1)
+        value = torch.ones(1, device=mdist.device())
         dist.all_reduce(value, group=ps.get_tensor_model_parallel_group())  # the groups work
         ps.destroy_model_parallel()
         counts.append(_threads_and_fds())

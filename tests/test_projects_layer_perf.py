@@ -188,9 +188,10 @@ def _tp_worker(window):
     out = {}
     config = TransformerConfig(**{**SMALL, "num_query_groups": 2, "position_embedding_type": "rope",
                                   "normalization": "RMSNorm", "share_embeddings_and_output_weights": False})
-    ids = torch.randint(0, 64, (2, 24), generator=torch.Generator().manual_seed(6))
+    dev = mdist.device()
+    ids = torch.randint(0, 64, (2, 24), generator=torch.Generator().manual_seed(6)).to(dev)
     torch.manual_seed(0)
-    ref = GPTModel(config, sliding_window_spec(window))
+    ref = GPTModel(config, sliding_window_spec(window)).to(dev)
     ref_loss = ref(ids, labels=torch.roll(ids, -1, 1))
     ref_loss.mean().backward()
     ref_params = dict(ref.named_parameters())
@@ -199,6 +200,7 @@ def _tp_worker(window):
             ps.initialize_model_parallel(tensor_model_parallel_size=t)
             torch.manual_seed(0)
             model = GPTModel(config, tensor_parallel_layer_spec(core_attention=sliding_window_spec(window).core_attention))
+            model.to(dev)
             loss = model(ids, labels=torch.roll(ids, -1, 1))
             loss.mean().backward()
             errors = {"the per-token loss": max_error(loss, ref_loss)}

@@ -48,8 +48,15 @@ GPT_VARIANTS = {
 
 
 # ------------------------------------------------------------------ helpers run inside the ranks
+def _dev():
+    """The rank's device: its GPU under NCCL, else the CPU (every tensor and layer below lives there)."""
+    from megalab.lab import dist as mdist
+
+    return mdist.device()
+
+
 def _rank_tensor(r, *shape):
-    return torch.randn(*shape, generator=torch.Generator().manual_seed(100 + r))
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(100 + r)).to(_dev())
 
 
 def _diff(a, b):
@@ -122,11 +129,11 @@ def _mlp(t, rank, group):
                                    sequence_parallel=sp)
         init = init_method_normal(0.2)
         torch.manual_seed(0)
-        fc1 = Linear(h, ffn, config=config, init_method=init)
-        fc2 = Linear(ffn, h, config=config, init_method=init)
+        fc1 = Linear(h, ffn, config=config, init_method=init).to(_dev())
+        fc2 = Linear(ffn, h, config=config, init_method=init).to(_dev())
         torch.manual_seed(0)
-        col = tp.ColumnParallelLinear(h, ffn, config=config, init_method=init, tp_group=group)
-        row = tp.RowParallelLinear(ffn, h, config=config, init_method=init, tp_group=group)
+        col = tp.ColumnParallelLinear(h, ffn, config=config, init_method=init, tp_group=group).to(_dev())
+        row = tp.RowParallelLinear(ffn, h, config=config, init_method=init, tp_group=group).to(_dev())
         errors = {}
         for mine, ref, who in [(col, fc1, "ColumnParallelLinear"), (row, fc2, "RowParallelLinear")]:
             errors[f"{who}'s initial weight shard"] = max_error(mine.weight, tp.full_shard_of(ref.weight, mine.weight, rank))
@@ -149,9 +156,9 @@ def _mlp(t, rank, group):
     # the other two modes, alone
     config = TransformerConfig(num_layers=1, hidden_size=h, num_attention_heads=2, vocab_size=8, seq_length=s)
     torch.manual_seed(0)
-    fc1 = Linear(h, ffn, config=config, init_method=init)
+    fc1 = Linear(h, ffn, config=config, init_method=init).to(_dev())
     torch.manual_seed(0)
-    col = tp.ColumnParallelLinear(h, ffn, config=config, init_method=init, gather_output=True, tp_group=group)
+    col = tp.ColumnParallelLinear(h, ffn, config=config, init_method=init, gather_output=True, tp_group=group).to(_dev())
     _nonzero_biases([(col, fc1)], rank)
     x_full = _rank_tensor(1, s, b, h).requires_grad_()
     y = col(x_full)
@@ -161,9 +168,10 @@ def _mlp(t, rank, group):
     errors["the input gradient"] = max_error(x_full.grad, torch.autograd.grad(fc1(x_full), x_full, dy)[0])
     out["column gather_output"] = errors
     torch.manual_seed(0)
-    fc2 = Linear(ffn, h, config=config, init_method=init)
+    fc2 = Linear(ffn, h, config=config, init_method=init).to(_dev())
     torch.manual_seed(0)
-    row = tp.RowParallelLinear(ffn, h, config=config, init_method=init, input_is_parallel=False, tp_group=group)
+    row = tp.RowParallelLinear(ffn, h, config=config, init_method=init, input_is_parallel=False,
+                               tp_group=group).to(_dev())
     _nonzero_biases([(row, fc2)], rank)
     z = _rank_tensor(3, s, b, ffn).requires_grad_()
     y = row(z)
@@ -179,10 +187,10 @@ def _embedding(t, rank, group):
     torch.manual_seed(0)
     master = torch.empty(V, h)
     init(master)
-    master.requires_grad_()
+    master = master.to(_dev()).requires_grad_()
     torch.manual_seed(0)
-    emb = tp.VocabParallelEmbedding(V, h, init_method=init, tp_group=group)
-    ids = torch.randint(0, V, (3, 10), generator=torch.Generator().manual_seed(5))
+    emb = tp.VocabParallelEmbedding(V, h, init_method=init, tp_group=group).to(_dev())
+    ids = torch.randint(0, V, (3, 10), generator=torch.Generator().manual_seed(5)).to(_dev())
     dy = _rank_tensor(4, 3, 10, h)
     y = emb(ids)
     y.backward(dy)
@@ -197,7 +205,7 @@ def _cross_entropy(t, rank, group):
 
     out, V = {}, 24
     logits = _rank_tensor(6, 3, 10, V) * 3
-    target = torch.randint(0, V, (3, 10), generator=torch.Generator().manual_seed(9))
+    target = torch.randint(0, V, (3, 10), generator=torch.Generator().manual_seed(9)).to(_dev())
     dl = _rank_tensor(10, 3, 10)
     for smoothing in (0.0, 0.1):
         full = logits.clone().requires_grad_()
@@ -221,9 +229,10 @@ def _gpt(t, rank, group):
         for sp in (False, True):
             config = TransformerConfig(**{**SMALL, **change})
             torch.manual_seed(0)
-            ref = GPTModel(config)
+            ref = GPTModel(config).to(_dev())
             torch.manual_seed(0)
-            model = GPTModel(TransformerConfig(**{**SMALL, **change, "sequence_parallel": sp}), tensor_parallel_layer_spec(group))
+            model = GPTModel(TransformerConfig(**{**SMALL, **change, "sequence_parallel": sp}),
+                             tensor_parallel_layer_spec(group)).to(_dev())
             ref_params = dict(ref.named_parameters())
             names = {name for name, _ in model.named_parameters()}
             if names != set(ref_params):
@@ -240,7 +249,8 @@ def _gpt(t, rank, group):
                         noise = _rank_tensor(200 + i, *ref_params[name].shape) * 0.1
                         ref_params[name].add_(noise)
                         p.add_(tp.full_shard_of(noise, p, rank, stride[name]))
-            ids = torch.randint(0, config.vocab_size, (2, config.seq_length), generator=torch.Generator().manual_seed(3))
+            ids = torch.randint(0, config.vocab_size, (2, config.seq_length),
+                                generator=torch.Generator().manual_seed(3)).to(_dev())
             labels = torch.roll(ids, -1, 1)
             ref_loss = ref(ids, labels=labels)
             ref_loss.mean().backward()
@@ -274,13 +284,14 @@ def _dtensor(t, rank, group):
     config = TransformerConfig(num_layers=1, hidden_size=h, num_attention_heads=2, vocab_size=8, seq_length=8)
     init = init_method_normal(0.2)
     torch.manual_seed(0)
-    fc1, fc2 = Linear(h, ffn, config=config, init_method=init), Linear(ffn, h, config=config, init_method=init)
+    fc1 = Linear(h, ffn, config=config, init_method=init).to(_dev())
+    fc2 = Linear(ffn, h, config=config, init_method=init).to(_dev())
     torch.manual_seed(0)
-    col = tp.ColumnParallelLinear(h, ffn, config=config, init_method=init, tp_group=group)
-    row = tp.RowParallelLinear(ffn, h, config=config, init_method=init, tp_group=group)
+    col = tp.ColumnParallelLinear(h, ffn, config=config, init_method=init, tp_group=group).to(_dev())
+    row = tp.RowParallelLinear(ffn, h, config=config, init_method=init, tp_group=group).to(_dev())
     _nonzero_biases([(col, fc1), (row, fc2)], rank)
-    mesh = init_device_mesh("cpu", (t,))
-    ref = parallelize_module(MLP(torch.nn.Linear(h, ffn), torch.nn.Linear(ffn, h)), mesh,
+    mesh = init_device_mesh(_dev().type, (t,))
+    ref = parallelize_module(MLP(torch.nn.Linear(h, ffn), torch.nn.Linear(ffn, h)).to(_dev()), mesh,
                              {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()})
     with torch.no_grad():  # load the same full weights into the DTensor shards
         for mod, src in [(ref.fc1, fc1), (ref.fc2, fc2)]:
@@ -307,7 +318,7 @@ def _comm(t, rank, group):
     s, b, h = 8, 2, 32
     for sp in (False, True):
         config = TransformerConfig(**{**SMALL, "num_layers": 1, "seq_length": s, "sequence_parallel": sp})
-        layer = TransformerLayer(config, tensor_parallel_layer_spec(group))
+        layer = TransformerLayer(config, tensor_parallel_layer_spec(group)).to(_dev())
         x = _rank_tensor(1, s // t if sp else s, b, h).requires_grad_()
         with CollectiveTracer() as trace:
             layer(x).sum().backward()

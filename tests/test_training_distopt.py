@@ -49,7 +49,7 @@ def _distopt_worker(root: str):
     from megalab.core.distributed.distributed_data_parallel import DistributedDataParallel
     from megalab.core.optimizer.distrib_optimizer import DistributedOptimizer
 
-    ddp = DistributedDataParallel(nn.Linear(4, 4), zero_stage=1)
+    ddp = DistributedDataParallel(nn.Linear(4, 4, device=mdist.device()), zero_stage=1)
     try:
         DistributedOptimizer(ddp, torch.optim.SGD, param_groups=[{"params": [ddp.module.weight]}], lr=0.1)
         runs["missing_group"] = "no error"

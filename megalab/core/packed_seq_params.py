@@ -94,8 +94,9 @@ class PackedSeqParams:
         key = (b, s, str(device))
         if key not in self._masks:
             bounds = self.cu_seqlens_q.tolist()
-            rows = [torch.tensor([c - r * s for c in bounds if r * s <= c <= (r + 1) * s]) for r in range(b)]
-            self._masks[key] = torch.stack([document_causal_mask(cu) for cu in rows])[:, None].to(device)
+            rows = [torch.tensor([c - r * s for c in bounds if r * s <= c <= (r + 1) * s], device=device)
+                    for r in range(b)]
+            self._masks[key] = torch.stack([document_causal_mask(cu) for cu in rows])[:, None]
         return self._masks[key]
 
     def position_ids(self, shape: torch.Size) -> torch.Tensor:
@@ -108,7 +109,7 @@ def packed_position_ids(input_ids: torch.Tensor, position_ids: torch.Tensor | No
     """Check a packed batch input_ids [b, s] against params; its position ids: the given ones, or
     restarting at 0 in every document."""
     params.check_batch(input_ids)
-    return params.position_ids(input_ids.shape) if position_ids is None else position_ids
+    return params.position_ids(input_ids.shape).to(input_ids.device) if position_ids is None else position_ids
 
 
 def position_ids_from_cu_seqlens(cu_seqlens: torch.Tensor) -> torch.Tensor:
@@ -119,10 +120,11 @@ def position_ids_from_cu_seqlens(cu_seqlens: torch.Tensor) -> torch.Tensor:
 
 
 def pack_documents(docs: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """1-D token tensors -> (tokens [1, T], position_ids [1, T] restarting at 0 per document, cu_seqlens [n+1])."""
+    """1-D token tensors -> (tokens [1, T], position_ids [1, T] restarting at 0 per document, cu_seqlens [n+1]),
+    all on the documents' device."""
     if not docs or any(d.dim() != 1 or d.numel() == 0 for d in docs):
         raise ValueError("pack_documents needs a non-empty list of non-empty 1-D token tensors")
-    cu_seqlens = F.pad(torch.tensor([d.numel() for d in docs]).cumsum(0), (1, 0)).to(torch.int32)
+    cu_seqlens = F.pad(torch.tensor([d.numel() for d in docs], device=docs[0].device).cumsum(0), (1, 0)).to(torch.int32)
     return torch.cat(list(docs))[None], position_ids_from_cu_seqlens(cu_seqlens)[None], cu_seqlens
 
 
@@ -143,10 +145,10 @@ def pack_batch(docs: Sequence[torch.Tensor], row_length: int) -> dict:
     inputs, labels, masks = [], [], []
     for row in rows:
         free = row_length - sum(d.numel() - 1 for d in row)
-        pieces = row + ([torch.zeros(free + 1, dtype=row[0].dtype)] if free else [])  # the padding document
+        pieces = row + ([torch.zeros(free + 1, dtype=row[0].dtype, device=row[0].device)] if free else [])  # padding
         inputs += [d[:-1] for d in pieces]
         labels += [d[1:] for d in pieces]
-        masks += [torch.full((d.numel() - 1,), float(i < len(row))) for i, d in enumerate(pieces)]
+        masks += [torch.full((d.numel() - 1,), float(i < len(row)), device=d.device) for i, d in enumerate(pieces)]
     tokens, position_ids, cu_seqlens = pack_documents(inputs)
     shape = (len(rows), row_length)
     return dict(tokens=tokens.view(shape), labels=torch.cat(labels).view(shape), loss_mask=torch.cat(masks).view(shape),
@@ -178,5 +180,6 @@ def collate_packed(samples: list[dict]) -> dict:
     s = samples[0]["tokens"].numel()
     batch = {key: torch.stack([x[key] for x in samples]) for key in samples[0] if key != "cu_seqlens"}
     starts = [x["cu_seqlens"][:-1].long() + r * s for r, x in enumerate(samples)]  # each row's documents, shifted
-    batch["packed_seq_params"] = PackedSeqParams.from_cu_seqlens(torch.cat([*starts, torch.tensor([len(samples) * s])]))
+    end = torch.tensor([len(samples) * s], device=starts[0].device)
+    batch["packed_seq_params"] = PackedSeqParams.from_cu_seqlens(torch.cat([*starts, end]))
     return batch

@@ -40,6 +40,7 @@ from megalab.core.tensor_parallel.cross_entropy import vocab_parallel_cross_entr
 from megalab.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 from megalab.core.transformer.transformer_config import TransformerConfig
 from megalab.core.utils import get_batch_on_this_cp_rank
+from megalab.lab import dist as mdist
 
 
 @dataclass
@@ -56,14 +57,17 @@ def global_batch(config: TransformerConfig, batch_size: int, seed: int = 1) -> t
     return ids, torch.roll(ids, -1, dims=1)
 
 
-def build_model(config: TransformerConfig, state: ps.ParallelState, seed: int = 0) -> tuple[nn.Module, list[nn.Module]]:
-    """This rank's model (all of it built, same draws everywhere) and its pipeline stages."""
+def build_model(config: TransformerConfig, state: ps.ParallelState, seed: int = 0,
+                device: torch.device | str | None = None) -> tuple[nn.Module, list[nn.Module]]:
+    """This rank's model (all of it built, same draws everywhere) and its pipeline stages, on `device`
+    (default: the rank's, mdist.device())."""
     torch.manual_seed(seed)
     tp_group, cp_group = state.get_tensor_model_parallel_group(), state.get_context_parallel_group()
     if state.get_context_parallel_world_size() > 1:
         model = GPTModel(config, context_parallel_layer_spec(tp_group, cp_group))
     else:
         model = GPTModel(config, tensor_parallel_layer_spec(tp_group))
+    model.to(device if device is not None else mdist.device())
     stages = build_gpt_stages(model, state.get_pipeline_model_parallel_world_size(),
                               state.get_pipeline_model_parallel_rank())
     return model, stages
@@ -102,7 +106,7 @@ def train_step(config: TransformerConfig, state: ps.ParallelState, batch_size: i
     if moe and (pp > 1 or zero_stage or config.moe_grouped_gemm):
         raise ValueError("MoE layouts here combine tp, cp, ep and dp (no pp, no ZeRO) with the loop of expert "
                          "MLPs (moe_grouped_gemm=False), so each expert maps to its single-process twin")
-    ids, labels = global_batch(config, batch_size)
+    ids, labels = (t.to(mdist.device()) for t in global_batch(config, batch_size))  # where build_model puts the model
     # EXERCISE hybrid.train_step: this rank's slice of the batch, micro-batches through the stages (pipelined if pp > 1), grads averaged over dp-cp, one optimizer step
     ### BEGIN SOLUTION
     model, stages = build_model(config, state, seed)
@@ -134,7 +138,7 @@ def train_step(config: TransformerConfig, state: ps.ParallelState, batch_size: i
     opt.step()
     ### END SOLUTION
     # the loss lives on the last stage: average over dp, then hand it to every rank
-    loss = torch.tensor(sum(losses) / len(losses) if losses else 0.0)
+    loss = torch.tensor(sum(losses) / len(losses) if losses else 0.0, device=ids.device)
     dist.all_reduce(loss, group=dp_group)  # the mean over dp-cp of equal-sized local means
     dist.broadcast(loss, state.get_pipeline_model_parallel_last_rank(), group=state.get_pipeline_model_parallel_group())
     reference, reference_loss = single_process_step(config, ids, labels, num_microbatches * dp, optimizer_cls, lr, seed)
@@ -169,7 +173,7 @@ def single_process_step(config: TransformerConfig, ids: torch.Tensor, labels: to
     config = TransformerConfig(**{**vars(config), "sequence_parallel": False})
     with ps.no_model_parallel():  # no groups: MoE layers hold every expert
         torch.manual_seed(seed)
-        model = GPTModel(config)
+        model = GPTModel(config).to(ids.device)
         optimizer = optimizer_cls(model.parameters(), lr=lr)
         total = 0.0
         for x, y in zip(ids.chunk(num_microbatches), labels.chunk(num_microbatches)):

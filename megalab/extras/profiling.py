@@ -16,12 +16,14 @@ from torch.profiler import ProfilerActivity, profile, schedule
 
 
 def profile_step(step: Callable[[], None], steps: int = 2, warmup: int = 1,
-                 trace_path: str | Path | None = None) -> profile:
-    """Run `step` warmup + steps times under torch.profiler (CPU, and CUDA when present), record the last `steps`.
+                 trace_path: str | Path | None = None, device: torch.device | str | None = None) -> profile:
+    """Run `step` warmup + steps times under torch.profiler, record the last `steps`.
 
-    With trace_path, also writes the Chrome trace JSON there. Returns the profiler (see top_ops).
+    device: where the step computes; CUDA kernels are recorded only for a CUDA device (default: CUDA
+    when present). With trace_path, also writes the Chrome trace JSON there. Returns the profiler (see top_ops).
     """
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    cuda = torch.cuda.is_available() if device is None else torch.device(device).type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     with profile(activities=activities, schedule=schedule(wait=0, warmup=warmup, active=steps, repeat=1),
                  record_shapes=True, profile_memory=True) as prof:
         for _ in range(warmup + steps):
@@ -33,9 +35,12 @@ def profile_step(step: Callable[[], None], steps: int = 2, warmup: int = 1,
 
 
 def top_ops(prof: profile, n: int = 8) -> list[dict]:
-    """The n ops with the most self time (time in the op itself, not in ops it calls): name, calls, ms, share."""
-    device = torch.cuda.is_available()
+    """The n ops with the most self time (time in the op itself, not in ops it calls): name, calls, ms, share.
+
+    Device (GPU kernel) time when the profile recorded any, else CPU time: a CPU model on a GPU machine
+    is timed by its CPU ops, not by zeros."""
     events = [e for e in prof.key_averages() if not e.key.startswith("ProfilerStep")]
+    device = any(e.self_device_time_total > 0 for e in events)
     self_us = (lambda e: e.self_device_time_total) if device else (lambda e: e.self_cpu_time_total)
     total = sum(self_us(e) for e in events) or 1.0
     events.sort(key=self_us, reverse=True)
@@ -81,11 +86,12 @@ def profile_ddp_step(trace_dir: str, width: int = 256, layers: int = 6) -> dict[
     from megalab.lab import dist as mdist
 
     rank, _ = mdist.init()
-    x = torch.randn(512, width, generator=torch.Generator().manual_seed(rank))
+    dev = mdist.device()
+    x = torch.randn(512, width, generator=torch.Generator().manual_seed(rank)).to(dev)
     results = {}
     for name, overlap in (("overlapped", True), ("serial", False)):
         torch.manual_seed(0)
-        model = nn.Sequential(*[nn.Sequential(nn.Linear(width, width), nn.GELU()) for _ in range(layers)])
+        model = nn.Sequential(*[nn.Sequential(nn.Linear(width, width), nn.GELU()) for _ in range(layers)]).to(dev)
         ddp = DistributedDataParallel(model, bucket_size=width * width + width, overlap_grad_reduce=overlap)
 
         def step(ddp=ddp):
@@ -94,7 +100,7 @@ def profile_ddp_step(trace_dir: str, width: int = 256, layers: int = 6) -> dict[
             ddp.finish_grad_sync()
 
         path = Path(trace_dir) / f"ddp_{name}_rank{rank}.json"
-        profile_step(step, steps=1, warmup=1, trace_path=path)
+        profile_step(step, steps=1, warmup=1, trace_path=path, device=dev)
         events = json.loads(path.read_text())["traceEvents"]
         results[name] = overlap_from_trace(events, comm=lambda n: "all_reduce" in n or "allreduce" in n,
                                            compute=lambda n: n.endswith("Backward0"))

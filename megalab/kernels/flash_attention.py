@@ -18,8 +18,11 @@ one kernel per key tile accumulates dK, dV over the query tiles; one per query t
 Causal programs skip the tiles above the diagonal: about half the work.
 
 Tensors are [b, h, s, d] (like F.scaled_dot_product_attention). The kernels use plain pointer
-arithmetic (`tl.make_block_ptr` is gone in triton 3.9). Megatron-LM does not write its own
-attention kernel: `TEDotProductAttention` (megatron/core/extensions/transformer_engine.py) calls
+arithmetic (`tl.make_block_ptr` is gone in triton 3.9), int64 where b*h*s*d can pass 2**31. On a GPU,
+fp32 dots run in IEEE fp32 (Triton's default is TF32), and the tiles and pipeline stages are chosen per
+head dim and dtype to fit Hopper's 227 KB of shared memory per block (kernel_configs).
+
+Megatron-LM does not write its own attention kernel: `TEDotProductAttention` (megatron/core/extensions/transformer_engine.py) calls
 Transformer Engine, which dispatches to cuDNN's or Tri Dao's flash-attn kernels.
 """
 
@@ -42,9 +45,10 @@ import triton.language as tl  # noqa: E402
 
 @triton.jit
 def _fwd_kernel(Q, K, V, Out, L, scale, seqlen, stride_bh, stride_s,
-                CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_D: tl.constexpr):
+                CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_D: tl.constexpr,
+                INPUT_PRECISION: tl.constexpr):
     start_m = tl.program_id(0) * BLOCK_M
-    bh = tl.program_id(1)
+    bh = tl.program_id(1).to(tl.int64)  # int64 offsets: bh * stride_bh passes 2**31 on large b*h*s*d
     rows = start_m + tl.arange(0, BLOCK_M)  # query positions of this tile
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_D)
@@ -59,7 +63,7 @@ def _fwd_kernel(Q, K, V, Out, L, scale, seqlen, stride_bh, stride_s,
         kv_off = base + cols[:, None] * stride_s + offs_d[None, :]
         k = tl.load(K + kv_off, mask=cols[:, None] < seqlen, other=0.0)  # [BLOCK_N, D]
         v = tl.load(V + kv_off, mask=cols[:, None] < seqlen, other=0.0)
-        s = tl.dot(q, tl.trans(k)) * scale  # [BLOCK_M, BLOCK_N]
+        s = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * scale  # [BLOCK_M, BLOCK_N]
         valid = cols[None, :] < seqlen
         if CAUSAL:
             valid = valid & (rows[:, None] >= cols[None, :])
@@ -68,7 +72,7 @@ def _fwd_kernel(Q, K, V, Out, L, scale, seqlen, stride_bh, stride_s,
         alpha = tl.exp(m_i - m_new)  # rescales what was accumulated under the old max
         p = tl.exp(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=INPUT_PRECISION)
         m_i = m_new
     acc = acc / l_i[:, None]
     tl.store(Out + base + rows[:, None] * stride_s + offs_d[None, :], acc.to(Out.dtype.element_ty), mask=rows[:, None] < seqlen)
@@ -78,7 +82,7 @@ def _fwd_kernel(Q, K, V, Out, L, scale, seqlen, stride_bh, stride_s,
 @triton.jit
 def _bwd_preprocess(Out, DO, Delta, seqlen, stride_bh, stride_s, BLOCK_M: tl.constexpr, HEAD_D: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    bh = tl.program_id(1)
+    bh = tl.program_id(1).to(tl.int64)  # int64 offsets: bh * stride_bh passes 2**31 on large b*h*s*d
     off = bh * stride_bh + rows[:, None] * stride_s + tl.arange(0, HEAD_D)[None, :]
     o = tl.load(Out + off, mask=rows[:, None] < seqlen, other=0.0).to(tl.float32)
     do = tl.load(DO + off, mask=rows[:, None] < seqlen, other=0.0).to(tl.float32)
@@ -87,9 +91,10 @@ def _bwd_preprocess(Out, DO, Delta, seqlen, stride_bh, stride_s, BLOCK_M: tl.con
 
 @triton.jit
 def _bwd_dkdv_kernel(Q, K, V, DO, L, Delta, DK, DV, scale, seqlen, stride_bh, stride_s,
-                     CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_D: tl.constexpr):
+                     CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_D: tl.constexpr,
+                     INPUT_PRECISION: tl.constexpr):
     start_n = tl.program_id(0) * BLOCK_N
-    bh = tl.program_id(1)
+    bh = tl.program_id(1).to(tl.int64)  # int64 offsets: bh * stride_bh passes 2**31 on large b*h*s*d
     cols = start_n + tl.arange(0, BLOCK_N)  # key positions of this tile
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_D)
@@ -107,24 +112,25 @@ def _bwd_dkdv_kernel(Q, K, V, DO, L, Delta, DK, DV, scale, seqlen, stride_bh, st
         do = tl.load(DO + q_off, mask=rows[:, None] < seqlen, other=0.0)
         lse = tl.load(L + bh * seqlen + rows, mask=rows < seqlen, other=0.0)
         delta = tl.load(Delta + bh * seqlen + rows, mask=rows < seqlen, other=0.0)
-        s = tl.dot(q, tl.trans(k)) * scale  # [BLOCK_M, BLOCK_N]
+        s = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * scale  # [BLOCK_M, BLOCK_N]
         valid = (rows[:, None] < seqlen) & (cols[None, :] < seqlen)
         if CAUSAL:
             valid = valid & (rows[:, None] >= cols[None, :])
         p = tl.where(valid, tl.exp(s - lse[:, None]), 0.0)  # the forward's probabilities, recomputed
-        dv += tl.dot(tl.trans(p.to(do.dtype)), do)
-        dp = tl.dot(do, tl.trans(v))
+        dv += tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=INPUT_PRECISION)
+        dp = tl.dot(do, tl.trans(v), input_precision=INPUT_PRECISION)
         ds = p * (dp - delta[:, None])
-        dk += tl.dot(tl.trans(ds.to(q.dtype)), q)
+        dk += tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=INPUT_PRECISION)
     tl.store(DK + kv_off, (dk * scale).to(DK.dtype.element_ty), mask=cols[:, None] < seqlen)
     tl.store(DV + kv_off, dv.to(DV.dtype.element_ty), mask=cols[:, None] < seqlen)
 
 
 @triton.jit
 def _bwd_dq_kernel(Q, K, V, DO, L, Delta, DQ, scale, seqlen, stride_bh, stride_s,
-                   CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_D: tl.constexpr):
+                   CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_D: tl.constexpr,
+                     INPUT_PRECISION: tl.constexpr):
     start_m = tl.program_id(0) * BLOCK_M
-    bh = tl.program_id(1)
+    bh = tl.program_id(1).to(tl.int64)  # int64 offsets: bh * stride_bh passes 2**31 on large b*h*s*d
     rows = start_m + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_D)
@@ -141,20 +147,83 @@ def _bwd_dq_kernel(Q, K, V, DO, L, Delta, DQ, scale, seqlen, stride_bh, stride_s
         kv_off = base + cols[:, None] * stride_s + offs_d[None, :]
         k = tl.load(K + kv_off, mask=cols[:, None] < seqlen, other=0.0)
         v = tl.load(V + kv_off, mask=cols[:, None] < seqlen, other=0.0)
-        s = tl.dot(q, tl.trans(k)) * scale
+        s = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * scale
         valid = (rows[:, None] < seqlen) & (cols[None, :] < seqlen)
         if CAUSAL:
             valid = valid & (rows[:, None] >= cols[None, :])
         p = tl.where(valid, tl.exp(s - lse[:, None]), 0.0)
-        ds = p * (tl.dot(do, tl.trans(v)) - delta[:, None])
-        dq += tl.dot(ds.to(k.dtype), k)
+        ds = p * (tl.dot(do, tl.trans(v), input_precision=INPUT_PRECISION) - delta[:, None])
+        dq += tl.dot(ds.to(k.dtype), k, input_precision=INPUT_PRECISION)
     tl.store(DQ + q_off, (dq * scale).to(DQ.dtype.element_ty), mask=rows[:, None] < seqlen)
 
 
-def _blocks(seqlen: int) -> tuple[int, int]:
-    """Tile sizes: 64 x 64 on a GPU; in the interpreter the smallest tile that covers short sequences."""
-    block = 64 if not INTERPRET else max(16, min(64, triton.next_power_of_2(seqlen)))
-    return block, block
+# Hopper (H100/H200) gives one block at most 227 KB of shared memory (228 KB per SM); Ampere A100 163 KB.
+SMEM_BUDGET = 227 * 1024
+MAX_HEAD_DIM = 256
+# (BLOCK_M, BLOCK_N, num_stages) from the fastest to the leanest; the first that fits the budget is used.
+TILE_CONFIGS = ((64, 64, 3), (64, 64, 2), (64, 64, 1), (32, 64, 2), (64, 32, 1), (32, 32, 2), (32, 32, 1), (16, 16, 1))
+
+
+def shared_memory_bytes(kind: str, block_m: int, block_n: int, d: int, itemsize: int, num_stages: int) -> int:
+    """An estimate of a kernel's shared memory: the tiles streamed through the loop, num_stages deep (software
+    pipelining), the tiles held for the whole loop, and the [BLOCK_M, BLOCK_N] tiles fed back into tl.dot.
+
+    fwd: K, V streamed; Q held; P.   bwd (dK dV, the larger backward kernel): Q, dO streamed; K, V held; P, dS.
+    """
+    if kind == "fwd":
+        tiles = num_stages * 2 * block_n * d + block_m * d + block_m * block_n
+    else:
+        tiles = num_stages * 2 * block_m * d + 2 * block_n * d + 2 * block_m * block_n
+    return tiles * itemsize
+
+
+def kernel_configs(kind: str, d: int, dtype: torch.dtype, seqlen: int | None = None,
+                   budget: int = SMEM_BUDGET) -> list[dict]:
+    """Launch parameters for the fwd/bwd kernels at head dim d (padded, a power of two) and input dtype, best first:
+    every TILE_CONFIGS entry whose estimated shared memory fits `budget`; num_warps 8 from d = 128.
+
+    fp32 inputs: tl.dot in IEEE fp32 (Triton's default on NVIDIA is TF32: ~1e-3 error, and the interpreter ignores
+    the setting, so CPU runs cannot show it). In the interpreter: tiles no larger than the sequence."""
+    if d > MAX_HEAD_DIM:
+        raise ValueError(f"head dim {d} is over the Triton kernels' {MAX_HEAD_DIM}: use attention_backend='sdpa'")
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    out = []
+    for block_m, block_n, stages in TILE_CONFIGS:
+        if shared_memory_bytes(kind, block_m, block_n, d, itemsize, stages) > budget:
+            continue
+        if INTERPRET and seqlen is not None:
+            cap = max(16, triton.next_power_of_2(seqlen))
+            block_m, block_n = min(block_m, cap), min(block_n, cap)
+        cfg = dict(BLOCK_M=block_m, BLOCK_N=block_n, num_stages=stages, num_warps=8 if d >= 128 else 4,
+                   INPUT_PRECISION="ieee" if dtype == torch.float32 else None)  # None: the backend's default
+        if cfg not in out:
+            out.append(cfg)
+    if not out:
+        raise ValueError(f"no tile configuration of the Triton kernels fits {budget} bytes of shared memory at head "
+                         f"dim {d} in {dtype}: use attention_backend='sdpa'")
+    return out
+
+
+def kernel_config(kind: str, d: int, dtype: torch.dtype, seqlen: int | None = None) -> dict:
+    """The first (fastest) of kernel_configs."""
+    return kernel_configs(kind, d, dtype, seqlen)[0]
+
+
+def _launch(kernel, grid, args, kind: str, d: int, dtype: torch.dtype, seqlen: int, **meta) -> dict:
+    """kernel[grid(config)](*args) with the best config; if Triton finds it too large when compiling (the
+    shared-memory estimate was short: OutOfResources), the next leaner one. Returns the config used."""
+    configs = kernel_configs(kind, d, dtype, seqlen)
+    for i, cfg in enumerate(configs):
+        try:
+            kernel[grid(cfg)](*args, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
+                              INPUT_PRECISION=cfg["INPUT_PRECISION"], num_stages=cfg["num_stages"],
+                              num_warps=cfg["num_warps"], **meta)
+            return cfg
+        except triton.runtime.errors.OutOfResources as e:
+            if i == len(configs) - 1:
+                raise ValueError(f"the Triton {kind} kernel does not fit this GPU at head dim {d} in {dtype} ({e}): "
+                                 "use attention_backend='sdpa'") from e
+    raise AssertionError("unreachable")
 
 
 class FlashAttentionFunction(torch.autograd.Function):
@@ -166,10 +235,8 @@ class FlashAttentionFunction(torch.autograd.Function):
         q, k, v = (t.contiguous() for t in (q, k, v))
         o = torch.empty_like(q)
         lse = torch.empty(b * h, s, device=q.device, dtype=torch.float32)
-        block_m, block_n = _blocks(s)
-        grid = (triton.cdiv(s, block_m), b * h)
-        _fwd_kernel[grid](q, k, v, o, lse, scale, s, s * d, d,
-                          CAUSAL=causal, BLOCK_M=block_m, BLOCK_N=block_n, HEAD_D=d)
+        _launch(_fwd_kernel, lambda c: (triton.cdiv(s, c["BLOCK_M"]), b * h), (q, k, v, o, lse, scale, s, s * d, d),
+                "fwd", d, q.dtype, s, CAUSAL=causal, HEAD_D=d)
         ctx.save_for_backward(q, k, v, o, lse)
         ctx.causal, ctx.scale = causal, scale
         return o
@@ -181,11 +248,14 @@ class FlashAttentionFunction(torch.autograd.Function):
         do = do.contiguous()
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         delta = torch.empty_like(lse)
-        block_m, block_n = _blocks(s)
-        _bwd_preprocess[(triton.cdiv(s, block_m), b * h)](o, do, delta, s, s * d, d, BLOCK_M=block_m, HEAD_D=d)
-        meta = dict(CAUSAL=ctx.causal, BLOCK_M=block_m, BLOCK_N=block_n, HEAD_D=d)
-        _bwd_dkdv_kernel[(triton.cdiv(s, block_n), b * h)](q, k, v, do, lse, delta, dk, dv, ctx.scale, s, s * d, d, **meta)
-        _bwd_dq_kernel[(triton.cdiv(s, block_m), b * h)](q, k, v, do, lse, delta, dq, ctx.scale, s, s * d, d, **meta)
+        block = kernel_config("bwd", d, q.dtype, s)["BLOCK_M"]
+        _bwd_preprocess[(triton.cdiv(s, block), b * h)](o, do, delta, s, s * d, d, BLOCK_M=block, HEAD_D=d)
+        _launch(_bwd_dkdv_kernel, lambda c: (triton.cdiv(s, c["BLOCK_N"]), b * h),
+                (q, k, v, do, lse, delta, dk, dv, ctx.scale, s, s * d, d), "bwd", d, q.dtype, s,
+                CAUSAL=ctx.causal, HEAD_D=d)
+        _launch(_bwd_dq_kernel, lambda c: (triton.cdiv(s, c["BLOCK_M"]), b * h),
+                (q, k, v, do, lse, delta, dq, ctx.scale, s, s * d, d), "bwd", d, q.dtype, s,
+                CAUSAL=ctx.causal, HEAD_D=d)
         return dq, dk, dv, None, None
 
 
@@ -200,6 +270,9 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
     if not (q.shape == k.shape == v.shape and q.dim() == 4):
         raise ValueError(f"q, k, v must all be [b, h, s, d] with the same shape, got {tuple(q.shape)}, "
                          f"{tuple(k.shape)}, {tuple(v.shape)} (repeat k/v heads for GQA first)")
+    if q[0, 0].numel() >= 2**31:
+        raise ValueError(f"one head holds {q[0, 0].numel()} elements: the kernels' in-head offsets are int32; "
+                         "split the sequence (context parallelism) or use attention_backend='sdpa'")
     if q.device.type != ("cpu" if INTERPRET else "cuda"):
         raise ValueError(f"tensors are on {q.device}, but triton runs {'in the interpreter (CPU)' if INTERPRET else 'on CUDA'}:"
                          " move them there (for CPU, TRITON_INTERPRET=1 must be set before triton is first imported)")

@@ -26,7 +26,8 @@ import torch.distributed as dist
 def init(backend: str | None = None, timeout_s: float | None = None) -> tuple[int, int]:
     """init_process_group with the backend the launcher picked; returns (rank, world_size).
 
-    NCCL ranks also get their GPU (cuda:LOCAL_RANK). Safe to call twice.
+    NCCL ranks also get their GPU (cuda:LOCAL_RANK); so do gloo ranks under MEGALAB_DEVICE=cuda (see device()).
+    Safe to call twice.
     """
     backend = backend or os.environ.get("MEGALAB_BACKEND") or ("nccl" if torch.cuda.is_available() else "gloo")
     if not dist.is_initialized():
@@ -34,6 +35,8 @@ def init(backend: str | None = None, timeout_s: float | None = None) -> tuple[in
         if backend == "nccl":
             torch.cuda.set_device(local_rank())
             kwargs["device_id"] = torch.device("cuda", local_rank())
+        elif os.environ.get("MEGALAB_DEVICE") == "cuda":
+            torch.cuda.set_device(_shared_gpu())
         dist.init_process_group(backend, **kwargs)
     return dist.get_rank(), dist.get_world_size()
 
@@ -43,14 +46,40 @@ def local_rank() -> int:
 
 
 def device() -> torch.device:
-    """The device this rank computes on: its own GPU under NCCL, else the CPU."""
+    """The device this rank computes on: its own GPU under NCCL, else the CPU.
+
+    MEGALAB_DEVICE=cuda (set by `make gpu-test` when a cell has more ranks than there are GPUs): gloo ranks
+    compute on the GPUs too, sharing them round robin; gloo then moves tensors through host memory for the
+    collectives it supports on CUDA (megalab/lab/gpu_check.py lists them)."""
     if dist.is_initialized() and dist.get_backend() == "nccl":
         return torch.device("cuda", local_rank())
+    if os.environ.get("MEGALAB_DEVICE") == "cuda":
+        return torch.device("cuda", _shared_gpu())
     return torch.device("cpu")
 
 
+def _shared_gpu() -> int:
+    if not torch.cuda.is_available():
+        raise RuntimeError("MEGALAB_DEVICE=cuda, but this machine has no CUDA GPU: unset MEGALAB_DEVICE "
+                           "(ranks then compute on the CPU with gloo)")
+    return local_rank() % torch.cuda.device_count()
+
+
+def to_cpu(value: Any) -> Any:
+    """value with every tensor in it (through dicts, lists, tuples) detached and on the CPU."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu()
+    if isinstance(value, dict):
+        return type(value)((k, to_cpu(v)) for k, v in value.items())
+    if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
+        return type(value)(to_cpu(v) for v in value)
+    return value
+
+
 def publish(name: str, value: Any) -> None:
-    """Hand a picklable value back to the notebook: after the cell, `name` holds {rank: value}."""
+    """Hand a picklable value back to the notebook: after the cell, `name` holds {rank: value}.
+
+    Tensors (also inside dicts, lists, tuples) arrive detached on the CPU: ranks' GPUs are not the notebook's."""
     if not name.isidentifier():
         raise ValueError(f"publish name must be a Python identifier (it becomes a notebook variable), got {name!r}")
     run_dir = os.environ.get("MEGALAB_RUN_DIR")
@@ -58,8 +87,7 @@ def publish(name: str, value: Any) -> None:
         warnings.warn("megalab.lab.dist.publish only works under megalab.lab.launch / %%torchrun; value dropped", stacklevel=2)
         return
     rank = int(os.environ.get("RANK", "0"))
-    if isinstance(value, torch.Tensor):
-        value = value.detach().cpu()
+    value = to_cpu(value)
     path = Path(run_dir) / "publish" / f"{name}.rank{rank}.pkl"
     tmp = path.with_suffix(".tmp")
     with open(tmp, "wb") as f:

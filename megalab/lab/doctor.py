@@ -17,19 +17,21 @@ def _version(dist: str) -> str:
         return "not installed"
 
 
-def _auto_attention(gpu: bool) -> str:
-    """What attention_backend="auto" runs for a bf16 model on this machine (megalab/kernels)."""
+def _auto_attention(gpu: bool, dtype_name: str = "bfloat16") -> tuple[str, str]:
+    """What attention_backend="auto" runs for a model in `dtype_name` on this machine, and why (megalab/kernels)."""
     import torch
 
-    from megalab.kernels import resolve_attention_backend
+    from megalab.kernels import explain_attention_backend
 
-    return resolve_attention_backend("auto", torch.device("cuda" if gpu else "cpu"), torch.bfloat16)
+    return explain_attention_backend("auto", torch.device("cuda" if gpu else "cpu"), getattr(torch, dtype_name),
+                                     head_dim=64)
 
 
 def facts() -> dict:
     import torch
     import torch.distributed as dist
 
+    from megalab.kernels import flash_attn_status
     from megalab.transformer_engine.fp8 import fp8_path
 
     gpus = []
@@ -50,7 +52,11 @@ def facts() -> dict:
         "flash_attn": _version("flash-attn") if importlib.util.find_spec("flash_attn") else None,
         "triton": _version("triton"),
         "triton_interpret": os.environ.get("TRITON_INTERPRET") == "1" or not gpus,
-        "attention_auto": _auto_attention(bool(gpus)),
+        "flash_attn_ok": flash_attn_status()[0],
+        "flash_attn_status": flash_attn_status()[1],
+        "attention_auto": _auto_attention(bool(gpus))[0],
+        "attention_auto_reason": _auto_attention(bool(gpus))[1],
+        "attention_auto_fp32": _auto_attention(bool(gpus), "float32"),
         "jupyterlab": _version("jupyterlab"),
         "nbval": _version("nbval"),
         "ipywidgets": _version("ipywidgets"),
@@ -67,8 +73,8 @@ def _course_parts(f: dict) -> list[tuple[str, str]]:
         ("FP8 matmul (torch._scaled_mm)", "megalab.transformer_engine.fp8 path: tensor cores" if f["fp8_tensor_cores"]
          else "megalab.transformer_engine.fp8 path: emulated (real fp8 rounding, not fp8 speed)"),
         ("FlashAttention in Triton", "compiled for the GPU" if n and f["triton"] != "not installed" else f"{cpu}: TRITON_INTERPRET=1, small sizes"),
-        ("flash-attn library", f"flash-attn {f['flash_attn']}" if f["flash_attn"] else f"{cpu}: PyTorch SDPA"),
-        ("sequence packing (cu_seqlens)", "flash_attn_varlen_func" if n and f["flash_attn"]
+        ("flash-attn library", f"flash-attn {f['flash_attn']}" if f["flash_attn_ok"] else f"{cpu}: PyTorch SDPA"),
+        ("sequence packing (cu_seqlens)", "flash_attn_varlen_func" if n and f["flash_attn_ok"]
          else "PyTorch SDPA with the document-causal mask"),
     ]
 
@@ -108,10 +114,11 @@ def report() -> str:
         ("NCCL", f["nccl"] or "not available (no GPU)"),
         ("gloo", "available" if f["gloo"] else "MISSING"),
         ("FP8 (Ada/Hopper+)", "yes" if f["fp8_tensor_cores"] else "no"),
-        ("flash-attn", f["flash_attn"] or "not installed (optional: pip install -e .[gpu] on a CUDA machine)"),
+        ("flash-attn", f["flash_attn_status"]),
         ("triton", f"{f['triton']}" + (" (interpreter mode: TRITON_INTERPRET=1)" if f["triton_interpret"] else "")),
         ("attention (auto)", {"flash_attn": "flash-attn", "triton": "Triton FlashAttention kernels (megalab/kernels)",
-                              "sdpa": "PyTorch SDPA (Triton kernels selectable by name: interpreter, slow)"}[f["attention_auto"]]),
+                              "sdpa": "PyTorch SDPA"}[f["attention_auto"]] + f" for bf16: {f['attention_auto_reason']}"),
+        ("attention (auto, fp32)", f"{f['attention_auto_fp32'][0]}: {f['attention_auto_fp32'][1]}"),
         ("jupyterlab", f["jupyterlab"]),
         ("nbval", f["nbval"]),
         ("ipywidgets", f["ipywidgets"]),

@@ -57,6 +57,7 @@ from megalab.core.tensor_parallel.cross_entropy import vocab_parallel_cross_entr
 from megalab.core.transformer.transformer_config import TransformerConfig
 from megalab.core.utils import check_seq_length, get_batch_on_this_cp_rank
 from megalab.extras.calc import flops_per_iteration
+from megalab.lab import dist as mdist
 from megalab.training.checkpointing import load_checkpoint, read_tracker, save_checkpoint
 
 
@@ -90,6 +91,7 @@ class TrainingConfig:
     peak_flops_per_rank: float | None = None  # for MFU; None: MFU not reported
     context_parallel_size: int = 1  # CP: every sequence split over cp ranks (load-balanced chunks, ring attention)
     use_distributed_optimizer: bool = False  # ZeRO-1: AdamW state and the grads it reads sharded over DP
+    device: str | None = None  # None: the rank's device (mdist.device(): its GPU under NCCL, else the CPU)
 
     def __post_init__(self):
         if self.context_parallel_size > 1:
@@ -127,8 +129,24 @@ def num_microbatches(config: TrainingConfig, dp: int) -> int:
     return config.global_batch_size // per_step
 
 
+def training_device(config: TrainingConfig) -> torch.device:
+    """Where this rank trains: config.device, or the rank's own (mdist.device()). A CUDA device without a GPU,
+    or a CPU device under NCCL (which moves CUDA tensors only), is an error that says what to use."""
+    if config.device is None:
+        return mdist.device()
+    device = torch.device(config.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"TrainingConfig(device={config.device!r}) but this machine has no CUDA GPU: leave device=None "
+                         "(the rank's device) or use 'cpu'")
+    if device.type != "cuda" and dist.is_initialized() and dist.get_backend() == "nccl":
+        raise ValueError(f"TrainingConfig(device={config.device!r}) under NCCL, which moves CUDA tensors only: leave "
+                         "device=None (the rank's GPU) or launch with --backend gloo")
+    return device
+
+
 def setup_model_and_optimizer(config: TrainingConfig) -> TrainState:
     """Collective: parallel groups, the model's stages on this rank, DDP, AdamW with decay groups, the schedule."""
+    device = training_device(config)
     ps = parallel_state.initialize_model_parallel(config.tensor_model_parallel_size,
                                                   config.pipeline_model_parallel_size, config.context_parallel_size)
     num_microbatches(config, ps.get_data_parallel_world_size())
@@ -137,7 +155,7 @@ def setup_model_and_optimizer(config: TrainingConfig) -> TrainState:
         spec = context_parallel_layer_spec(ps.get_tensor_model_parallel_group(), ps.get_context_parallel_group())
     else:
         spec = tensor_parallel_layer_spec(ps.get_tensor_model_parallel_group())
-    model = GPTModel(config.model, spec)
+    model = GPTModel(config.model, spec).to(device)
     stages = build_gpt_stages(model, ps.get_pipeline_model_parallel_world_size(),
                               ps.get_pipeline_model_parallel_rank())
     # grads are averaged over DP x CP: CP ranks saw other tokens of the same sequences
@@ -207,10 +225,12 @@ def train_step(state: TrainState, config: TrainingConfig, dataset) -> dict:
     cp, cp_rank = ps.get_context_parallel_world_size(), ps.get_context_parallel_rank()
     dp_cp_group = ps.get_data_parallel_group(with_context_parallel=True)
     b, m = config.micro_batch_size, num_microbatches(config, dp)
-    batches = [get_batch(dataset, state.consumed_samples + (j * dp + dp_rank) * b, b) for j in range(m)]
+    device = state.params[0].device  # the data follows the model
+    batches = [{k: v.to(device) for k, v in get_batch(dataset, state.consumed_samples + (j * dp + dp_rank) * b,
+                                                       b).items()} for j in range(m)]
     if cp > 1:
         batches = [get_batch_on_this_cp_rank(batch, cp, cp_rank) for batch in batches]  # [b, s/cp] each
-    num_tokens = torch.tensor(float(sum(batch["loss_mask"].sum() for batch in batches)))
+    num_tokens = sum(batch["loss_mask"].sum() for batch in batches).float()  # on the device, no host sync
     dist.all_reduce(num_tokens, group=dp_cp_group)
     tp_group = ps.get_tensor_model_parallel_group()
     s = config.model.seq_length // cp // (ps.get_tensor_model_parallel_world_size()
@@ -227,7 +247,7 @@ def train_step(state: TrainState, config: TrainingConfig, dataset) -> dict:
     finalize_model_grads([state.ddp], state.ps)
     # the loss: sum over micro-batches and DP x CP of each micro-batch's share, on the last stage; sent to all
     loss = torch.tensor(sum(result.losses) / (m * dp * cp) if ps.is_pipeline_last_stage() else 0.0,
-                        dtype=torch.float64)
+                        dtype=torch.float64, device=device)
     dist.all_reduce(loss, group=dp_cp_group)
     dist.broadcast(loss, ps.get_pipeline_model_parallel_last_rank(), group=ps.get_pipeline_model_parallel_group())
     if config.use_distributed_optimizer:  # each rank holds 1/dp of the grads: the norm sums over every rank

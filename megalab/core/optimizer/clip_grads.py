@@ -50,12 +50,14 @@ def get_grad_norm_fp32(params: Iterable[nn.Parameter], model_parallel_group=None
     """
     if norm_type != 2.0:
         raise ValueError(f"only the L2 norm (norm_type=2) is implemented, got {norm_type}")
+    params = list(params)
     grads = [p.grad for p in params if p.grad is not None and not getattr(p, "shared", False)
              and param_is_not_tensor_parallel_duplicate(p, tp_rank)]
+    device = params[0].device if params else torch.device("cpu")  # the collective runs where the grads live
     model_parallel_group = ps.resolve_group(model_parallel_group, "tp-pp")
-    # EXERCISE optimizer.grad_norm: sum the squares of the owned grads in fp32, all-reduce over the model-parallel group, sqrt
+    # EXERCISE optimizer.grad_norm: sum the squares of the owned grads in fp32 (on `device`), all-reduce over the model-parallel group, sqrt
     ### BEGIN SOLUTION
-    total = torch.zeros((), dtype=torch.float32)
+    total = torch.zeros((), dtype=torch.float32, device=device)
     for g in grads:
         total += g.detach().float().pow(2).sum()
     if model_parallel_group is not None:

@@ -120,7 +120,7 @@ class Float16OptimizerWithFloat16Params:
         if self.grad_scaler is not None:
             found_inf = unscale_and_check_for_nan(main_grads, self.grad_scaler.inv_scale)
             if self.found_inf_group is not None:
-                flag = torch.tensor([float(found_inf)])
+                flag = torch.tensor([float(found_inf)], device=self.fp32_from_float16_groups[0][0].device)
                 dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.found_inf_group)
                 found_inf = bool(flag.item())
             self.grad_scaler.update(found_inf)
