@@ -236,3 +236,30 @@ def test_a_damaged_metadata_file_is_a_checkpoint_error_and_left_as_it_is(tmp_pat
     with pytest.raises(ckpt.CheckpointError, match=r"iter_0000001/\.metadata cannot be read .*corrupt or truncated"):
         ckpt.read_state(path, {"model.weight": torch.empty(2, 3)}, no_dist=True)
     assert {p.name: p.read_bytes() for p in path.iterdir()} == before
+
+
+def _cuda_rng_worker(root: str):
+    """A rank training on a GPU, played on CPU: torch.cuda's generator calls are stand-ins."""
+    from megalab.core import parallel_state
+    from megalab.lab import dist as mdist
+    from megalab.training.training import setup_model_and_optimizer
+
+    mdist.init()
+    generator = {"state": torch.arange(16, dtype=torch.uint8)}
+    torch.cuda.get_rng_state = lambda device=None: generator["state"].clone()
+    torch.cuda.set_rng_state = lambda state, device=None: generator.update(state=state.clone())
+    torch.cuda.current_device = lambda: 0
+    ckpt._on_cuda = lambda params: True
+    state = setup_model_and_optimizer(training_config())
+    try:
+        ckpt.save_checkpoint(root, 1, state.model, state.params, state.optimizer, state.scheduler, 0)
+        generator["state"] = torch.zeros(16, dtype=torch.uint8)  # the run went on drawing
+        common = ckpt.load_checkpoint(root, state.model, state.params, state.optimizer, state.scheduler)
+    finally:
+        parallel_state.destroy_model_parallel()
+    return common["cuda_rng"], generator["state"].tolist()
+
+
+def test_a_gpu_run_saves_and_restores_its_cuda_generator(tmp_path):
+    saved, restored = launch.run_function(_cuda_rng_worker, 1, str(tmp_path), launch=dict(timeout=120)).returns[0]
+    assert saved is True and restored == list(range(16))

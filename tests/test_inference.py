@@ -302,3 +302,12 @@ def test_shipped_tiny_checkpoint_is_trained_on_the_corpus():
     with torch.no_grad():
         loss = model(ids[:, :-1], labels=ids[:, 1:]).mean().item()
     assert loss < 0.75 * torch.log(torch.tensor(8192.0)).item()  # far below guessing uniformly (9.0 nats)
+
+
+@pytest.mark.parametrize("cache_kind", ["paged", "contiguous"])
+def test_the_engine_keeps_its_cache_where_the_model_runs(cache_kind):
+    """A cache built with the default (CPU) device for a model on another device (a GPU; here `meta`) moves there."""
+    model = _model().to("meta")
+    cache = PagedKVCache(model.config, 8, 4) if cache_kind == "paged" else ContiguousKVCache(model.config, 2)
+    InferenceEngine(model, cache)
+    assert cache.key.device.type == cache.value.device.type == "meta"

@@ -158,6 +158,11 @@ def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
                                       "exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
 
 
+def _on_cuda(params: list[nn.Parameter]) -> bool:
+    """Whether this rank trains on a GPU (then its CUDA generator is saved and restored with the CPU one)."""
+    return torch.cuda.is_available() and any(p.is_cuda for p in params)
+
+
 # ------------------------------------------------------------------ save
 def commit_checkpoint(tmp: Path, save_dir: str | Path, iteration: int) -> Path:
     """Publish a fully written tmp folder as iter_<iteration> and point the tracker at it (rank 0 only)."""
@@ -192,11 +197,15 @@ def save_checkpoint(save_dir: str | Path, iteration: int, model: nn.Module, para
     dist.barrier()
     state = full_state_dict(model, params, optimizer, tp_group)
     state[f"rng.rank{rank}"] = torch.get_rng_state()
+    cuda_rng = _on_cuda(params)
+    if cuda_rng:  # this rank's GPU generator too (a CPU uint8 tensor, stored like the CPU one)
+        state[f"cuda_rng.rank{rank}"] = torch.cuda.get_rng_state(torch.cuda.current_device())
     metadata = dcp.save(state, checkpoint_id=tmp)
     sums = _checksum_files(tmp, _shard_files(metadata)) if checksums else None
     if rank == 0:
         common = {"iteration": iteration, "consumed_samples": consumed_samples, "scheduler": scheduler.state_dict(),
-                  "model_config": dataclasses.asdict(model.config), "world_size": dist.get_world_size()}
+                  "model_config": dataclasses.asdict(model.config), "world_size": dist.get_world_size(),
+                  "cuda_rng": cuda_rng}
         if sums is not None:
             common["checksums"] = {"algorithm": "crc32", "files": sums}
         torch.save(common, tmp / "common.pt")
@@ -326,7 +335,8 @@ def load_checkpoint(load_dir: str | Path, model: nn.Module, params: list[nn.Para
                     optimizer: torch.optim.Optimizer, scheduler, tp_group=None, iteration: int | None = None) -> dict:
     """Collective: restore what save_checkpoint wrote, into any tp/pp/dp layout; returns common.pt's dict.
 
-    The RNG state comes back only if the world size is the one saved (otherwise ranks do not map).
+    The RNG state (CPU, and the GPU's when training on one) comes back only if the world size is the one
+    saved (otherwise ranks do not map).
     tp_group: the current state's tensor-parallel group unless given (none when no state is current).
     """
     tp_group = ps.resolve_group(tp_group, "tp")
@@ -339,8 +349,11 @@ def load_checkpoint(load_dir: str | Path, model: nn.Module, params: list[nn.Para
     opt_state = _parameter_state(optimizer, params)
     state = _global_state(model, params, opt_state, tp_group, full=False)
     same_world = common["world_size"] == dist.get_world_size()
+    cuda_rng = same_world and common.get("cuda_rng", False) and _on_cuda(params)
     if same_world:
         state[f"rng.rank{dist.get_rank()}"] = torch.get_rng_state()
+    if cuda_rng:
+        state[f"cuda_rng.rank{dist.get_rank()}"] = torch.cuda.get_rng_state(torch.cuda.current_device())
     read_state(path, state)
     dims = tensor_parallel_dims(model)
     with torch.no_grad():
@@ -354,5 +367,7 @@ def load_checkpoint(load_dir: str | Path, model: nn.Module, params: list[nn.Para
         optimizer.load_parameter_state(opt_state)
     if same_world:
         torch.set_rng_state(state[f"rng.rank{dist.get_rank()}"])
+    if cuda_rng:
+        torch.cuda.set_rng_state(state[f"cuda_rng.rank{dist.get_rank()}"], torch.cuda.current_device())
     scheduler.load_state_dict(common["scheduler"])
     return common

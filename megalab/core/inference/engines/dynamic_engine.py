@@ -40,6 +40,9 @@ class InferenceEngine:
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         self.model, self.cache, self.mode = model.eval(), cache, mode
+        device = model.embedding.word_embeddings.weight.device
+        if cache.key.device != device:  # the cache lives where the model runs (a CUDA model, a CPU-built cache)
+            cache.key, cache.value = cache.key.to(device), cache.value.to(device)
         self.max_batch_size, self.max_tokens = max_batch_size, max_tokens
         self.waiting: deque[InferenceRequest] = deque()
         self.active: list[InferenceRequest] = []
