@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from megalab.extras import comm
+from megalab.lab import dist as mdist
 from megalab.lab import launch
 from megalab.lab.dist import shard_bounds
 
@@ -20,10 +21,10 @@ DTYPES = (torch.float32, torch.int64)
 
 
 def _data(length: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
+    g = torch.Generator().manual_seed(seed)  # drawn on the CPU (same values on any device), then on the rank's
     if dtype.is_floating_point:
-        return torch.randn(length, generator=g, dtype=dtype)
-    return torch.randint(-1000, 1000, (length,), generator=g, dtype=dtype)
+        return torch.randn(length, generator=g, dtype=dtype).to(mdist.device())
+    return torch.randint(-1000, 1000, (length,), generator=g, dtype=dtype).to(mdist.device())
 
 
 def _mismatch(ours: torch.Tensor, ref: torch.Tensor) -> str | None:
@@ -60,14 +61,14 @@ def _check_broadcast(rank, world, group, global_rank):
     for length in LENGTHS:
         for dtype in DTYPES:
             for src in range(world):
-                data = _data(length, dtype, seed=length) if rank == src else torch.zeros(length, dtype=dtype)
+                data = _data(length, dtype, seed=length) if rank == src else torch.zeros(length, dtype=dtype, device=mdist.device())
                 ref = data.clone()
                 dist.broadcast(ref, src=global_rank(src), group=group)
                 ours = comm.broadcast(data, src=src, group=group)
                 if why := _mismatch(ours, ref):
                     bad.append(f"length {length}, {dtype}, src {src}: {why}")
-    matrix = torch.arange(12.0).reshape(3, 4) * (rank == 0)  # any contiguous shape
-    if why := _mismatch(comm.broadcast(matrix, src=0, group=group), torch.arange(12.0).reshape(3, 4)):
+    matrix = torch.arange(12.0, device=mdist.device()).reshape(3, 4) * (rank == 0)  # any contiguous shape
+    if why := _mismatch(comm.broadcast(matrix, src=0, group=group), torch.arange(12.0, device=mdist.device()).reshape(3, 4)):
         bad.append(f"a 3x4 matrix from src 0: {why}")
     return bad
 
@@ -85,11 +86,11 @@ def _check_all_gather(rank, world, group, global_rank):
             dist.all_gather_single(gathered, padded, group=group)
             ref = torch.cat([gathered[r * width : r * width + b - a] for r, (a, b) in
                              enumerate(shard_bounds(length, world, r) for r in range(world))])
-            ours = comm.all_gather(torch.full((length,), -7, dtype=dtype), shard, group=group)
+            ours = comm.all_gather(torch.full((length,), -7, dtype=dtype, device=mdist.device()), shard, group=group)
             if why := _mismatch(ours, ref):
                 bad.append(f"length {length}, {dtype}: {why}")
     try:
-        comm.all_gather(torch.zeros(10), torch.zeros(11), group=group)
+        comm.all_gather(torch.zeros(10, device=mdist.device()), torch.zeros(11, device=mdist.device()), group=group)
         bad.append("a wrongly sized shard was accepted")
     except ValueError:
         pass
@@ -123,8 +124,8 @@ def _check_ring_all_reduce(rank, world, group, global_rank):
             dist.all_reduce(ref, group=group)
             if why := _mismatch(comm.ring_all_reduce(data, group=group), ref):
                 bad.append(f"length {length}, {dtype}: {why}")
-    matrix = torch.full((3, 5), float(rank + 1))
-    if why := _mismatch(comm.ring_all_reduce(matrix, group=group), torch.full((3, 5), float(sum(range(1, world + 1))))):
+    matrix = torch.full((3, 5), float(rank + 1), device=mdist.device())
+    if why := _mismatch(comm.ring_all_reduce(matrix, group=group), torch.full((3, 5), float(sum(range(1, world + 1))), device=mdist.device())):
         bad.append(f"a 3x5 matrix: {why}")
     return bad
 

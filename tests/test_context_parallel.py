@@ -21,6 +21,7 @@ from megalab.core.transformer.transformer_layer import TransformerLayer
 from megalab.core.utils import check_seq_length, cp_rank_positions, get_batch_on_this_cp_rank
 from megalab.extras import calc
 from megalab.extras.profiling import SavedTensorsMeter
+from megalab.lab import dist as mdist
 from megalab.lab import launch
 from megalab.transformer_engine import context_parallel as cpm
 from tests.feedback import close, equal, max_error, require, require_no_error, require_within
@@ -200,8 +201,8 @@ def _layer_memory(state):
     config = TransformerConfig(**{**SMALL, "num_layers": 1, "seq_length": 32})
     cp = state.get_context_parallel_world_size()
     layer = TransformerLayer(config, tensor_parallel_layer_spec(state.get_tensor_model_parallel_group(),
-                                                                    cpm.ContextParallelAttention))
-    x = torch.randn(32 // cp, 2, config.hidden_size, requires_grad=True)
+                                                                    cpm.ContextParallelAttention)).to(mdist.device())
+    x = torch.randn(32 // cp, 2, config.hidden_size, device=mdist.device(), requires_grad=True)
     with SavedTensorsMeter(exclude=layer.parameters()) as meter:
         layer(x)
     return meter.bytes
@@ -216,10 +217,12 @@ def _gpt(state):
         for variant in ("p2p", "all_gather"):
             config = TransformerConfig(**{**SMALL, **change})
             torch.manual_seed(0)
-            ref = GPTModel(config)
+            ref = GPTModel(config).to(mdist.device())
             torch.manual_seed(0)
-            model = GPTModel(config, context_parallel_layer_spec(tp_group, state.get_context_parallel_group(), variant=variant))
-            ids = torch.randint(0, config.vocab_size, (2, config.seq_length), generator=torch.Generator().manual_seed(3))
+            model = GPTModel(config, context_parallel_layer_spec(tp_group, state.get_context_parallel_group(),
+                                                                 variant=variant)).to(mdist.device())
+            ids = torch.randint(0, config.vocab_size, (2, config.seq_length),
+                                generator=torch.Generator().manual_seed(3)).to(mdist.device())
             labels = torch.roll(ids, -1, 1)
             ref_loss = ref(ids, labels=labels)
             ref_loss.mean().backward()
