@@ -161,9 +161,13 @@ def ring_step(tensor: torch.Tensor, group) -> tuple[torch.Tensor, list]:
     """Post the exchange around the CP ring: send `tensor` to the next rank, receive the previous
     rank's into a new buffer. Returns (buffer, requests); wait on the requests before reading it.
 
-    Send and receive go out as ONE batch (`dist.batch_isend_irecv`, as TE's flash_attn_p2p_communicate
-    with batch_p2p_comm): a lone isend on every rank of the ring can wait forever under NCCL for a
-    receive its neighbour posts only after its own send (megalab/extras/p2p_model.py)."""
+    Send and receive go out as ONE batch (`dist.batch_isend_irecv`): a lone isend on every rank of the
+    ring can wait forever under NCCL for a receive its neighbour posts only after its own send
+    (megalab/extras/p2p_model.py). TE's flash_attn_p2p_communicate batches too at cp = 2 (or with
+    NVTE_BATCH_MHA_P2P_COMM=1) and otherwise orders the two by rank parity (even ranks send first, odd
+    ranks receive first), also safe; its backward ring runs the other way (to rank − 1), carrying K/V
+    and dK/dV in one buffer, where ours sends them as two batches per step, in the same order on
+    every rank."""
     ranks = dist.get_process_group_ranks(group)
     me = ranks.index(dist.get_rank())
     # EXERCISE cp.ring_step: one batch_isend_irecv: send to ranks[me+1], receive from ranks[me-1] (mod cp)
