@@ -12,6 +12,7 @@ from torch import nn
 
 from megalab.core.transformer.moe.moe_utils import (
     MoEAuxLossAutoScaler,
+    compute_routing_scores_for_aux_loss,
     switch_load_balancing_loss_func,
     topk_softmax_with_capacity,
     z_loss_func,
@@ -58,15 +59,13 @@ class TopKRouter(nn.Module):
             logits, self.topk, c.moe_expert_capacity_factor, c.moe_pad_expert_input_to_capacity,
             c.moe_router_score_function, self.expert_bias)
         self.tokens_per_expert = tokens_per_expert.detach()
-        if self.expert_bias is not None and training:
-            self.local_tokens_per_expert += tokens_per_expert
-        if c.moe_router_score_function == "softmax":
-            scores = torch.softmax(logits, dim=-1, dtype=torch.float32)
-        else:
-            scores = torch.sigmoid(logits.float())
-            scores = scores / (scores.sum(dim=-1, keepdim=True) + 1e-20)
-        # the balance term E * sum f_i P_i is tracked always (1 when balanced), added to the loss when coeff > 0
-        balance = switch_load_balancing_loss_func(scores, self._sum_over_tp(tokens_per_expert),
+        if self.expert_bias is not None and torch.is_grad_enabled():
+            # the assignments kept after dropping/padding, as Megatron's _apply_expert_bias counts them
+            self.local_tokens_per_expert += routing_map.sum(dim=0)
+        # the balance term E * sum f_i P_i is tracked always (1 when balanced), added to the loss when coeff > 0;
+        # f_i counts the top-k of the scores without the bias (Megatron's compute_routing_scores_for_aux_loss)
+        aux_map, scores = compute_routing_scores_for_aux_loss(logits, self.topk, c.moe_router_score_function)
+        balance = switch_load_balancing_loss_func(scores, self._sum_over_tp(aux_map.sum(dim=0)),
                                                   hidden.shape[0] * self.tp_size, self.topk, self.num_experts, 1.0)
         self.aux_losses["load_balancing_loss"] = self._sum_over_tp(balance).detach()
         if c.moe_aux_loss_coeff > 0 and training:
