@@ -41,3 +41,135 @@ def test_missing_or_wrong_megatron_core_fails_with_the_install_line(tmp_path):
 
 def test_the_pinned_megatron_core_is_installed(mcore):
     assert mcore.__version__ == MEGATRON_CORE_VERSION
+
+
+# ------------------------------------------------------------------ MoE router (megatron/core/transformer/moe)
+def _mcore_route(logits, topk, score, bias, capacity_factor, pad, drop_policy="position"):
+    """Megatron's TopKRouter.routing, composed from its moe_utils functions in its order (the class itself
+    allocates CUDA buffers): probs, routing_map, balance (coefficient 1), z (coefficient 1), bias counts."""
+    mu = import_mcore("megatron.core.transformer.moe.moe_utils")
+    T, E = logits.shape
+    z = mu.z_loss_func(logits, 1.0)
+    probs, routing_map = mu.topk_routing_with_score_function(logits, topk, score_function=score, expert_bias=bias)
+    if capacity_factor is not None:
+        probs, routing_map = mu.apply_router_token_dropping(probs, routing_map, topk, capacity_factor,
+                                                            drop_policy=drop_policy, pad_to_capacity=pad)
+    aux_map, aux_scores = mu.compute_routing_scores_for_aux_loss(logits, topk, score)
+    balance = mu.switch_load_balancing_loss_func(aux_scores, aux_map.sum(0), T, topk, E, 1.0)
+    return probs, routing_map, balance, z, routing_map.sum(0)  # _apply_expert_bias counts the kept map
+
+
+def _megalab_router(T, E, topk, score, bias, capacity_factor=None, pad=False, seed=0):
+    from megalab.core.transformer.moe.router import TopKRouter
+    from megalab.core.transformer.transformer_config import TransformerConfig
+    torch.manual_seed(seed)
+    config = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=2, vocab_size=32, seq_length=T,
+                               ffn_hidden_size=16, num_moe_experts=E, moe_router_topk=topk, moe_router_score_function=score,
+                               moe_router_enable_expert_bias=bias is not None, moe_aux_loss_coeff=1.0, moe_z_loss_coeff=1.0,
+                               moe_expert_capacity_factor=capacity_factor, moe_pad_expert_input_to_capacity=pad)
+    router = TopKRouter(config)
+    if bias is not None:
+        router.expert_bias.copy_(bias)
+    return router
+
+
+ROUTER_CASES = [  # T, E, topk, score, bias?, capacity factor, pad
+    (16, 4, 2, "softmax", False, None, False), (24, 8, 1, "softmax", False, None, False),
+    (16, 4, 2, "sigmoid", False, None, False), (12, 6, 1, "sigmoid", False, None, False),
+    (16, 4, 2, "sigmoid", True, None, False), (20, 8, 3, "sigmoid", True, None, False),
+    (16, 4, 2, "softmax", False, 1.0, False), (32, 8, 2, "softmax", False, 0.5, False),
+    (16, 4, 2, "softmax", False, 1.0, True), (16, 4, 2, "sigmoid", True, 0.75, True),
+    (16, 4, 1, "sigmoid", True, 1.5, False),
+]
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("T, E, topk, score, has_bias, cf, pad", ROUTER_CASES)
+def test_router_matches_megatron(mcore, T, E, topk, score, has_bias, cf, pad, seed):
+    """Probs, routing map (drop/pad by position), load-balancing loss, z-loss, the router weight's gradient
+    through both losses, and the expert-bias token counts, as Megatron's TopKRouter computes them."""
+    bias = torch.randn(E, generator=torch.Generator().manual_seed(100 + seed)) * 0.3 if has_bias else None
+    router = _megalab_router(T, E, topk, score, bias, cf, pad, seed)
+    router.train()
+    hidden = torch.randn(T, 8, generator=torch.Generator().manual_seed(seed))
+    probs, routing_map = router(hidden)
+    (probs * torch.linspace(0.5, 1.5, E)).sum().backward()
+    weight = router.weight.detach().clone().requires_grad_()
+    logits = hidden @ weight.t()
+    m_probs, m_map, m_balance, m_z, m_counts = _mcore_route(logits, topk, score, bias, cf, pad)
+    # Megatron attaches both losses through MoEAuxLossAutoScaler (gradient 1 each by default)
+    ((m_probs * torch.linspace(0.5, 1.5, E)).sum() + m_balance + m_z).backward()
+    torch.testing.assert_close(router.aux_losses["load_balancing_loss"], m_balance.detach(), rtol=0, atol=1e-6)
+    torch.testing.assert_close(router.aux_losses["z_loss"], m_z.detach(), rtol=0, atol=1e-6)
+    # Megatron's "position" policy takes torch.topk(routing_map.int(), capacity, dim=0, sorted=False): WHICH of the
+    # tied arrivals it keeps is up to topk's implementation (on CPU not the first ones); how many it keeps is not
+    assert torch.equal(routing_map.sum(0), m_map.sum(0))
+    if has_bias:
+        assert torch.equal(router.local_tokens_per_expert, m_counts.float())
+    if cf is None or torch.equal(routing_map, m_map):
+        assert torch.equal(routing_map, m_map)
+        torch.testing.assert_close(probs, m_probs, rtol=0, atol=1e-6)
+        torch.testing.assert_close(router.weight.grad, weight.grad, rtol=0, atol=1e-5)
+    else:  # the same weights on the assignments both kept
+        both = routing_map & m_map
+        torch.testing.assert_close(probs * both, m_probs.detach() * both, rtol=0, atol=1e-6)
+
+
+def test_aux_loss_with_sigmoid_and_expert_bias_counts_without_the_bias(mcore):
+    """The issue's example: T=2, E=2, top-1, identity router weight, hidden [[1,0],[1,0]], bias [0, 0.5]:
+    Megatron's balance loss 1.1877 (the bias steers the routing, not the count the loss sees)."""
+    router = _megalab_router(2, 2, 1, "sigmoid", torch.tensor([0.0, 0.5]))
+    router.config.hidden_size = 2
+    router.weight = torch.nn.Parameter(torch.eye(2))
+    router.train()
+    router(torch.tensor([[1.0, 0.0], [1.0, 0.0]]))
+    *_, m_balance, _, _ = _mcore_route(torch.tensor([[1.0, 0.0], [1.0, 0.0]]), 1, "sigmoid", torch.tensor([0.0, 0.5]), None, False)
+    assert round(m_balance.item(), 4) == 1.1877
+    assert round(router.aux_losses["load_balancing_loss"].item(), 4) == 1.1877
+
+
+def test_capacity_drops_by_position_not_megatrons_default_probs(mcore):
+    """Deliberate difference (03·09 says so): megalab drops by arrival position (Megatron's
+    --moe-token-drop-policy position); Megatron's default "probs" keeps each expert's highest weights."""
+    mu = import_mcore("megatron.core.transformer.moe.moe_utils")
+    from megalab.core.transformer.moe.moe_utils import topk_softmax_with_capacity
+    logits = torch.tensor([[0.0, 1.0], [0.0, 2.0], [0.0, 3.0], [3.0, 0.0]])  # 3 tokens want expert 1, capacity 2
+    probs, routing_map, _ = topk_softmax_with_capacity(logits, 1, 1.0)
+    m_probs, m_map = mu.topk_routing_with_score_function(logits, 1)
+    by_position = mu.apply_router_token_dropping(m_probs, m_map, 1, 1.0, drop_policy="position")[1]
+    by_probs = mu.apply_router_token_dropping(m_probs, m_map, 1, 1.0, drop_policy="probs")[1]
+    first_two = torch.tensor([[False, True], [False, True], [False, False], [True, False]])
+    assert torch.equal(routing_map, first_two)  # the first two arrivals at expert 1
+    assert torch.equal(by_position.sum(0), first_two.sum(0))  # Megatron's "position": as many (which: topk's ties)
+    assert torch.equal(by_probs, torch.tensor([[False, False], [False, True], [False, True], [True, False]]))
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_expert_bias_update_matches_megatron(mcore, monkeypatch, seed):
+    """get_updated_expert_bias: Megatron all-reduces the counts over TP x DP x CP inside; one process here."""
+    mu = import_mcore("megatron.core.transformer.moe.moe_utils")
+    from megalab.core.transformer.moe.moe_utils import get_updated_expert_bias
+    monkeypatch.setattr(mu.parallel_state, "get_tensor_and_data_parallel_group", lambda **kw: None)
+    monkeypatch.setattr(torch.distributed, "all_reduce", lambda tensor, group=None: None)
+    g = torch.Generator().manual_seed(seed)
+    counts = torch.randint(0, 20, (8,), generator=g).float()
+    counts[3] = counts.mean()  # a balanced expert: sign 0
+    bias = torch.randn(8, generator=g)
+    torch.testing.assert_close(get_updated_expert_bias(counts, bias, 1e-3), mu.get_updated_expert_bias(counts.clone(), bias, 1e-3),
+                               rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("T, E, topk, h", [(8, 4, 2, 6), (16, 8, 1, 4), (10, 3, 3, 5)])
+def test_permute_unpermute_match_megatron(mcore, T, E, topk, h):
+    mu = import_mcore("megatron.core.transformer.moe.moe_utils")
+    from megalab.core.transformer.moe.moe_utils import permute, unpermute
+    g = torch.Generator().manual_seed(T)
+    tokens, logits = torch.randn(T, h, generator=g), torch.randn(T, E, generator=g)
+    probs, routing_map = mu.topk_routing_with_score_function(logits, topk)
+    ours, our_probs, our_idx = permute(tokens, routing_map, probs)
+    theirs, their_probs, their_idx = mu.permute(tokens, routing_map, probs)
+    assert torch.equal(ours, theirs) and torch.equal(our_probs, their_probs) and torch.equal(our_idx, their_idx)
+    expert_out = ours * 2 + 1
+    back = unpermute(expert_out, our_idx, T, our_probs)
+    their_back = mu.unpermute(expert_out, their_idx, torch.Size([T, h]), probs=probs, routing_map=routing_map)
+    torch.testing.assert_close(back, their_back, rtol=0, atol=1e-6)
