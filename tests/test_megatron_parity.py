@@ -173,3 +173,121 @@ def test_permute_unpermute_match_megatron(mcore, T, E, topk, h):
     back = unpermute(expert_out, our_idx, T, our_probs)
     their_back = mu.unpermute(expert_out, their_idx, torch.Size([T, h]), probs=probs, routing_map=routing_map)
     torch.testing.assert_close(back, their_back, rtol=0, atol=1e-6)
+
+
+# ------------------------------------------------------------------ rank groups (megatron/core/parallel_state.py)
+LAYOUTS = [  # world, tp, pp, cp, ep, etp
+    (8, 2, 2, 1, 2, 1), (16, 2, 2, 2, 4, 1), (8, 1, 2, 2, 2, 2), (12, 3, 2, 1, 1, 1), (16, 2, 1, 2, 2, 2),
+    (24, 2, 3, 2, 4, 1),
+]
+ORDERS = ["tp-cp-ep-dp-pp", "tp-pp-dp-cp-ep", "tp-dp-pp", "pp-dp-tp-cp-ep", "cp-tp-ep-dp-pp", "dp-tp-cp-pp-ep"]
+
+
+@pytest.mark.parametrize("order", ORDERS)
+@pytest.mark.parametrize("world, tp, pp, cp, ep, etp", LAYOUTS)
+def test_rank_groups_match_megatron(mcore, order, world, tp, pp, cp, ep, etp):
+    """Every group, both generators (dense with CP, expert with EP), as Megatron's RankGenerator builds them."""
+    mps = import_mcore("megatron.core.parallel_state")
+    from megalab.core.parallel_state import ParallelSizes, RankGenerator, default_embedding_ranks
+    if "cp" not in order and cp > 1 or "ep" not in order and ep > 1:
+        with pytest.raises(ValueError, match="missing from order"):
+            RankGenerator(tp=tp, ep=1, dp=world // (tp * pp * cp), pp=pp, cp=cp, order=order) if cp > 1 else \
+                RankGenerator(tp=etp, ep=ep, dp=world // (etp * ep * pp), pp=pp, cp=1, order=order)
+        with pytest.raises(RuntimeError):  # Megatron refuses it too
+            mps.RankGenerator(tp=tp, ep=1, dp=world // (tp * pp * cp), pp=pp, cp=cp, order=order) if cp > 1 else \
+                mps.RankGenerator(tp=etp, ep=ep, dp=world // (etp * ep * pp), pp=pp, cp=1, order=order)
+        return
+    ours_dense = RankGenerator(tp=tp, ep=1, dp=world // (tp * pp * cp), pp=pp, cp=cp, order=order)
+    ours_expert = RankGenerator(tp=etp, ep=ep, dp=world // (etp * ep * pp), pp=pp, cp=1, order=order)
+    if order.endswith("pp"):  # initialize_model_parallel's layouts use the same generators
+        sizes = ParallelSizes(world, tp, pp, cp, ep, etp, order=order)
+        assert sizes.dense_generator().order == ours_dense.order and sizes.expert_generator().order == ours_expert.order
+    dense = mps.RankGenerator(tp=tp, ep=1, dp=world // (tp * pp * cp), pp=pp, cp=cp, order=order)
+    expert = mps.RankGenerator(tp=etp, ep=ep, dp=world // (etp * ep * pp), pp=pp, cp=1, order=order)
+    for token in ("tp", "pp", "dp", "cp", "dp-cp", "tp-pp", "tp-cp", "tp-dp", "tp-dp-cp", "tp-cp-pp"):
+        assert ours_dense.get_ranks(token) == dense.get_ranks(token), token
+    for token in ("tp", "ep", "dp", "pp", "tp-ep", "tp-ep-pp", "ep-dp"):
+        assert ours_expert.get_ranks(token) == expert.get_ranks(token), token
+    pp_groups = dense.get_ranks("pp")
+    assert [mps.default_embedding_ranks(g) for g in pp_groups] == [default_embedding_ranks(g) for g in pp_groups]
+
+
+@pytest.mark.parametrize("offset", [0, 8])
+def test_rank_generator_offset_matches_megatron(mcore, offset):
+    mps = import_mcore("megatron.core.parallel_state")
+    from megalab.core.parallel_state import RankGenerator
+    ours, theirs = RankGenerator(2, 1, 2, 2, 1, "tp-dp-pp", offset), mps.RankGenerator(2, 1, 2, 2, 1, "tp-dp-pp", offset)
+    for token in ("tp", "dp", "pp", "tp-dp"):
+        assert ours.get_ranks(token) == theirs.get_ranks(token)
+
+
+# ------------------------------------------------------------------ context parallel batch split (megatron/core/utils.py)
+@pytest.mark.parametrize("cp", [1, 2, 4])
+@pytest.mark.parametrize("b, s", [(2, 16), (1, 32), (3, 8)])
+def test_get_batch_on_this_cp_rank_matches_megatron(mcore, monkeypatch, cp, b, s):
+    """Megatron's zigzag split (chunks r and 2cp-1-r of 2cp), every key; the attention mask on its dim 2."""
+    mutils = import_mcore("megatron.core.utils")
+    from megalab.core.utils import get_batch_on_this_cp_rank
+    if s % (2 * cp):
+        pytest.skip("s must be a multiple of 2 cp")
+    g = torch.Generator().manual_seed(b * s + cp)
+    batch = {"tokens": torch.randint(0, 100, (b, s), generator=g), "labels": torch.randint(0, 100, (b, s), generator=g),
+             "loss_mask": torch.rand(b, s, generator=g), "position_ids": torch.arange(s).expand(b, s),
+             "attention_mask": torch.rand(b, 1, s, s, generator=g) > 0.5}
+    for rank in range(cp):
+        monkeypatch.setattr(mutils.parallel_state, "get_context_parallel_world_size", lambda: cp)
+        monkeypatch.setattr(mutils.parallel_state, "get_context_parallel_rank", lambda r=rank: r)
+        theirs = mutils.get_batch_on_this_cp_rank({k: v.clone() for k, v in batch.items()})
+        ours = get_batch_on_this_cp_rank({k: v.clone() for k, v in batch.items()}, cp, rank)
+        assert ours.keys() == theirs.keys()
+        for key in batch:
+            assert torch.equal(ours[key], theirs[key]), (key, rank)
+
+
+# ------------------------------------------------------------------ pipeline schedules (megatron/core/pipeline_parallel/schedules.py)
+@pytest.mark.parametrize("pp", [2, 3, 4, 8])
+@pytest.mark.parametrize("m", [1, 2, 4, 8, 12, 16])
+@pytest.mark.parametrize("vp", [1, 2, 3])
+def test_pipeline_warmup_and_interleaved_table_match_megatron(mcore, monkeypatch, pp, m, vp):
+    sched = import_mcore("megatron.core.pipeline_parallel.schedules")
+    from megalab.core.pipeline_parallel.schedules import get_num_warmup_microbatches, get_schedule_table
+    monkeypatch.setattr(sched.parallel_state, "get_pipeline_model_parallel_world_size", lambda: pp)
+    monkeypatch.setattr(sched.parallel_state, "get_virtual_pipeline_model_parallel_world_size",
+                        lambda: vp if vp > 1 else None)
+    for rank in range(pp):
+        monkeypatch.setattr(sched.parallel_state, "get_pipeline_model_parallel_rank", lambda r=rank: r)
+        total, _, warmup, _ = sched.get_pp_rank_microbatches(m, vp, pp)
+        assert get_num_warmup_microbatches(pp, rank, m, vp) == warmup, (pp, rank, m, vp)
+        assert total == m * vp
+    if vp > 1:
+        assert get_schedule_table(m, vp, pp) == sched.get_schedule_table(m, vp, pp)
+
+
+# ------------------------------------------------------------------ OptimizerParamScheduler (megatron/core/optimizer_param_scheduler.py)
+SCHEDULES = [dict(lr_decay_style=s) for s in ("constant", "linear", "cosine", "inverse-square-root")] + [
+    dict(lr_decay_style="WSD", wsd_decay_steps=10, lr_wsd_decay_style=w) for w in ("linear", "cosine", "exponential", "minus_sqrt")]
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES, ids=lambda d: "-".join(str(v) for v in d.values()))
+@pytest.mark.parametrize("warmup, decay, init_lr", [(5, 30, 0.0), (0, 20, 0.0), (4, 12, 0.1)])
+@pytest.mark.parametrize("wd", [("constant", 0.1, 0.1), ("linear", 0.01, 0.1), ("cosine", 0.0, 0.05)])
+def test_optimizer_param_scheduler_matches_megatron(mcore, schedule, warmup, decay, init_lr, wd):
+    mops = import_mcore("megatron.core.optimizer_param_scheduler")
+    from megalab.core.optimizer_param_scheduler import OptimizerParamScheduler
+    if schedule.get("wsd_decay_steps", 0) > decay - warmup:
+        pytest.skip("WSD decay longer than the decay phase")
+    style, start_wd, end_wd = wd
+    groups = lambda: torch.optim.SGD([{"params": [torch.nn.Parameter(torch.zeros(1))]},  # noqa: E731
+                                      {"params": [torch.nn.Parameter(torch.zeros(1))], "wd_mult": 0.0}], lr=1.0)
+    ours_opt, theirs_opt = groups(), groups()
+    ours = OptimizerParamScheduler(ours_opt, 1.0, 0.05, warmup, decay, init_lr=init_lr, start_wd=start_wd,
+                                   end_wd=end_wd, wd_incr_steps=decay, wd_incr_style=style, **schedule)
+    theirs = mops.OptimizerParamScheduler(theirs_opt, init_lr=init_lr, max_lr=1.0, min_lr=0.05, lr_warmup_steps=warmup,
+                                          lr_decay_steps=decay, start_wd=start_wd, end_wd=end_wd, wd_incr_steps=decay,
+                                          wd_incr_style=style, **schedule)
+    for step in range(decay + 5):
+        for a, b in zip(ours_opt.param_groups, theirs_opt.param_groups):
+            assert a["lr"] == pytest.approx(b["lr"], rel=1e-12, abs=1e-15), (step, a["lr"], b["lr"])
+            assert a["weight_decay"] == pytest.approx(b["weight_decay"], rel=1e-12, abs=1e-15), step
+        ours.step(1)
+        theirs.step(1)
