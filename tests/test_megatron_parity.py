@@ -7,6 +7,7 @@ TopKRouter) are composed here from their own functions, in their forward's order
 
 from __future__ import annotations
 
+import math
 import subprocess
 import sys
 
@@ -291,3 +292,173 @@ def test_optimizer_param_scheduler_matches_megatron(mcore, schedule, warmup, dec
             assert a["weight_decay"] == pytest.approx(b["weight_decay"], rel=1e-12, abs=1e-15), step
         ours.step(1)
         theirs.step(1)
+
+
+# ------------------------------------------------------------------ datasets (megatron/core/datasets)
+def _documents(seed, n=24):
+    rng = torch.Generator().manual_seed(seed)
+    return [torch.randint(1, 500, (int(torch.randint(2, 40, (1,), generator=rng)),), generator=rng) for _ in range(n)]
+
+
+@pytest.mark.parametrize("dtype", ["uint16", "int32", "int64"])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_indexed_dataset_bytes_both_ways(mcore, tmp_path, dtype, seed):
+    """megalab's builder writes Megatron's .bin/.idx byte for byte, and each reads the other's files."""
+    import numpy as np
+
+    mid = import_mcore("megatron.core.datasets.indexed_dataset")
+    from megalab.core.datasets.indexed_dataset import IndexedDataset, IndexedDatasetBuilder
+    docs, np_dtype = _documents(seed), getattr(np, dtype)
+    ours = IndexedDatasetBuilder(tmp_path / "ours", dtype=np_dtype)
+    theirs = mid.IndexedDatasetBuilder(str(tmp_path / "theirs.bin"), dtype=np_dtype)
+    for doc in docs:
+        ours.add_item(doc)
+        ours.end_document()
+        theirs.add_item(doc)
+        theirs.end_document()
+    ours.finalize()
+    theirs.finalize(str(tmp_path / "theirs.idx"))
+    for suffix in (".bin", ".idx"):
+        assert (tmp_path / f"ours{suffix}").read_bytes() == (tmp_path / f"theirs{suffix}").read_bytes(), suffix
+    mine_read_by_megatron, theirs_read_by_us = mid.IndexedDataset(str(tmp_path / "ours")), IndexedDataset(tmp_path / "theirs")
+    assert len(mine_read_by_megatron) == len(theirs_read_by_us) == len(docs)
+    for i, doc in enumerate(docs):
+        assert np.array_equal(mine_read_by_megatron[i], doc.numpy()) and np.array_equal(theirs_read_by_us[i], doc.numpy())
+        assert np.array_equal(mine_read_by_megatron.get(i, 1, 1), theirs_read_by_us.get(i, 1, 1))
+
+
+class _Tokenizer:  # what GPTDatasetConfig reads of a tokenizer
+    eod, pad, vocab_size = 0, -1, 512
+    unique_identifiers = {"class": "megalab-test"}
+
+
+@pytest.mark.parametrize("seq_length, num_samples, seed", [(16, 10, 1234), (8, 60, 7), (32, 40, 3), (16, 75, 5), (12, 200, 11)])
+@pytest.mark.parametrize("flags", [(False, False), (True, True)])
+def test_gpt_dataset_matches_megatron(mcore, tmp_path, seq_length, num_samples, seed, flags):
+    """The document, sample and shuffle indices (one and several epochs, the final epoch apart or not) and
+    every item's tokens, labels, loss mask and position ids, as Megatron's GPTDataset builds them."""
+    import numpy as np
+
+    mid = import_mcore("megatron.core.datasets.indexed_dataset")
+    mgpt = import_mcore("megatron.core.datasets.gpt_dataset")
+    from megatron.core.datasets.utils import Split
+
+    from megalab.core.datasets.gpt_dataset import GPTDataset
+    from megalab.core.datasets.indexed_dataset import IndexedDataset, IndexedDatasetBuilder
+    docs = _documents(seed)
+    for d in docs[::3]:
+        d[-1] = 0  # some documents end with eod
+    with IndexedDatasetBuilder(tmp_path / "c", dtype=np.int32) as builder:
+        for doc in docs:
+            builder.add_item(doc)
+            builder.end_document()
+        builder.finalize()
+    reset, eod_mask = flags
+    config = mgpt.GPTDatasetConfig(random_seed=seed, sequence_length=seq_length, blend=None, blend_per_split=None,
+                                   split="1,0,0", tokenizer=_Tokenizer(), reset_position_ids=reset,
+                                   reset_attention_mask=False, eod_mask_loss=eod_mask, path_to_cache=None,
+                                   mmap_bin_files=False)
+    theirs = mgpt.GPTDataset(mid.IndexedDataset(str(tmp_path / "c")), str(tmp_path / "c"),
+                             np.arange(len(docs), dtype=np.int32), num_samples, Split.train, config)
+    ours = GPTDataset(IndexedDataset(tmp_path / "c"), seq_length, num_samples, seed, eod=0, reset_position_ids=reset,
+                      eod_mask_loss=eod_mask)
+    assert np.array_equal(ours.document_index, theirs.document_index)
+    assert np.array_equal(ours.sample_index, theirs.sample_index)
+    assert np.array_equal(ours.shuffle_index, theirs.shuffle_index)
+    for i in range(num_samples):
+        a, b = ours[i], theirs[i]
+        for key in ("tokens", "labels", "loss_mask", "position_ids"):
+            assert torch.equal(a[key].to(b[key].dtype), b[key]), (i, key)
+
+
+@pytest.mark.parametrize("weights, size", [([0.3, 0.7], 100), ([1, 2, 3], 257), ([0.5, 0.25, 0.125, 0.125], 64), ([5.0], 10)])
+def test_blending_indices_match_megatron(mcore, weights, size):
+    import numpy as np
+
+    helpers = import_mcore("megatron.core.datasets.helpers")
+    mutils = import_mcore("megatron.core.datasets.utils")
+    from megalab.core.datasets.blended_dataset import build_blending_indices, normalize
+    w = normalize(weights)
+    assert np.allclose(w, mutils.normalize(weights))
+    dataset_index, dataset_sample_index = np.zeros(size, dtype=np.int16), np.zeros(size, dtype=np.int64)
+    helpers.build_blending_indices(dataset_index, dataset_sample_index, np.asarray(mutils.normalize(weights)),
+                                   len(weights), size, False)
+    ours = build_blending_indices(w, size)
+    assert np.array_equal(ours[0], dataset_index) and np.array_equal(ours[1], dataset_sample_index)
+
+
+@pytest.mark.xfail(strict=True, reason="dataset difference (reported, not fixed here: datasets belong to another helper): "
+                   "Megatron sizes each blended dataset ceil(ceil(n * w) * 1.005), megalab ceil(n * w * 1.005)")
+def test_blended_dataset_sizes_match_megatron(mcore):
+    import inspect
+
+    import numpy as np
+
+    from megalab.core.datasets import blended_dataset
+    builder = import_mcore("megatron.core.datasets.blended_megatron_dataset_builder")
+    weights, n = [1 / 3, 2 / 3], 100
+    theirs = builder._get_size_per_split_per_dataset(weights, [n, 0, 0], surplus=0.005)
+    source = inspect.getsource(blended_dataset.build_blended_gpt_dataset)
+    assert "math.ceil(wd * num_samples * 1.005)" in source  # what megalab computes, below
+    ours = [int(np.ceil(w * n * 1.005)) for w in weights]
+    assert ours == [row[0] for row in theirs]
+
+
+# ------------------------------------------------------------------ vocab padding, parameter counts (megatron/training: not in
+# the megatron-core wheel; transcribed and cited)
+def _megatron_vocab_size_with_padding(orig_vocab_size, make_vocab_size_divisible_by, tensor_model_parallel_size):
+    """Megatron-LM megatron/training/tokenizer/tokenizer.py, _vocab_size_with_padding (commit 00caa53a): round up
+    to a multiple of make_vocab_size_divisible_by * tensor_model_parallel_size."""
+    multiple = make_vocab_size_divisible_by * tensor_model_parallel_size
+    return int(math.ceil(orig_vocab_size / multiple) * multiple)
+
+
+@pytest.mark.parametrize("vocab, divisible, tp", [(50257, 128, 1), (50257, 128, 8), (32000, 64, 4), (128, 128, 1),
+                                                  (1, 1, 3), (151936, 128, 2)])
+def test_vocab_padding_matches_megatron(vocab, divisible, tp):
+    from megalab.core.tensor_parallel.utils import vocab_size_with_padding
+    assert vocab_size_with_padding(vocab, divisible, tp) == _megatron_vocab_size_with_padding(vocab, divisible, tp)
+
+
+def _megatron_theoretical_parameters(c, padded_vocab_size):
+    """The parameter count of Megatron-LM megatron/training/theoretical_memory_usage.py,
+    compute_weight_and_optimizer_memory (commit 00caa53a), restated for one MoE-or-dense layer kind: attention
+    2 h^2 (1 + groups/heads) (heads * kv_channels / h); MLP 2 h ffn (3/2 if gated) per expert and shared
+    expert; 2 norms per layer and a final one of `norm_size` h each (2 for LayerNorm, 1 for RMSNorm); the
+    embedding h * padded vocab, twice when untied. It leaves out biases, the router and learned positions."""
+    h, L = c.hidden_size, c.num_layers
+    gated = 3 / 2 if c.gated_linear_unit else 1
+    norm_size = 1 if c.normalization == "RMSNorm" else 2
+    attention = 2 * h * h * (1 + c.num_query_groups / c.num_attention_heads) * (c.kv_channels * c.num_attention_heads / h)
+    if c.num_moe_experts is None:
+        mlp = c.ffn_hidden_size * gated
+    else:
+        mlp = c.moe_ffn_hidden_size * c.num_moe_experts * gated + (c.moe_shared_expert_intermediate_size or 0) * gated
+    layer = 2 * h * (mlp + norm_size) + attention
+    embedding = h * padded_vocab_size * (1 if c.share_embeddings_and_output_weights else 2)
+    return layer * L + norm_size * h + embedding
+
+
+PARAM_CONFIGS = [
+    dict(),
+    dict(num_query_groups=2, gated_linear_unit=True, activation_func="silu", normalization="RMSNorm"),
+    dict(share_embeddings_and_output_weights=False, num_query_groups=1),
+    dict(num_moe_experts=8, moe_router_topk=2, moe_ffn_hidden_size=48),
+    dict(num_moe_experts=4, moe_shared_expert_intermediate_size=32, gated_linear_unit=True, activation_func="silu"),
+]
+
+
+@pytest.mark.parametrize("change", PARAM_CONFIGS)
+def test_parameter_count_matches_megatrons_theoretical_memory(change):
+    """calc.model_parameters == Megatron's theoretical count + what that count leaves out (router, biases,
+    learned positions), and == the parameters GPTModel really has."""
+    from megalab.core.models.gpt.gpt_model import GPTModel
+    from megalab.core.transformer.transformer_config import TransformerConfig
+    from megalab.extras import calc
+    config = TransformerConfig(**{**dict(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=128,
+                                         seq_length=16, ffn_hidden_size=64, add_bias_linear=False,
+                                         position_embedding_type="rope"), **change})
+    ours = calc.model_parameters(config)
+    router = config.num_layers * config.num_moe_experts * config.hidden_size if config.num_moe_experts else 0
+    assert ours["total"] == _megatron_theoretical_parameters(config, config.vocab_size) + router
+    assert ours["total"] == sum(p.numel() for p in GPTModel(config).parameters())
