@@ -462,3 +462,24 @@ def test_parameter_count_matches_megatrons_theoretical_memory(change):
     router = config.num_layers * config.num_moe_experts * config.hidden_size if config.num_moe_experts else 0
     assert ours["total"] == _megatron_theoretical_parameters(config, config.vocab_size) + router
     assert ours["total"] == sum(p.numel() for p in GPTModel(config).parameters())
+
+
+@pytest.mark.parametrize("scale", [1.0, 0.25, 2.0 / 8])
+def test_aux_loss_autoscaler_matches_megatron(mcore, scale):
+    """The gradient an aux loss receives through MoEAuxLossAutoScaler, for the scale Megatron's schedule sets
+    (loss_scale * cp / num_microbatches): ours (read at forward) == Megatron's (read at backward)."""
+    mu = import_mcore("megatron.core.transformer.moe.moe_utils")
+    from megalab.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+    grads = []
+    for scaler in (MoEAuxLossAutoScaler, mu.MoEAuxLossAutoScaler):
+        saved = scaler.main_loss_backward_scale
+        try:
+            scaler.set_loss_scale(torch.tensor(scale))
+            w = torch.tensor([1.0, 2.0], requires_grad=True)
+            out = scaler.apply(w * 3, (w ** 2).sum())
+            out.sum().backward()
+            grads.append(w.grad.clone())
+        finally:
+            scaler.main_loss_backward_scale = saved
+    torch.testing.assert_close(grads[0], grads[1], rtol=0, atol=0)
+    torch.testing.assert_close(grads[0], torch.tensor([3.0, 3.0]) + scale * torch.tensor([2.0, 4.0]))

@@ -18,10 +18,12 @@ class MoEAuxLossAutoScaler(torch.autograd.Function):
     """Identity on `output`; in backward it also starts the gradient of `aux_loss`, so an auxiliary
     loss needs no plumbing to the training loop: loss.backward() reaches it through the activations.
 
-    The aux loss's gradient is the factor the main loss is scaled by (1 by default; 1 / number of
-    micro-batches when the loop averages them), read when the forward runs: set it for a step with
-    `with MoEAuxLossAutoScaler.loss_scale(1 / num_microbatches): ...` (Megatron's schedule calls
-    set_loss_scale before each forward step; here the setting ends with the block).
+    The aux loss's gradient is the factor the main loss is scaled by (1 by default). Megatron's schedule
+    (forward_step_calc_loss) calls set_loss_scale(loss_scale * cp_size / num_microbatches) before each
+    backward (loss_scale: the fp16 grad scaler's, else 1; just loss_scale with --calculate-per-token-loss).
+    Here the factor is read when the forward runs: set it for a step with
+    `with MoEAuxLossAutoScaler.loss_scale(cp_size / num_microbatches): ...` (the setting ends with the
+    block), or set_loss_scale(scale) as Megatron does (it stays until changed).
     """
 
     main_loss_backward_scale = 1.0
@@ -34,6 +36,11 @@ class MoEAuxLossAutoScaler(torch.autograd.Function):
             yield
         finally:
             MoEAuxLossAutoScaler.main_loss_backward_scale = saved
+
+    @staticmethod
+    def set_loss_scale(scale: float | torch.Tensor) -> None:
+        """Megatron's setter: the aux-loss gradient factor from now on."""
+        MoEAuxLossAutoScaler.main_loss_backward_scale = float(scale)
 
     @staticmethod
     def forward(ctx, output: torch.Tensor, aux_loss: torch.Tensor) -> torch.Tensor:
