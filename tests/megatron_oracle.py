@@ -51,6 +51,19 @@ def import_mcore(name: str):
 
 
 @pytest.fixture(scope="session")
+def mcore_installed() -> str:
+    """The pinned megatron-core's version, checked without importing it (importing takes seconds)."""
+    import importlib.metadata
+    try:
+        version = importlib.metadata.version("megatron-core")
+    except importlib.metadata.PackageNotFoundError:
+        pytest.fail(f"megatron-core is not installed; {INSTALL_HINT}", pytrace=False)
+    if version != MEGATRON_CORE_VERSION:
+        pytest.fail(f"megatron-core {version} is installed, not {MEGATRON_CORE_VERSION}; {INSTALL_HINT}", pytrace=False)
+    return version
+
+
+@pytest.fixture(scope="session")
 def mcore():
     """megatron.core, checked: a parity test FAILS (not skips) without the pinned megatron-core."""
     try:

@@ -14,7 +14,7 @@ import sys
 import pytest
 import torch
 
-from tests.megatron_oracle import INSTALL_HINT, MEGATRON_CORE_VERSION, import_mcore, mcore  # noqa: F401
+from tests.megatron_oracle import MEGATRON_CORE_VERSION, import_mcore
 
 
 # ------------------------------------------------------------------ the oracle itself

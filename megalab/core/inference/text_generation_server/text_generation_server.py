@@ -10,7 +10,7 @@ Bad requests (malformed JSON, wrong types, out-of-range sampling values, prompts
 the model) get a 400 with an OpenAI-style {"error": {"message", "type"}} body; the server keeps
 serving. It binds 127.0.0.1 unless told otherwise. Megatron serves with a Flask text-generation
 server (megatron/inference/text_generation_server.py) and an OpenAI-compatible endpoint in
-megatron/core/inference (text_generation_server/ endpoints/completions.py).
+megatron/core/inference/text_generation_server/endpoints/completions.py.
 """
 
 from __future__ import annotations
