@@ -533,7 +533,7 @@ def _tp_layers_case():
             o_col = ours.ColumnParallelLinear(8, 12, config=config, init_method=init, bias=True, gather_output=gather)
             o_row = ours.RowParallelLinear(12, 8, config=config, init_method=init, bias=True, input_is_parallel=not gather)
             with torch.no_grad():  # Megatron's shards (and nonzero biases) into ours
-                for a, b in ((m_col.bias, o_col.bias), (m_row.bias, o_row.bias)):
+                for a in (m_col.bias, m_row.bias):
                     a.copy_(torch.linspace(-1, 1, a.numel()))
                 for a, b in ((m_col.weight, o_col.weight), (m_row.weight, o_row.weight), (m_col.bias, o_col.bias),
                              (m_row.bias, o_row.bias)):
