@@ -570,3 +570,74 @@ def test_tensor_parallel_layers_match_megatron(mcore):
         assert cases.pop("same seed, same draws") is False
         for case, checks in cases.items():
             assert all(checks.values()), (rank, case, checks)
+
+
+# ------------------------------------------------------------------ every load-balancing loss, through Megatron's own TopKRouter.routing
+class _GroupOfOne:
+    def size(self):
+        return 1
+
+
+def _mcore_topk_router(monkeypatch, E, topk, score, types, coeffs, z_coeff):
+    """Megatron's TopKRouter.routing itself, bound to a stand-in `self` (the class allocates CUDA buffers in
+    __init__): one process, so its TP/CP/DP groups are groups of one."""
+    import types as pytypes
+
+    mr = import_mcore("megatron.core.transformer.moe.router")
+    mu = import_mcore("megatron.core.transformer.moe.moe_utils")
+    monkeypatch.setattr(mu, "reduce_from_tensor_model_parallel_region", lambda x, group=None: x)
+    mu.clear_aux_losses_tracker()
+    cfg = pytypes.SimpleNamespace(
+        num_moe_experts=E, moe_router_topk=topk, moe_router_score_function=score, moe_router_pre_softmax=False,
+        moe_router_num_groups=None, moe_router_group_topk=None, moe_router_topk_scaling_factor=None,
+        moe_router_fusion=False, moe_expert_capacity_factor=None, moe_token_drop_policy="probs",
+        moe_pad_expert_input_to_capacity=False, moe_aux_loss_coeff=coeffs, moe_z_loss_coeff=z_coeff, num_layers=1,
+        mtp_num_layers=None)
+    self = pytypes.SimpleNamespace(
+        config=cfg, topk=topk, routing_type=types, score_function=score, expert_bias=None, router_replay=None,
+        tp_cp_group=_GroupOfOne(), tp_dp_cp_group=_GroupOfOne(), layer_number=1, calculate_per_token_loss=False,
+        training=True, enable_expert_bias=False, global_tokens_per_expert=torch.zeros(E), ga_steps=torch.zeros(()))
+    for name in ("apply_z_loss", "get_aux_loss_coeff", "is_aux_loss_enabled", "_apply_aux_loss", "_apply_seq_aux_loss",
+                 "_apply_global_aux_loss", "attach_and_log_load_balancing_loss"):
+        setattr(self, name, pytypes.MethodType(getattr(mr.TopKRouter, name), self))
+    self._apply_expert_bias = lambda routing_map, padding_mask=None: None
+    routing = pytypes.MethodType(mr.TopKRouter.routing, self)
+    tracker = lambda: {k: v["values"][0].item() for k, v in mu.get_moe_layer_wise_logging_tracker().items()}  # noqa: E731
+    return routing, tracker, mu
+
+
+BALANCING = [("aux_loss", 0.5), ("seq_aux_loss", 0.3), ("global_aux_loss", 0.2),
+             (["aux_loss", "seq_aux_loss", "global_aux_loss"], [0.1, 0.2, 0.3]), (["seq_aux_loss", "none"], [1.0, 0.0])]
+
+
+@pytest.mark.parametrize("types, coeffs", BALANCING)
+@pytest.mark.parametrize("score, topk, s, b, E", [("softmax", 2, 6, 3, 4), ("sigmoid", 2, 4, 2, 8), ("softmax", 1, 5, 1, 4)])
+def test_every_load_balancing_loss_matches_megatrons_router(mcore, monkeypatch, types, coeffs, score, topk, s, b, E):
+    """aux_loss, seq_aux_loss, global_aux_loss (two steps: its counts accumulate), alone and together, with the
+    z-loss: each loss value and the router weight's gradient through all of them, as Megatron's routing computes."""
+    from megalab.core.transformer.moe.router import TopKRouter
+    from megalab.core.transformer.transformer_config import TransformerConfig
+    routing, tracker, mu = _mcore_topk_router(monkeypatch, E, topk, score, types, coeffs, 0.01)
+    config = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=2, vocab_size=32, seq_length=s,
+                               ffn_hidden_size=16, num_moe_experts=E, moe_router_topk=topk, moe_router_score_function=score,
+                               moe_router_load_balancing_type=types, moe_aux_loss_coeff=coeffs, moe_z_loss_coeff=0.01)
+    torch.manual_seed(s * b)
+    router = TopKRouter(config).train()
+    weight = router.weight.detach().clone().requires_grad_()
+    g = torch.Generator().manual_seed(E)
+    names = {"aux_loss": "load_balancing_loss", "seq_aux_loss": "seq_load_balancing_loss",
+             "global_aux_loss": "global_load_balancing_loss"}
+    for step in range(2):
+        hidden = torch.randn(s, b, 8, generator=g)
+        probs, routing_map = router(hidden)
+        (probs * torch.linspace(0.5, 1.5, E)).sum().backward()
+        mu.clear_aux_losses_tracker()
+        m_probs, m_map = routing((hidden @ weight.t()))  # [s, b, E] logits, as Megatron's router sees them
+        (m_probs * torch.linspace(0.5, 1.5, E)).sum().backward()
+        theirs = tracker()
+        assert torch.equal(routing_map, m_map) and torch.allclose(probs, m_probs, atol=1e-6)
+        for t in [types] if isinstance(types, str) else types:
+            if t != "none":
+                assert router.aux_losses[names[t]].item() == pytest.approx(theirs[names[t]], rel=1e-5), (step, t)
+        assert router.aux_losses["z_loss"].item() == pytest.approx(0.01 * theirs["z_loss"], rel=1e-5)
+        torch.testing.assert_close(router.weight.grad, weight.grad, rtol=1e-5, atol=1e-6)
