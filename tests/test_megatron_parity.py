@@ -632,7 +632,7 @@ def test_every_load_balancing_loss_matches_megatrons_router(mcore, monkeypatch, 
         probs, routing_map = router(hidden)
         (probs * torch.linspace(0.5, 1.5, E)).sum().backward()
         mu.clear_aux_losses_tracker()
-        m_probs, m_map = routing((hidden @ weight.t()))  # [s, b, E] logits, as Megatron's router sees them
+        m_probs, m_map = routing(hidden @ weight.t())  # [s, b, E] logits, as Megatron's router sees them
         (m_probs * torch.linspace(0.5, 1.5, E)).sum().backward()
         theirs = tracker()
         assert torch.equal(routing_map, m_map) and torch.allclose(probs, m_probs, atol=1e-6)
