@@ -223,14 +223,11 @@ def test_rank_generator_offset_matches_megatron(mcore, offset):
 
 
 # ------------------------------------------------------------------ context parallel batch split (megatron/core/utils.py)
-@pytest.mark.parametrize("cp", [1, 2, 4])
-@pytest.mark.parametrize("b, s", [(2, 16), (1, 32), (3, 8)])
+@pytest.mark.parametrize("cp, b, s", [(1, 2, 16), (2, 2, 16), (4, 2, 16), (2, 1, 32), (4, 1, 32), (2, 3, 8)])
 def test_get_batch_on_this_cp_rank_matches_megatron(mcore, monkeypatch, cp, b, s):
     """Megatron's zigzag split (chunks r and 2cp-1-r of 2cp), every key; the attention mask on its dim 2."""
     mutils = import_mcore("megatron.core.utils")
     from megalab.core.utils import get_batch_on_this_cp_rank
-    if s % (2 * cp):
-        pytest.skip("s must be a multiple of 2 cp")
     g = torch.Generator().manual_seed(b * s + cp)
     batch = {"tokens": torch.randint(0, 100, (b, s), generator=g), "labels": torch.randint(0, 100, (b, s), generator=g),
              "loss_mask": torch.rand(b, s, generator=g), "position_ids": torch.arange(s).expand(b, s),
@@ -275,8 +272,8 @@ SCHEDULES = [dict(lr_decay_style=s) for s in ("constant", "linear", "cosine", "i
 def test_optimizer_param_scheduler_matches_megatron(mcore, schedule, warmup, decay, init_lr, wd):
     mops = import_mcore("megatron.core.optimizer_param_scheduler")
     from megalab.core.optimizer_param_scheduler import OptimizerParamScheduler
-    if schedule.get("wsd_decay_steps", 0) > decay - warmup:
-        pytest.skip("WSD decay longer than the decay phase")
+    if "wsd_decay_steps" in schedule:  # at most the decay phase
+        schedule = {**schedule, "wsd_decay_steps": min(schedule["wsd_decay_steps"], decay - warmup)}
     style, start_wd, end_wd = wd
     groups = lambda: torch.optim.SGD([{"params": [torch.nn.Parameter(torch.zeros(1))]},  # noqa: E731
                                       {"params": [torch.nn.Parameter(torch.zeros(1))], "wd_mult": 0.0}], lr=1.0)
@@ -332,7 +329,7 @@ class _Tokenizer:  # what GPTDatasetConfig reads of a tokenizer
     unique_identifiers = {"class": "megalab-test"}
 
 
-@pytest.mark.parametrize("seq_length, num_samples, seed", [(16, 10, 1234), (8, 60, 7), (32, 40, 3), (16, 75, 5), (12, 200, 11)])
+@pytest.mark.parametrize("seq_length, num_samples, seed", [(16, 10, 1234), (8, 60, 7), (16, 75, 5), (12, 120, 11)])
 @pytest.mark.parametrize("flags", [(False, False), (True, True)])
 def test_gpt_dataset_matches_megatron(mcore, tmp_path, seq_length, num_samples, seed, flags):
     """The document, sample and shuffle indices (one and several epochs, the final epoch apart or not) and
