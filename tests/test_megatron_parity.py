@@ -638,3 +638,18 @@ def test_every_load_balancing_loss_matches_megatrons_router(mcore, monkeypatch, 
                 assert router.aux_losses[names[t]].item() == pytest.approx(theirs[names[t]], rel=1e-5), (step, t)
         assert router.aux_losses["z_loss"].item() == pytest.approx(0.01 * theirs["z_loss"], rel=1e-5)
         torch.testing.assert_close(router.weight.grad, weight.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_rank_groups_match_megatron_for_every_order(mcore):
+    """All 120 orders of tp, cp, ep, dp, pp (dense generator with CP, expert generator with EP), every group."""
+    import itertools
+
+    mps = import_mcore("megatron.core.parallel_state")
+    from megalab.core.parallel_state import RankGenerator
+    tokens = ["tp", "pp", "dp", "cp", "ep", "tp-pp", "tp-dp", "dp-cp", "tp-cp", "tp-dp-cp", "tp-ep", "tp-ep-pp", "ep-dp"]
+    for order in ("-".join(p) for p in itertools.permutations(["tp", "cp", "ep", "dp", "pp"])):
+        for tp, ep, dp, pp, cp in ((2, 1, 2, 3, 2), (2, 2, 3, 2, 1), (3, 1, 2, 2, 2)):
+            ours, theirs = RankGenerator(tp, ep, dp, pp, cp, order), mps.RankGenerator(tp, ep, dp, pp, cp, order)
+            for token in tokens:
+                if all(t in order for t in token.split("-")):
+                    assert ours.get_ranks(token) == theirs.get_ranks(token), (order, (tp, ep, dp, pp, cp), token)
