@@ -51,6 +51,11 @@ OUTSIDE_CORE = {  # cited paths outside megatron/core, checked by hand against M
 }
 
 
+# megatron/training/arguments.py is not in the wheel: its deprecated flags, checked by hand against Megatron-LM's
+# stored arguments.py ("--use-dist-ckpt is deprecated and has no effect. Use --ckpt-format ...")
+DEPRECATED_TRAINING_FLAGS = {"--use-dist-ckpt": "use --ckpt-format", "--dist-ckpt-format": "use --ckpt-format"}
+
+
 @lru_cache(maxsize=1)
 def index() -> dict:
     data = json.loads(INDEX.read_text())
@@ -154,6 +159,9 @@ def check_unit(where: str, text: str) -> list[str]:
         field = flag.replace("-", "_")
         if field in idx["deprecated"] and not HISTORICAL.search(text):
             problems.append(f"{where}: --{flag} sets {field}, DEPRECATED in {idx['source']}: say so in the sentence")
+        elif f"--{flag}" in DEPRECATED_TRAINING_FLAGS and not HISTORICAL.search(text):
+            problems.append(f"{where}: --{flag} is deprecated in megatron/training/arguments.py "
+                            f"({DEPRECATED_TRAINING_FLAGS[f'--{flag}']}): say so in the sentence")
     return problems
 
 
@@ -185,6 +193,7 @@ def test_pointers_outside_megatron_core_are_few_and_known():
     ("`megatron/core/training/utils.py` — `get_batch_on_this_cp_rank`", "path megatron/core/training/utils.py"),
     ("`megatron/core/transformer/transformer_config.py` — `enable_cuda_graph`", "DEPRECATED"),
     ("`megatron/core/transformer/transformer_config.py` — `enable_cuda_graph` (deprecated)", None),
+    ("`megatron/core/dist_checkpointing/` — with `--use-dist-ckpt`", "--use-dist-ckpt is deprecated"),
     ("Megatron: megatron/core/transformer/moe/router.py (TopKRouter, no_such_function).", "no_such_function"),
     ("Megatron: megatron/core/transformer/moe/router.py (TopKRouter, TopKRouter.routing).", None),
     ("Megatron: megatron/core/transformer/moe/ — router.py (TopKRouter), moe_utils.py (topk_softmax_with_capacity)",
