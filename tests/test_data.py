@@ -374,9 +374,8 @@ def test_blended_gpt_dataset_on_the_corpus(tmp_path, tokenizer):
 
 
 # ------------------------------------------------------------------ Megatron-LM itself, where it is installed
-def test_same_files_indices_and_blend_as_megatron_core(tmp_path, tokenizer):
-    """Only where `megatron-core` is importable (it is not a dependency): `pip install --no-deps megatron-core`."""
-    pytest.importorskip("megatron.core.datasets.helpers_cpp")
+def test_same_files_indices_and_blend_as_megatron_core(tmp_path, tokenizer, mcore):
+    """Against megatron-core (the dev extra, pinned): without it this fails and says how to install it."""
     from megatron.core.datasets import helpers
     from megatron.core.datasets.gpt_dataset import GPTDataset as MegatronGPTDataset
     from megatron.core.datasets.gpt_dataset import GPTDatasetConfig

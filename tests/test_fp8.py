@@ -36,6 +36,81 @@ def test_compute_scale_follows_transformer_engine_formula():
     require(equal(new.tolist(), [112.0, 0.5, 3.0, 3.0, 3.0],
                   "compute_scale(amax [2, 448, 0, inf, nan], old scale 3, fp8_max 448, margin 1) ((448 / amax) / 2^1; "
                   "the old scale where amax is 0, inf or NaN)"))
+    tiny = torch.tensor([448.0 / torch.finfo(torch.float32).max / 2])  # 448 / amax overflows FP32
+    require(equal(fp8.compute_scale(tiny, torch.ones(1), 448.0, margin=0).tolist(), [torch.finfo(torch.float32).max],
+                  "compute_scale(a tiny amax whose 448 / amax overflows FP32): Transformer Engine clamps the scale to "
+                  "FP32 max (an inf scale turns every zero into 0 * inf = NaN)"))
+
+
+# ---------------------------------------------------------------- Transformer Engine's recipes, transcribed
+FP32_MAX = torch.finfo(torch.float32).max
+
+
+@pytest.mark.parametrize("fmt, fp8_max", [("E4M3", 448.0), ("E5M2", 57344.0)])
+@pytest.mark.parametrize("amax_case", ["zero", "tiny", "normal", "inf", "nan"])
+def test_delayed_scale_update_numeric_scenarios_of_transformer_engine(fmt, fp8_max, amax_case):
+    """TE tests/pytorch/test_recipe.py, test_scale_update_numeric_scenarios: a history of one amax, scale 1 before;
+    the expected scales are TE's (zero, inf, NaN: unchanged; tiny: FP32 max; normal: fp8_max / amax)."""
+    amax = {"zero": 0.0, "tiny": fp8_max / FP32_MAX / 2, "normal": 0.4375, "inf": float("inf"), "nan": float("nan")}[amax_case]
+    expected = {"tiny": FP32_MAX, "normal": fp8_max / 0.4375}.get(amax_case, 1.0)
+    assert fp8.compute_scale(torch.tensor([amax]), torch.ones(1), fp8_max, 0).item() == expected
+    meta = fp8.ScalingMeta(fp8.DelayedScaling(amax_history_len=1, fp8_format="HYBRID"), fmt)
+    x = torch.full((4,), amax)
+    x[0] = 0.0
+    meta.quantize(x)  # records amax(x) (NaN: max() propagates it), then computes the next scale
+    assert meta.scale.item() == expected
+    q, scale_inv = meta.quantize(torch.zeros(4))
+    assert not torch.isnan(q.float()).any()  # zeros stay zeros under a clamped scale
+
+
+def _te_delayed_scaling(amaxes, history_len, algo, margin, fp8_max):
+    """TE's delayed scaling step by step (transformer_engine/pytorch/quantization.py: the current step's amax
+    goes to history[0]; _default_get_amax_and_update_history reduces ("max" over the window, "most_recent"
+    = history[0]) then rolls by -1 and zeroes slot 0; _default_sf_compute turns it into the next scale)."""
+    history, scale, scales = torch.zeros(history_len), torch.ones(()), []
+    for a in amaxes:
+        history[0] = a
+        amax = history.max() if algo == "max" else history[0].clone()
+        if history_len > 1:
+            history = torch.roll(history, -1, 0)
+        history[0] = 0.0
+        new = torch.full_like(amax, fp8_max) / amax / 2**margin
+        new = torch.where(amax > 0, new, scale)
+        new = torch.where(torch.isfinite(amax), new, scale)
+        scale = torch.where(torch.isinf(new), torch.full_like(new, FP32_MAX), new)
+        scales.append(scale.item())
+    return scales
+
+
+@pytest.mark.parametrize("algo", ["max", "most_recent"])
+@pytest.mark.parametrize("history_len", [1, 3, 16])
+@pytest.mark.parametrize("margin", [0, 1, 3])
+@pytest.mark.parametrize("fmt, fp8_max", [("E4M3", 448.0), ("E5M2", 57344.0)])
+def test_delayed_scaling_history_matches_transformer_engine(algo, history_len, margin, fmt, fp8_max):
+    """The scale after every step of a run whose amax grows, spikes, shrinks, hits 0: both amax algorithms, margins."""
+    amaxes = [1.0, 2.0, 40.0, 3.0, 0.5, 0.0, 0.25, 7.0, 1e-3, 2.0, 0.0, 0.0, 5.0]
+    recipe = fp8.DelayedScaling(margin=margin, amax_history_len=history_len, amax_compute_algo=algo)
+    meta = fp8.ScalingMeta(recipe, fmt)
+    ours = []
+    for a in amaxes:
+        meta.quantize(torch.tensor([a, -a / 2]))
+        ours.append(meta.scale.item())
+    assert ours == _te_delayed_scaling(amaxes, history_len, algo, margin, fp8_max)
+
+
+@pytest.mark.parametrize("amax, epsilon, pow2, expected", [
+    (0.0, 0.0, False, 1.0), (float("inf"), 0.0, False, 1.0), (float("nan"), 0.0, False, 1.0),
+    (448.0 / FP32_MAX / 2, 0.0, False, FP32_MAX), (3.0, 0.0, False, torch.tensor(448.0) / torch.tensor(3.0)),
+    (3.0, 0.0, True, 128.0), (1e-6, 1e-3, False, torch.tensor(448.0) / torch.tensor(1e-3)), (0.0, 1e-3, True, 262144.0),
+])
+def test_current_scaling_matches_transformer_engine(amax, epsilon, pow2, expected):
+    """TE's compute_scale_from_amax (transformer_engine/common/recipe/recipe_common.cuh), E4M3: amax raised to
+    amax_epsilon; 1 for a zero, inf or NaN amax; FP32 max on overflow; power_2_scale keeps the power of two below."""
+    scale = fp8.compute_current_scale(torch.tensor(amax), 448.0, use_power_2_scales=pow2, amax_epsilon=epsilon)
+    assert scale.item() == float(expected)
+    meta = fp8.ScalingMeta(fp8.CurrentScaling(use_power_2_scales=pow2, amax_epsilon=epsilon), "E4M3")
+    q, scale_inv = meta.quantize(torch.tensor([amax, 0.0]))
+    assert meta.scale.item() == float(expected) and scale_inv.item() == meta.scale.reciprocal().item()
 
 
 @pytest.mark.exercise("fp8.quantize")

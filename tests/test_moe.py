@@ -77,7 +77,9 @@ def reference_moe(x, p, topk, score="softmax", expert_bias=None, capacity_factor
         scores = torch.softmax(logits, dim=-1)
     else:
         scores = torch.sigmoid(logits) / torch.sigmoid(logits).sum(-1, keepdim=True)
-    f, P = counts / (T * topk), scores.mean(0)
+    # the balance counts each token's top-k of the scores, without the expert bias (Megatron's rule)
+    aux_counts = torch.zeros(num_experts).index_add_(0, scores.topk(topk, dim=-1).indices.flatten(), torch.ones(T * topk))
+    f, P = aux_counts / (T * topk), scores.mean(0)
     balance = num_experts * (f * P).sum()
     z = (torch.logsumexp(logits, -1) ** 2).mean()
     return torch.stack(rows), balance, z, counts, kept
@@ -461,6 +463,27 @@ def _gpt_case(rank):
         ps.destroy_model_parallel()
 
 
+def _expert_bias_case(rank):
+    """finalize_model_grads moves the expert bias (Megatron: before the optimizer step), by the counts of
+    every rank of TP x DP x CP (tp2 x dp2 here): (bias after, the summed counts it saw)."""
+    state = ps.initialize_model_parallel(tensor_model_parallel_size=2, expert_model_parallel_size=2,
+                                         expert_tensor_parallel_size=1)
+    try:
+        config = TransformerConfig(**{**BASE, "num_moe_experts": 4}, moe_router_score_function="sigmoid",
+                                   moe_router_enable_expert_bias=True, moe_router_bias_update_rate=0.1,
+                                   sequence_parallel=True)
+        layer = moe.MoELayer(config)
+        mine = torch.zeros(4)
+        mine[rank] = 4.0 + rank  # rank r counted 4 + r tokens for expert r: the sum is [4, 5, 6, 7], mean 5.5
+        layer.router.local_tokens_per_expert.copy_(mine)
+        for p in layer.parameters():
+            p.grad = torch.zeros_like(p)
+        finalize_model_grads([layer], state)
+        return layer.router.expert_bias.tolist(), layer.router.local_tokens_per_expert.tolist()
+    finally:
+        ps.destroy_model_parallel()
+
+
 def run_ep_cases():
     from megalab.lab import dist as mdist
 
@@ -475,6 +498,10 @@ def run_ep_cases():
         results["gpt ep2xtp2"] = _gpt_case(rank)
     except Exception:
         results["gpt ep2xtp2"] = (float("inf"), traceback.format_exc(limit=-3), None)
+    try:
+        results["expert bias"] = _expert_bias_case(rank)
+    except Exception:
+        results["expert bias"] = traceback.format_exc(limit=-3)
     # experts not divisible by EP: a clear error
     ps.initialize_model_parallel(expert_model_parallel_size=4)
     try:
@@ -535,3 +562,12 @@ def test_moe_gpt_under_tp2_ep2_sp_equals_one_device(ep_results):
 
 def test_experts_not_divisible_by_ep_is_a_clear_error(ep_results):
     assert "num_moe_experts 6 is not divisible by the expert-parallel size 4" in ep_results[0]["bad ep"]
+
+
+def test_finalize_model_grads_updates_the_expert_bias_over_tp_dp_cp(ep_results):
+    """Summed over all 4 ranks (tp2 x dp2), the counts are [4, 5, 6, 7]: experts 0, 1 under the mean rise."""
+    for rank in range(4):
+        result = ep_results[rank]["expert bias"]
+        assert not isinstance(result, str), result
+        bias, counts = result
+        assert bias == pytest.approx([0.1, 0.1, -0.1, -0.1]) and counts == [0.0] * 4, (rank, result)

@@ -1,4 +1,5 @@
-"""The learning-rate and weight-decay schedule: warmup, then cosine/linear/constant decay.
+"""The learning-rate and weight-decay schedule: warmup, then cosine/linear/constant/WSD/inverse-square-root
+decay; optionally weight decay rising from start_wd to end_wd.
 
 Megatron: megatron/core/optimizer_param_scheduler.py (OptimizerParamScheduler).
 """
@@ -15,17 +16,23 @@ class OptimizerParamScheduler:
     """Megatron's LR schedule, stepped once per iteration: `step()` sets every group's lr.
 
     warmup: init_lr -> max_lr linearly over lr_warmup_steps; decay over the next
-    lr_decay_steps - lr_warmup_steps steps with lr_decay_style "constant", "linear", "cosine" or
-    "WSD" (stable at max_lr, then the last wsd_decay_steps steps decay "linear", "cosine",
-    "exponential" or "minus_sqrt" to min_lr); min_lr after lr_decay_steps.
+    lr_decay_steps - lr_warmup_steps steps with lr_decay_style "constant", "linear", "cosine",
+    "inverse-square-root" (max_lr * sqrt(warmup / step), at least min_lr) or "WSD" (stable at max_lr,
+    then the last wsd_decay_steps steps decay "linear", "cosine", "exponential" or "minus_sqrt" to
+    min_lr); min_lr after lr_decay_steps.
+    Weight decay (when start_wd is given): start_wd -> end_wd over wd_incr_steps, wd_incr_style
+    "constant", "linear" or "cosine"; each group's weight_decay = that * its "wd_mult" (default 1).
     """
 
-    STYLES = ("constant", "linear", "cosine", "WSD")
+    STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
+    WD_STYLES = ("constant", "linear", "cosine")
     WSD_STYLES = ("linear", "cosine", "exponential", "minus_sqrt")
 
     def __init__(self, optimizer: torch.optim.Optimizer, max_lr: float, min_lr: float, lr_warmup_steps: int,
                  lr_decay_steps: int, lr_decay_style: str = "cosine", init_lr: float = 0.0,
-                 wsd_decay_steps: int | None = None, lr_wsd_decay_style: str = "linear"):
+                 wsd_decay_steps: int | None = None, lr_wsd_decay_style: str = "linear",
+                 start_wd: float | None = None, end_wd: float | None = None, wd_incr_steps: int = 0,
+                 wd_incr_style: str = "constant"):
         if lr_decay_style not in self.STYLES:
             raise ValueError(f"lr_decay_style must be one of {self.STYLES}, got {lr_decay_style!r}")
         if not 0.0 <= min_lr <= max_lr:
@@ -37,6 +44,17 @@ class OptimizerParamScheduler:
                 raise ValueError("WSD needs 0 < wsd_decay_steps <= lr_decay_steps - lr_warmup_steps")
             if lr_wsd_decay_style not in self.WSD_STYLES:
                 raise ValueError(f"lr_wsd_decay_style must be one of {self.WSD_STYLES}, got {lr_wsd_decay_style!r}")
+        if start_wd is not None:
+            end_wd = start_wd if end_wd is None else end_wd
+            if not 0.0 <= start_wd <= end_wd:
+                raise ValueError(f"need 0 <= start_wd <= end_wd, got start_wd={start_wd}, end_wd={end_wd}")
+            if wd_incr_style not in self.WD_STYLES:
+                raise ValueError(f"wd_incr_style must be one of {self.WD_STYLES}, got {wd_incr_style!r}")
+            if wd_incr_style == "constant" and start_wd != end_wd:
+                raise ValueError('wd_incr_style "constant" needs start_wd == end_wd')
+            if wd_incr_style != "constant" and wd_incr_steps <= 0:
+                raise ValueError(f"wd_incr_style {wd_incr_style!r} needs wd_incr_steps > 0")
+        self.start_wd, self.end_wd, self.wd_incr_steps, self.wd_incr_style = start_wd, end_wd, wd_incr_steps, wd_incr_style
         self.optimizer = optimizer
         self.max_lr, self.min_lr, self.init_lr = max_lr, min_lr, init_lr
         self.lr_warmup_steps, self.lr_decay_steps, self.lr_decay_style = lr_warmup_steps, lr_decay_steps, lr_decay_style
@@ -55,6 +73,8 @@ class OptimizerParamScheduler:
             return self.max_lr
         if step > self.lr_decay_steps:
             return self.min_lr
+        if self.lr_decay_style == "inverse-square-root":
+            return max(self.min_lr, self.max_lr * max(self.lr_warmup_steps, 1) ** 0.5 / max(step, 1) ** 0.5)
         num_decay = self.lr_decay_steps - self.lr_warmup_steps
         ratio = (step - self.lr_warmup_steps) / num_decay
         delta_lr = self.max_lr - self.min_lr
@@ -73,11 +93,23 @@ class OptimizerParamScheduler:
         return self.min_lr + coeff * delta_lr
         ### END SOLUTION
 
+    def get_wd(self) -> float | None:
+        """The weight decay after `num_steps` steps (Megatron's get_wd); None: left as the optimizer has it."""
+        if self.start_wd is None:
+            return None
+        if self.num_steps > self.wd_incr_steps or self.wd_incr_style == "constant":
+            return self.end_wd
+        ratio = self.num_steps / self.wd_incr_steps
+        coeff = ratio if self.wd_incr_style == "linear" else 0.5 * (math.cos(math.pi * (1 - ratio)) + 1.0)
+        return self.start_wd + coeff * (self.end_wd - self.start_wd)
+
     def step(self, increment: int = 1) -> float:
         self.num_steps += increment
-        lr = self.get_lr()
+        lr, wd = self.get_lr(), self.get_wd()
         for group in self.optimizer.param_groups:
             group["lr"] = lr
+            if wd is not None:
+                group["weight_decay"] = wd * group.get("wd_mult", 1.0)
         return lr
 
     def state_dict(self) -> dict:

@@ -58,12 +58,14 @@ def cp_rank_positions(seq_length: int, cp_size: int, cp_rank: int, zigzag: bool 
 
 def get_batch_on_this_cp_rank(batch: dict[str, torch.Tensor], cp_size: int, cp_rank: int,
                               zigzag: bool = True) -> dict[str, torch.Tensor]:
-    """This rank's tokens of every [b, s] tensor in the batch (Megatron's name and split);
-    position_ids are added (the global positions of the kept tokens) if the batch has none."""
-    s = next(iter(batch.values())).shape[1]
+    """This rank's tokens of every [b, s] tensor in the batch (Megatron's name and split); an
+    "attention_mask" [b, 1, s, s] is split on its query dim 2, as Megatron does; position_ids are added
+    (the global positions of the kept tokens) if the batch has none."""
+    s = next(t for name, t in batch.items() if name != "attention_mask").shape[1]
     positions = cp_rank_positions(s, cp_size, cp_rank, zigzag)
-    out = {name: t[:, positions.to(t.device)] for name, t in batch.items()}
+    out = {name: t[:, :, positions.to(t.device)] if name == "attention_mask" else t[:, positions.to(t.device)]
+           for name, t in batch.items()}
     if "position_ids" not in out:
-        b = next(iter(batch.values())).shape[0]
-        out["position_ids"] = positions.to(next(iter(batch.values())).device).expand(b, -1)
+        b, device = next(iter(batch.values())).shape[0], next(iter(batch.values())).device
+        out["position_ids"] = positions.to(device).expand(b, -1)
     return out

@@ -23,7 +23,7 @@ with them, each rank adding its share, until they are back home (cp hops). The a
 reduce-scatters dK/dV: fewer messages, no overlap, the full K/V in memory on every rank.
 
 Megatron: the CP group is `get_context_parallel_group()` (rank order tp-cp-ep-dp-pp); the batch is
-split by `get_batch_on_this_cp_rank` (megatron/training/utils.py), RoPE angles by
+split by `get_batch_on_this_cp_rank` (megatron/core/utils.py), RoPE angles by
 `get_pos_emb_on_this_cp_rank` (rotary_pos_embedding.py); the attention is TE's
 `attn_forward_func_with_cp` (transformer_engine/pytorch/attention/.../context_parallel.py) behind
 TEDotProductAttention; gradients are reduced over the dp-cp group. Here the online-softmax math is

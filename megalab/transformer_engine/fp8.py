@@ -17,9 +17,18 @@ format's max; the matmul multiplies by the inverse scales again:
 Delayed scaling (TE's DelayedScaling): the scale used at step t comes from the amaxes recorded
 at earlier steps (a history of `amax_history_len`, reduced by "max" or "most_recent"):
 
-    scale = (fp8_max / amax) / 2^margin      (kept unchanged while amax is 0 or not finite)
+    scale = (fp8_max / amax) / 2^margin      (kept unchanged while amax is 0 or not finite;
+                                              FP32 max where the quotient overflows)
 
-Current scaling (TE's Float8CurrentScaling): amax of the tensor itself, just before the cast.
+Current scaling (TE's Float8CurrentScaling): amax of the tensor itself, just before the cast;
+scale = fp8_max / max(amax, amax_epsilon), 1 where amax is 0, inf or NaN, FP32 max on overflow,
+optionally rounded down to a power of two.
+
+Transcribed from Transformer Engine: transformer_engine/pytorch/quantization.py (_default_sf_compute,
+_update_amax_history, _default_get_amax_and_update_history), transformer_engine/common/recipe/
+delayed_scaling.cu (the fused amax-and-scale update kernel) and recipe_common.cuh
+(compute_scale_from_amax, current scaling); its tests: tests/pytorch/test_recipe.py
+(test_scale_update_numeric_scenarios: zero, tiny, normal, inf and NaN amax).
 
 The matmul picks its path automatically: `torch._scaled_mm` on FP8 tensor cores where the GPU
 has them (compute capability >= 8.9: Ada, Hopper, Blackwell); elsewhere it is emulated --
@@ -109,13 +118,17 @@ class DelayedScaling:
 
 @dataclass(frozen=True)
 class CurrentScaling:
-    """Transformer Engine's Float8CurrentScaling: each tensor's own amax, measured just before the cast."""
+    """Transformer Engine's Float8CurrentScaling: each tensor's own amax, measured just before the cast
+    (its QParams: power_2_scale, amax_epsilon; no margin, no history)."""
 
     fp8_format: str = "HYBRID"
-    margin: int = 0
+    use_power_2_scales: bool = False
+    amax_epsilon: float = 0.0
 
     def __post_init__(self):
         _check_format(self.fp8_format)
+        if self.amax_epsilon < 0:
+            raise ValueError(f"amax_epsilon must be >= 0, got {self.amax_epsilon}")
 
 
 def _check_format(fp8_format: str) -> None:
@@ -123,15 +136,35 @@ def _check_format(fp8_format: str) -> None:
         raise ValueError(f'fp8_format must be "HYBRID" (E4M3 forward, E5M2 backward) or "E4M3", got {fp8_format!r}')
 
 
+FP32_MAX = torch.finfo(torch.float32).max
+
+
 def compute_scale(amax: torch.Tensor, scale: torch.Tensor, fp8_max: float, margin: int) -> torch.Tensor:
-    """The new scale: (fp8_max / amax) / 2^margin; the old `scale` where amax is 0 or not finite
-    (TE's _default_sf_compute)."""
-    # EXERCISE fp8.compute_scale: scale = (fp8_max / amax) / 2^margin, keep the old scale where amax is 0 or inf/NaN
+    """Delayed scaling's new scale: (fp8_max / amax) / 2^margin; the old `scale` where amax is 0 or not
+    finite; FP32 max where the quotient overflows (a tiny amax), so no zero becomes 0 * inf = NaN
+    (TE's _default_sf_compute, transformer_engine/pytorch/quantization.py)."""
+    # EXERCISE fp8.compute_scale: scale = (fp8_max / amax) / 2^margin, keep the old scale where amax is 0 or inf/NaN, FP32 max on overflow
     ### BEGIN SOLUTION
-    new = (fp8_max / amax) / 2.0**margin
+    new = torch.full_like(amax, fp8_max) / amax / 2.0**margin  # a true division (scalar / tensor is a reciprocal)
     new = torch.where(amax > 0.0, new, scale)
-    return torch.where(torch.isfinite(amax), new, scale)
+    new = torch.where(torch.isfinite(amax), new, scale)
+    return torch.where(torch.isinf(new), torch.full_like(new, FP32_MAX), new)
     ### END SOLUTION
+
+
+def compute_current_scale(amax: torch.Tensor, fp8_max: float, use_power_2_scales: bool = False,
+                          amax_epsilon: float = 0.0) -> torch.Tensor:
+    """Current scaling's scale from this tensor's amax (TE's compute_scale_from_amax,
+    transformer_engine/common/recipe/recipe_common.cuh): amax raised to amax_epsilon; 1 where amax is 0,
+    inf or NaN (there is no previous scale); FP32 max on overflow; optionally the power of two below."""
+    amax = amax.float()
+    amax = torch.where(amax < amax_epsilon, torch.full_like(amax, amax_epsilon), amax)
+    scale = torch.full_like(amax, fp8_max) / amax
+    scale = torch.where(torch.isinf(scale), torch.full_like(scale, FP32_MAX), scale)
+    scale = torch.where(torch.isinf(amax) | (amax == 0) | torch.isnan(scale), torch.ones_like(scale), scale)
+    if use_power_2_scales:  # keep sign and exponent bits: the largest power of two <= scale
+        scale = (scale.view(torch.int32) & 0x7F800000).view(torch.float32)
+    return scale
 
 
 def quantize(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -163,7 +196,8 @@ class ScalingMeta:
         amax = x.detach().abs().max().float() if x.numel() else torch.zeros((), device=x.device)
         if isinstance(self.recipe, CurrentScaling):
             self.amax_history[0] = amax
-            self.scale = compute_scale(amax, self.scale, self.fp8_max, self.recipe.margin)
+            self.scale = compute_current_scale(amax, self.fp8_max, self.recipe.use_power_2_scales,
+                                               self.recipe.amax_epsilon)
             return quantize(x, self.scale, self.dtype), self.scale.reciprocal()
         x_fp8, scale_inv = quantize(x, self.scale, self.dtype), self.scale.reciprocal()
         # Newest amax at index 0; the oldest falls off the end.

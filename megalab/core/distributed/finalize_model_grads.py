@@ -80,8 +80,10 @@ def finalize_model_grads(model: list[nn.Module], state: ps.ParallelState | None 
       1. data parallel: DDP's finish_grad_sync (all-reduce or reduce-scatter of the buckets), or without a
          wrapper an average over DP x CP (expert parameters over expert-DP);
       2. sequence parallel: the norms' and row biases' gradients summed over TP;
-      3. tied embeddings: the first and last pipeline stage's word-embedding gradients summed.
-    All three are sums (and one scale), so their order does not change the result; under the
+      3. tied embeddings: the first and last pipeline stage's word-embedding gradients summed;
+      4. MoE expert bias (aux-loss-free balancing): every router's bias moved by its token counts summed
+         over TP x DP x CP, before the optimizer step (Megatron's _update_router_expert_bias).
+    The first three are sums (and one scale), so their order does not change the result; under the
     distributed optimizer only this rank's shard of each buffer is used afterwards.
     `state`: the current ParallelState unless given.
     """
@@ -103,15 +105,17 @@ def finalize_model_grads(model: list[nn.Module], state: ps.ParallelState | None 
                 if id(weight := chunk.shared_embedding_or_output_weight()) not in done:
                     done.add(id(weight))
                     allreduce_word_embedding_grads(chunk, state.get_embedding_group())
+    if any(getattr(chunk.config, "moe_router_enable_expert_bias", False) for chunk in chunks if hasattr(chunk, "config")):
+        update_expert_bias(chunks, state.get_tensor_and_data_parallel_group(with_context_parallel=True))
 
 
-def update_expert_bias(model: nn.Module, group=None) -> None:
-    """After an optimizer step: move every router's expert bias by the token counts since the last
-    update (summed over `group`: the current state's tp-dp-cp group, none when no state is current;
-    the update reads only their sign, so replicas counted twice do not matter). Megatron:
-    _update_router_expert_bias."""
+def update_expert_bias(model: nn.Module | list[nn.Module], group=None) -> None:
+    """Once per step (finalize_model_grads calls it, before the optimizer step): move every router's expert
+    bias by the token counts since the last update (summed over `group`: the current state's tp-dp-cp group,
+    none when no state is current), then zero the counts. Megatron: _update_router_expert_bias."""
     group = ps.resolve_group(group, "tp-dp-cp")
-    for router in (m for m in model.modules() if isinstance(m, TopKRouter) and m.expert_bias is not None):
+    modules = [m for chunk in (model if isinstance(model, list) else [model]) for m in chunk.modules()]
+    for router in (m for m in modules if isinstance(m, TopKRouter) and m.expert_bias is not None):
         counts = router.local_tokens_per_expert.clone()
         if group is not None:
             dist.all_reduce(counts, group=group)

@@ -21,6 +21,7 @@ RECOMPUTE_METHODS = (None, "uniform", "block")
 ATTENTION_BACKENDS = ("unfused", "sdpa", "triton", "flash_attn", "auto")  # the last 3: megalab/kernels
 MOE_ROUTER_SCORE_FUNCTIONS = ("softmax", "sigmoid")
 MOE_TOKEN_DISPATCHER_TYPES = ("alltoall", "allgather")
+MOE_LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "global_aux_loss", "none")  # Megatron's, less sinkhorn
 
 
 @dataclass
@@ -63,7 +64,8 @@ class TransformerConfig:
     moe_router_score_function: str = "softmax"  # "sigmoid": DeepSeek-V3 scores, usually with the expert bias
     moe_router_enable_expert_bias: bool = False  # aux-loss-free balancing: a per-expert bias steers the top-k
     moe_router_bias_update_rate: float = 1e-3
-    moe_aux_loss_coeff: float = 0.0  # Switch/GShard load-balancing loss
+    moe_router_load_balancing_type: str | list[str] = "aux_loss"  # or seq_aux_loss, global_aux_loss, none; or a list
+    moe_aux_loss_coeff: float | list[float] = 0.0  # Switch/GShard load-balancing loss (one per type when a list)
     moe_z_loss_coeff: float | None = None  # ST-MoE router z-loss
     moe_expert_capacity_factor: float | None = None  # None: no token is dropped
     moe_pad_expert_input_to_capacity: bool = False  # every expert gets exactly `capacity` tokens
@@ -136,7 +138,18 @@ class TransformerConfig:
         if self.moe_router_enable_expert_bias and self.moe_router_score_function != "sigmoid":
             raise ValueError('moe_router_enable_expert_bias needs moe_router_score_function="sigmoid" '
                              "(DeepSeek-V3's aux-loss-free balancing, Megatron's rule)")
-        for name in ("moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_router_bias_update_rate"):
+        types, coeffs = self.moe_router_load_balancing_type, self.moe_aux_loss_coeff
+        if isinstance(types, str) != (not isinstance(coeffs, (list, tuple))) or (
+                not isinstance(types, str) and len(types) != len(coeffs)):
+            raise ValueError(f"moe_router_load_balancing_type {types!r} and moe_aux_loss_coeff {coeffs!r}: give one "
+                             "type and one coefficient, or lists of the same length (Megatron's rule)")
+        for t in [types] if isinstance(types, str) else types:
+            if t not in MOE_LOAD_BALANCING_TYPES:
+                raise ValueError(f"moe_router_load_balancing_type must be among {MOE_LOAD_BALANCING_TYPES} "
+                                 f"(sinkhorn is not implemented here), got {t!r}")
+        if any(c < 0 for c in ([coeffs] if not isinstance(coeffs, (list, tuple)) else coeffs)):
+            raise ValueError(f"moe_aux_loss_coeff must be >= 0, got {coeffs}")
+        for name in ("moe_z_loss_coeff", "moe_router_bias_update_rate"):
             if getattr(self, name) is not None and getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         cf = self.moe_expert_capacity_factor

@@ -1,6 +1,6 @@
 """The block allocator of a paged key/value cache: fixed-size blocks handed out and returned.
 
-Megatron: megatron/core/inference/contexts/kv_block_allocator.py.
+Megatron: megatron/core/inference/contexts/dynamic_block_allocator.py (renamed kv_block_allocator.py in later releases).
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ field, a value out of range, a prompt too long for the model) is a 400 naming th
 the engine fails is a 500 for that request alone, the others in its batch go on; a client that
 disconnects has its request cancelled and its KV blocks freed. It binds 127.0.0.1 unless told otherwise. Megatron serves with a Flask text-generation
 server (megatron/inference/text_generation_server.py) and an OpenAI-compatible endpoint in
-megatron/core/inference (text_generation_server/ endpoints/completions.py).
+megatron/core/inference/text_generation_server/endpoints/completions.py.
 """
 
 from __future__ import annotations

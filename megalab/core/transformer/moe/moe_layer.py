@@ -25,11 +25,12 @@ through `loss.backward()` by MoEAuxLossAutoScaler, and their values are kept for
 tracker (`get_aux_losses_tracker`).
 
 Megatron: megatron/core/transformer/moe/ — router.py (TopKRouter), moe_utils.py
-(switch_load_balancing_loss_func, z_loss_func, topk_softmax_with_capacity, permute, unpermute,
+(switch_load_balancing_loss_func, z_loss_func, topk_routing_with_score_function,
+apply_router_token_dropping, compute_routing_scores_for_aux_loss, permute, unpermute,
 sort_chunks_by_idxs, MoEAuxLossAutoScaler, get_updated_expert_bias), token_dispatcher.py,
 experts.py (SequentialMLP, GroupedMLP), shared_experts.py, moe_layer.py (MoELayer).
-Not here: expert tensor parallelism (expert_tensor_parallel_size > 1), Megatron's "probs" drop
-policy (tokens are dropped by position), and fused kernels.
+Not here: expert tensor parallelism (expert_tensor_parallel_size > 1), Megatron's default "probs" drop
+policy (tokens are dropped by position), sinkhorn routing, group-limited top-k, and fused kernels.
 """
 
 from __future__ import annotations
@@ -80,7 +81,8 @@ class MoELayer(nn.Module):
         self.config, self.layer_number = config, layer_number
         self.num_local_experts = E // ep_size
         self.local_expert_indices = list(range(ep_rank * self.num_local_experts, (ep_rank + 1) * self.num_local_experts))
-        self.router = TopKRouter(config, layer_number, tp_group)
+        tp_dp_cp_group = state.get_tensor_and_data_parallel_group(with_context_parallel=True) if state else None
+        self.router = TopKRouter(config, layer_number, tp_group, tp_dp_cp_group)
         self.experts = (GroupedMLP if config.moe_grouped_gemm else SequentialMLP)(config, self.local_expert_indices)
         for p in self.experts.parameters():
             p.allreduce = False  # Megatron's mark: reduced over the expert-data-parallel group, not DP
@@ -95,7 +97,7 @@ class MoELayer(nn.Module):
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:  # [s, b, h] -> [s, b, h]
         s, b, h = hidden_states.shape
         hidden = hidden_states.reshape(s * b, h)  # [T, h]
-        probs, routing_map = self.router(hidden)  # [T, E], [T, E]
+        probs, routing_map = self.router(hidden_states)  # [T, E], [T, E] (the router sees [s, b, h]: per-sequence losses)
         dispatched, tokens_per_expert = self.token_dispatcher.token_permutation(hidden, probs, routing_map)
         expert_output = self.experts(dispatched, tokens_per_expert)  # [N, h]
         output = self.token_dispatcher.token_unpermutation(expert_output)  # [T, h]

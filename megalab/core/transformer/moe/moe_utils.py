@@ -18,10 +18,12 @@ class MoEAuxLossAutoScaler(torch.autograd.Function):
     """Identity on `output`; in backward it also starts the gradient of `aux_loss`, so an auxiliary
     loss needs no plumbing to the training loop: loss.backward() reaches it through the activations.
 
-    The aux loss's gradient is the factor the main loss is scaled by (1 by default; 1 / number of
-    micro-batches when the loop averages them), read when the forward runs: set it for a step with
-    `with MoEAuxLossAutoScaler.loss_scale(1 / num_microbatches): ...` (Megatron's schedule calls
-    set_loss_scale before each forward step; here the setting ends with the block).
+    The aux loss's gradient is the factor the main loss is scaled by (1 by default). Megatron's schedule
+    (forward_step_calc_loss) calls set_loss_scale(loss_scale * cp_size / num_microbatches) before each
+    backward (loss_scale: the fp16 grad scaler's, else 1; just loss_scale with --calculate-per-token-loss).
+    Here the factor is read when the forward runs: set it for a step with
+    `with MoEAuxLossAutoScaler.loss_scale(cp_size / num_microbatches): ...` (the setting ends with the
+    block), or set_loss_scale(scale) as Megatron does (it stays until changed).
     """
 
     main_loss_backward_scale = 1.0
@@ -34,6 +36,11 @@ class MoEAuxLossAutoScaler(torch.autograd.Function):
             yield
         finally:
             MoEAuxLossAutoScaler.main_loss_backward_scale = saved
+
+    @staticmethod
+    def set_loss_scale(scale: float | torch.Tensor) -> None:
+        """Megatron's setter: the aux-loss gradient factor from now on."""
+        MoEAuxLossAutoScaler.main_loss_backward_scale = float(scale)
 
     @staticmethod
     def forward(ctx, output: torch.Tensor, aux_loss: torch.Tensor) -> torch.Tensor:
@@ -87,13 +94,15 @@ def topk_softmax_with_capacity(logits: torch.Tensor, topk: int, capacity_factor:
                                expert_bias: torch.Tensor | None = None):
     """Route T tokens to k experts each. logits [T, E] ->
     probs [T, E] (the weight of each chosen expert, 0 elsewhere), routing_map [T, E] (bool),
-    tokens_per_expert [E] (assignments before any dropping, for the load-balancing loss).
+    tokens_per_expert [E] (assignments before any dropping).
 
     softmax: the top-k logits, softmax over those k (Megatron's default, Mixtral's way).
     sigmoid: sigmoid scores; the top-k of score + expert_bias (the bias only chooses, DeepSeek-V3),
              weights = the chosen scores normalized to sum 1.
-    capacity: each expert keeps its first `capacity` tokens (by position), the rest are dropped;
-              with pad_to_capacity, unrouted tokens with weight 0 fill every expert up to capacity.
+    capacity: each expert keeps its first `capacity` tokens (by position: Megatron's
+              --moe-token-drop-policy position; its default "probs" keeps the highest weights), the rest
+              are dropped; with pad_to_capacity, unrouted tokens with weight 0 fill every expert up to capacity.
+    Megatron splits this into topk_routing_with_score_function and apply_router_token_dropping.
     """
     num_tokens, num_experts = logits.shape
     # EXERCISE moe.topk_routing: choose k experts per token and their weights (softmax or sigmoid scores)
@@ -127,6 +136,20 @@ def topk_softmax_with_capacity(logits: torch.Tensor, topk: int, capacity_factor:
     routing_map = keep
     ### END SOLUTION
     return probs, routing_map, tokens_per_expert
+
+
+def compute_routing_scores_for_aux_loss(logits: torch.Tensor, topk: int, score_function: str):
+    """What the load-balancing loss sees: the top-k of the normalized scores WITHOUT the expert bias
+    (the bias only steers which experts serve a token, not the balance the loss measures) and the
+    scores. logits [T, E] -> routing_map [T, E] (bool), scores [T, E] (softmax, or sigmoid / row sum)."""
+    if score_function == "softmax":
+        scores = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    else:
+        scores = torch.sigmoid(logits)
+        scores = scores / (scores.sum(dim=-1, keepdim=True) + 1e-20)
+    top_indices = torch.topk(scores, k=topk, dim=1).indices
+    routing_map = torch.zeros_like(logits, dtype=torch.bool).scatter(1, top_indices, True)
+    return routing_map, scores
 
 
 def get_updated_expert_bias(tokens_per_expert: torch.Tensor, expert_bias: torch.Tensor,

@@ -1,0 +1,72 @@
+"""megatron-core as the test oracle: the parity tests compare megalab with Megatron-Core's own code.
+
+megatron-core is a dev dependency (pyproject's `dev` extra, pinned): `make setup` installs it. Nothing at
+run time imports it; only tests and the notebooks' check cells do. A run without it, or with another
+version, FAILS the parity tests (they must run in CI, never skip) with the line that installs it.
+
+Pinned: megatron-core 0.16.1, the newest release that installs on our Python 3.11 (0.17 and later
+declare Python >= 3.12). Megatron-Core's pure-torch functions run on CPU without Transformer Engine or
+apex (it warns once on import; silenced here).
+"""
+
+from __future__ import annotations
+
+import importlib
+import warnings
+
+import pytest
+
+MEGATRON_CORE_VERSION = "0.16.1"
+INSTALL_HINT = (f"the parity tests need megatron-core=={MEGATRON_CORE_VERSION} (the dev extra): run `make setup`, "
+                f"or `pip install -e .[dev]` (or `pip install megatron-core=={MEGATRON_CORE_VERSION}`) in this environment")
+
+
+class MegatronCoreUnavailable(RuntimeError):
+    """megatron-core is missing or not the pinned version."""
+
+
+def check_megatron_core(module_name: str = "megatron.core", required: str = MEGATRON_CORE_VERSION):
+    """The imported megatron.core package, or MegatronCoreUnavailable saying how to install it."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            mcore = importlib.import_module(module_name)
+    except ImportError as e:
+        raise MegatronCoreUnavailable(f"megatron-core is not installed ({e}); {INSTALL_HINT}") from e
+    version = getattr(mcore, "__version__", None)
+    if version != required:
+        raise MegatronCoreUnavailable(f"megatron-core {version} is installed, not {required}; {INSTALL_HINT}")
+    return mcore
+
+
+def import_mcore(name: str):
+    """Import a megatron.core submodule (after the version check), without the TE/apex warnings."""
+    try:
+        check_megatron_core()
+    except MegatronCoreUnavailable as e:
+        pytest.fail(str(e), pytrace=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return importlib.import_module(name)
+
+
+@pytest.fixture(scope="session")
+def mcore_installed() -> str:
+    """The pinned megatron-core's version, checked without importing it (importing takes seconds)."""
+    import importlib.metadata
+    try:
+        version = importlib.metadata.version("megatron-core")
+    except importlib.metadata.PackageNotFoundError:
+        pytest.fail(f"megatron-core is not installed; {INSTALL_HINT}", pytrace=False)
+    if version != MEGATRON_CORE_VERSION:
+        pytest.fail(f"megatron-core {version} is installed, not {MEGATRON_CORE_VERSION}; {INSTALL_HINT}", pytrace=False)
+    return version
+
+
+@pytest.fixture(scope="session")
+def mcore():
+    """megatron.core, checked: a parity test FAILS (not skips) without the pinned megatron-core."""
+    try:
+        return check_megatron_core()
+    except MegatronCoreUnavailable as e:
+        pytest.fail(str(e), pytrace=False)
