@@ -384,21 +384,15 @@ def test_blending_indices_match_megatron(mcore, weights, size):
     assert np.array_equal(ours[0], dataset_index) and np.array_equal(ours[1], dataset_sample_index)
 
 
-@pytest.mark.xfail(strict=True, reason="dataset difference (reported, not fixed here: datasets belong to another helper): "
-                   "Megatron sizes each blended dataset ceil(ceil(n * w) * 1.005), megalab ceil(n * w * 1.005)")
-def test_blended_dataset_sizes_match_megatron(mcore):
-    import inspect
+@pytest.mark.parametrize("n", [100, 997, 4096])
+def test_blended_dataset_sizes_match_megatron(mcore, n):
+    """Each dataset of a blend is built with ceil(ceil(n * w) * 1.005) samples, as Megatron's builder sizes it."""
+    from megalab.core.datasets.blended_dataset import dataset_size, normalize
 
-    import numpy as np
-
-    from megalab.core.datasets import blended_dataset
     builder = import_mcore("megatron.core.datasets.blended_megatron_dataset_builder")
-    weights, n = [1 / 3, 2 / 3], 100
-    theirs = builder._get_size_per_split_per_dataset(weights, [n, 0, 0], surplus=0.005)
-    source = inspect.getsource(blended_dataset.build_blended_gpt_dataset)
-    assert "math.ceil(wd * num_samples * 1.005)" in source  # what megalab computes, below
-    ours = [int(np.ceil(w * n * 1.005)) for w in weights]
-    assert ours == [row[0] for row in theirs]
+    for weights in ([1 / 3, 2 / 3], [0.1, 0.2, 0.7], [5, 3, 2]):
+        theirs = builder._get_size_per_split_per_dataset(normalize(weights), [n, 0, 0], surplus=0.005)
+        assert [dataset_size(w, n) for w in normalize(weights)] == [row[0] for row in theirs], (weights, n)
 
 
 # ------------------------------------------------------------------ vocab padding, parameter counts (megatron/training: not in
