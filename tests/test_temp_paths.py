@@ -113,3 +113,16 @@ def test_ranks_preparing_the_corpus_at_once_never_read_half_a_file(tmp_path):
     outputs = {p.communicate(timeout=100)[0] for p in procs}
     assert all(p.returncode == 0 for p in procs) and len(outputs) == 1
     assert sorted(p.name for p in tmp_path.iterdir()) == ["milton_text_document.bin", "milton_text_document.idx"]
+
+
+def test_a_failed_corpus_build_leaves_nothing_in_the_cache(tmp_path, monkeypatch):
+    from megalab.tools import preprocess_data
+
+    def half_written(source, prefix, tokenizer, **kw):
+        Path(f"{prefix}_text_document.bin").write_bytes(b"half")
+        raise KeyboardInterrupt  # the build is stopped mid-way
+
+    monkeypatch.setattr(preprocess_data, "preprocess", half_written)
+    with pytest.raises(KeyboardInterrupt):
+        preprocess_data.prepare_corpus(("milton",), out_dir=tmp_path)
+    assert list(tmp_path.iterdir()) == []

@@ -87,9 +87,14 @@ def prepare_corpus(names: tuple[str, ...] = ("shakespeare", "milton"), out_dir: 
         idx = Path(f"{prefix}_text_document.idx")
         if not idx.exists() or idx.stat().st_mtime < max(source.stat().st_mtime, Path(tokenizer_path).stat().st_mtime):
             tokenizer = tokenizer or Tokenizer.from_file(tokenizer_path)
-            private = preprocess(source, out_dir / f".{name}-{os.getpid()}-{uuid.uuid4().hex[:8]}", tokenizer)
-            os.replace(f"{private}.bin", f"{prefix}_text_document.bin")
-            os.replace(f"{private}.idx", idx)
+            private = out_dir / f".{name}-{os.getpid()}-{uuid.uuid4().hex[:8]}_text_document"
+            try:
+                preprocess(source, str(private).removesuffix("_text_document"), tokenizer)
+                os.replace(f"{private}.bin", f"{prefix}_text_document.bin")
+                os.replace(f"{private}.idx", idx)
+            finally:  # a failed build leaves no half-written private files behind in the shared cache
+                for suffix in (".bin", ".idx"):
+                    Path(f"{private}{suffix}").unlink(missing_ok=True)
         prefixes.append(f"{prefix}_text_document")
     return prefixes
 
