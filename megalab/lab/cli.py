@@ -88,6 +88,35 @@ def _grade(args: argparse.Namespace) -> int:
     return 0 if report.ok else 1
 
 
+def _translate(args: argparse.Namespace) -> int:
+    from megalab.lab.exercises import find_root
+    from megalab.lab.translate import GENERATED, TranslationError, build, status, stub
+
+    root = find_root()
+    try:
+        if args.action == "stub":
+            for notebook in args.notebooks:
+                print(f"{notebook}: {stub(root, notebook, args.lang)} section(s) to translate")
+            return 0
+        if args.action == "build":
+            out = Path(args.out) if args.out else root / GENERATED.format(lang=args.lang)
+            written = build(root, args.lang, out, allow_missing=args.allow_missing)
+            print(f"wrote {len(written)} notebook(s) under {out}")
+            return 0
+        rows = status(root, args.lang, args.notebooks or None)
+    except TranslationError as exc:
+        print(f"megalab translate: {exc}", file=sys.stderr)
+        return 2
+    total = sum(r.cells for r in rows)
+    done = sum(r.done for r in rows)
+    for r in rows:
+        flag = "ok" if r.ok else f"{len(r.missing)} missing, {len(r.stale)} stale" + (
+            f", {len(r.orphans)} orphaned" if r.orphans else "")
+        print(f"{r.notebook:70} {r.done:>3} / {r.cells:<3} {flag}")
+    print(f"\n{done} of {total} markdown cells translated and current ({args.lang})")
+    return 0 if all(r.ok for r in rows) else 1
+
+
 def _workspace(args: argparse.Namespace) -> int:
     from megalab.lab.exercises import ExerciseError, find_root
     from megalab.lab.workspace import FIRST_NOTEBOOK, WorkspaceError, create
@@ -213,6 +242,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=300, help="seconds per test and per notebook cell (default 300)")
     p.add_argument("--no-notebooks", action="store_true", help="run the exercise tests only")
     p.set_defaults(func=_grade)
+
+    p = sub.add_parser("translate", help="translations: status (missing/stale cells), build the notebooks, stub new cells")
+    p.add_argument("action", choices=["status", "build", "stub"])
+    p.add_argument("notebooks", nargs="*", help="English notebooks (default: all)")
+    p.add_argument("--lang", default="zh")
+    p.add_argument("--out", help="build: the folder to write the translated course into (default build/LANG)")
+    p.add_argument("--allow-missing", action="store_true", help="build: keep the English where no translation is current")
+    p.set_defaults(func=_translate)
 
     p = sub.add_parser("report", help="merge a class's `grade --json` files: one row per student (file name)")
     p.add_argument("files", nargs="+", help="the students' JSON files, e.g. grades/*.json")
