@@ -438,6 +438,11 @@ def write_student(root: str | Path, dest: str | Path, force: bool = False) -> St
             out.write_text(blank(src.read_text(encoding="utf-8"), by_path[rel]), encoding="utf-8")
             shutil.copymode(src, out)
     blanked = [ex for rel in files for ex in by_path.get(rel, [])]
+    hints = dest / ".megalab" / "hints.json"  # blanking took them out of the code; `megalab hint` reads them here
+    hints.parent.mkdir(exist_ok=True)
+    hints.write_text(json.dumps({ex.id: ex.hints for ex in registry.exercises.values()}, indent=1, ensure_ascii=False))
+    if not (hints.parent / ".gitignore").exists():
+        (hints.parent / ".gitignore").write_text("*\n")
     missing = sorted(set(by_path) - set(files))
     warnings = [f"{p}: has exercises but is not a tracked file, so it was not copied" for p in missing]
     warnings += [p for p in registry.problems() if p not in registry.errors]
