@@ -25,7 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from megalab.core.transformer.transformer_config import TransformerConfig
-from megalab.extras import calc
+from megalab.extras import calc, step_time
 from megalab.extras.pipeline_sim import bubble_fraction
 from megalab.extras.presets import llama_preset, mixtral_preset
 
@@ -161,13 +161,17 @@ class Training:
     optimizer_bytes: float = 12
     gpu_memory_gb: float = 80.0
     memory_headroom: float = 0.1  # kept free: allocator fragmentation, NCCL buffers, the CUDA context
-    gpus_per_node: int = 8
-    # for the step-time estimate (H100 SXM: 989 dense bf16 TFLOP/s, NVLink 450 GB/s a direction,
-    # one 400 Gb/s InfiniBand port = 50 GB/s per GPU); communication counted as not overlapped
-    peak_tflops: float = 989.0
-    mfu: float = 0.4
-    nvlink_gbps: float = 450.0
-    network_gbps: float = 50.0
+    # for the step time (step_time.py): the cluster, and what Megatron's flags let overlap
+    hardware: str | step_time.Hardware = "H100-SXM (DGX H100)"
+    flash_attention: bool = True  # FlashAttention / cuDNN fused attention (the 2021-22 papers: unfused)
+    overlap_grad_reduce: bool = True  # --overlap-grad-reduce
+    overlap_param_gather: bool = True  # --overlap-param-gather (with the distributed optimizer)
+    tp_comm_overlap: bool = False  # --tp-comm-overlap (Transformer Engine userbuffers)
+    zero_stage: int = 0  # 3: DeepSpeed ZeRO-3 / FSDP (params gathered per micro-batch), for comparison
+
+    @property
+    def gpus_per_node(self) -> int:
+        return step_time.hardware(self.hardware).gpus_per_node
 
 
 @dataclass(frozen=True)
@@ -198,7 +202,11 @@ class Plan:
     bubble: float  # (p - 1) / (v m)
     communication: dict[str, float] = field(default_factory=dict)  # bytes sent per GPU per step
     fits: bool = True
-    step_time: float = 0.0  # estimated seconds: compute (1 + bubble) + communication
+    time: step_time.StepTime | None = None  # the step's seconds by piece (step_time.step_time)
+
+    @property
+    def step_time(self) -> float:
+        return self.time.total if self.time is not None else 0.0
 
     def row(self) -> str:
         gb = {k: v / GB for k, v in self.memory.items()}
@@ -329,24 +337,7 @@ def communication(model: ModelSpec, layout: Layout, train: Training, num_microba
 def crosses_nodes(layout: Layout, train: Training) -> dict[str, bool]:
     """Whether each kind's groups span nodes, with Megatron's order tp-cp-ep-dp-pp (tp fastest):
     a group of size n whose ranks are `stride` apart spans stride * n consecutive ranks."""
-    # "dp" is the dp-cp group the gradients are reduced over: cp and dp ranks together, tp apart
-    stride = {"tp": 1, "cp": layout.tp, "dp": layout.tp, "pp": layout.tp * layout.cp * layout.dp,
-              "ep": layout.etp}  # expert layers: etp-ep-edp-pp
-    size = {"tp": layout.tp, "cp": layout.cp, "dp": layout.dp * layout.cp, "pp": layout.pp, "ep": layout.ep}
-    return {k: stride[k] * size[k] > train.gpus_per_node for k in stride}
-
-
-def step_time(model: ModelSpec, layout: Layout, train: Training, bubble: float, comm: dict[str, float]) -> float:
-    """A rough step time: the model FLOPs at `mfu` of peak, stretched by the bubble, plus every byte
-    sent over NVLink or the network (no overlap assumed). Model FLOPs per token are PaLM's
-    6 N + 12 L s (heads x head_dim) (Chowdhery et al. 2022, Appendix B), N the active parameters."""
-    tokens = train.global_batch_size * train.seq_length
-    per_token = 6 * model.num_active_parameters() + 12 * model.num_layers * train.seq_length * (
-        model.num_attention_heads * model.head_dim)
-    compute = per_token * tokens / (layout.world_size * train.peak_tflops * 1e12 * train.mfu)
-    spans = crosses_nodes(layout, train)
-    link = lambda kind: (train.network_gbps if spans[kind] else train.nvlink_gbps) * GB
-    return compute * (1 + bubble) + sum(nbytes / link(kind) for kind, nbytes in comm.items())
+    return step_time.spans_nodes(layout, train.gpus_per_node)
 
 
 def evaluate(model: ModelSpec, layout: Layout, train: Training) -> Plan:
@@ -358,7 +349,7 @@ def evaluate(model: ModelSpec, layout: Layout, train: Training) -> Plan:
     comm = communication(model, layout, train, m)
     usable = train.gpu_memory_gb * GB * (1 - train.memory_headroom)
     return Plan(layout, m, memory, bubble, comm, fits=memory["total"] <= usable,
-                step_time=step_time(model, layout, train, bubble, comm))
+                time=step_time.step_time(model, layout, train))
 
 
 def _divisors(n: int) -> list[int]:
