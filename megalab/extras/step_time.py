@@ -14,38 +14,47 @@ A step on one GPU is a sum of pieces a learner can check one at a time:
            + TP/SP, CP and EP collectives of that micro-batch that are on the critical path
 
 Calibration is data, one record per GPU type (`GPU`) and per link (`Link`), each with its source;
-nothing is tuned per run. A GEMM's efficiency is the best measured matmul efficiency of the GPU
-times the fraction of useful work in whole waves of whole output tiles (wave and tile quantisation,
-Anthony et al. 2024, "The Case for Co-Designing Model Architectures with Hardware"), capped by
-the memory roofline:
+nothing is tuned per run. A GEMM's efficiency is the GPU's best measured matmul efficiency (a published
+benchmark) times the fraction of useful work in whole waves of whole output tiles (wave and tile
+quantisation, Anthony et al. 2024, "The Case for Co-Designing Model Architectures with Hardware"),
+capped by the memory roofline:
 
-    gemm_time(m, n, k) = max(2mnk / (peak · best · useful_fraction), bytes / memory bandwidth) + launch
+    gemm_time(m, n, k) = max(2mnk / (peak · best · sustained · useful), bytes / HBM bandwidth) + launch
 
-Which link a collective uses follows Megatron's rank order tp-cp-ep-dp-pp (planner.crosses_nodes):
-a group inside one node runs on NVLink, a group that spans nodes is bound by each GPU's own NIC.
+Communication that Megatron overlaps (DP grad reduce and param gather when enabled, the CP ring,
+TP with tp_comm_overlap, ZeRO-3's prefetch) is not free: compute beside it slows down, so
+overlapped(comm, compute) = max(comm − compute, f · comm) is exposed. Which link a collective uses
+follows Megatron's rank order tp-cp-ep-dp-pp (`spans_nodes`): a group inside one node runs on
+NVLink, a group that spans nodes is bound by each GPU's own NIC.
 
-API (stable; `predict` builds the laptop's calibration on it):
+Checked against published runs (published_runs.py, tests/test_step_time.py, benchmarks/
+planner_validation.py): Narayanan et al. 2021 Tables 1 and 2, Korthikanti et al. 2022 Table 5.
 
-    GPU(name, peak_flops, matmul_efficiency, num_sms, memory_bandwidth, memory_gb, ..., efficiency_curve=None)
-    Link(name, bandwidth, latency)                 bytes/s each GPU sends, seconds per message step
-    Hardware(name, gpu, intra_node, inter_node, gpus_per_node)
-    hardware(name_or_Hardware) -> Hardware         known: HARDWARE; unknown -> ValueError naming the fields
+API (stable; the laptop calibration builds its own Hardware on it):
+
+    GPU(name, peak_flops, matmul_efficiency, num_sms, memory_bandwidth, memory_gb, memory_efficiency=0.85,
+        sustained=0.9, overlap_slowdown=0.45, tiles=..., kernel_overhead=4e-6, source="",
+        efficiency_curve=None)                  efficiency_curve: measured (m, n, k) -> fraction of peak
+    Link(name, bandwidth, latency, efficiency=1.0, source="")   bytes/s each GPU sends, s per message step
+    Hardware(name, gpu, intra_node, inter_node, gpus_per_node=8)
+    hardware(name_or_Hardware) -> Hardware      known: HARDWARE; unknown -> ValueError naming the fields
     matmul_efficiency(m, n, k, gpu, batch=1) -> fraction of peak
     gemm_time(m, n, k, gpu, dtype_bytes=2, batch=1) -> s
     elementwise_time(nbytes, gpu) -> s
-    attention_time(b, heads, s_q, s_kv, head_dim, gpu, flash, causal, ...) -> s   (one forward)
+    attention_time(b, heads, s_q, s_kv, head_dim, gpu, *, flash, causal=True, value_dim=None) -> s (forward)
     collective_time(kind, nbytes, group_size, link) -> s    kind: all_reduce, all_gather,
                                                             reduce_scatter, all_to_all, send_recv
+    overlapped(comm, compute, gpu) -> exposed s
     bubble(pp, num_microbatches, vpp=1) -> (p − 1)/(v m)
-    step_time(model, layout, train, hardware=None) -> StepTime(compute, recompute, bubble, comm{kind},
-                                                               optimizer, total, mfu, hfu, ...)
+    step_time(model, layout, train, hw=None) -> StepTime: compute, recompute, bubble, comm{tp,cp,ep,pp,dp},
+                                                optimizer, total, mfu, hfu, parts()
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
-import dataclasses
 from dataclasses import dataclass, field, fields
 
 BF16 = 2
