@@ -296,7 +296,7 @@ class StepTime:
                 **{f"{k} comm": v for k, v in self.comm.items()}, "optimizer": self.optimizer}
 
 
-def _gemms_per_layer(model, layout, train, tokens: int) -> list[tuple[int, int, int, int]]:
+def _gemms_per_layer(model, layout, tokens: int, moe: bool) -> list[tuple[int, int, int, int]]:
     """(m, n, k, batch) of one layer's weight GEMMs on one GPU, forward. Tensor parallel splits n (column-
     parallel: qkv, fc1) or k (row-parallel: proj, fc2); expert GEMMs see the tokens routed to this GPU."""
     h, t = model.hidden_size, layout.tp
@@ -306,12 +306,12 @@ def _gemms_per_layer(model, layout, train, tokens: int) -> list[tuple[int, int, 
     else:  # multi-latent attention: all its projections as one GEMM of the same weights
         gemms = [(tokens, round(model.attention_params() / h / t), h, 1)]
     gate = 2 if model.swiglu else 1
-    if model.num_experts is None or model.num_moe_layers == 0:
+    if not moe:
         return gemms + [(tokens, gate * model.ffn_hidden_size // t, h, 1), (tokens, h, model.ffn_hidden_size // t, 1)]
     # MoE: this GPU's share of the tokens (sequence parallel), top-k copies each, spread over the experts;
     # it holds num_experts/ep experts, each sliced by etp (which gathers etp ranks' tokens)
     local_experts = model.num_experts // layout.ep
-    routed = tokens // t * model.moe_router_topk * layout.etp * layout.ep // model.num_experts
+    routed = max(1, tokens // t * model.moe_router_topk * layout.etp * layout.ep // model.num_experts)
     ffn = model.moe_ffn_hidden_size // layout.etp
     gemms += [(tokens // t, model.num_experts, h, 1),  # router
               (routed, gate * ffn, h, local_experts), (routed, h, ffn, local_experts)]
@@ -321,13 +321,11 @@ def _gemms_per_layer(model, layout, train, tokens: int) -> list[tuple[int, int, 
     return gemms
 
 
-def layer_forward(model, layout, train, hw: Hardware) -> dict[str, float]:
-    """Seconds of one layer's forward for one micro-batch on one GPU: 'gemm', 'attention', 'elementwise',
-    and 'core_attention' (what selective recomputation redoes: the attention core without FlashAttention)."""
+def _layer_forward(model, layout, train, hw: Hardware, moe: bool) -> dict[str, float]:
     gpu, t, b = hw.gpu, layout.tp, train.micro_batch_size
     s_q = train.seq_length // layout.cp
     tokens = b * s_q
-    gemms = _gemms_per_layer(model, layout, train, tokens)
+    gemms = _gemms_per_layer(model, layout, tokens, moe)
     gemm = sum(gemm_time(m, n, k, gpu, batch=batch) for m, n, k, batch in gemms)
     # backward of Y[m, n] = X[m, k] W[k, n]: dX = dY Wᵀ (m, k, n) and dW = Xᵀ dY (k, n, m), which
     # accumulates into the fp32 main_grad (read + write 8 bytes per weight)
@@ -341,18 +339,27 @@ def layer_forward(model, layout, train, hw: Hardware) -> dict[str, float]:
     attention = attention_time(b, heads, s_q, train.seq_length, d, gpu, flash=train.flash_attention, value_dim=dv)
     sp = t if train.sequence_parallel and t > 1 else 1
     h = model.hidden_size
-    if model.num_experts is None:
-        ffn_tokens = tokens * model.ffn_hidden_size / t
-        permute = 0.0
+    if not moe:
+        ffn_elements, permute = tokens * model.ffn_hidden_size / t, 0.0
     else:
         routed = tokens / t * model.moe_router_topk
-        ffn_tokens = routed * model.moe_ffn_hidden_size + tokens * (model.moe_shared_expert_intermediate_size or 0) / t
+        ffn_elements = routed * model.moe_ffn_hidden_size + tokens * (model.moe_shared_expert_intermediate_size or 0) / t
         permute = 2 * 2 * BF16 * routed * h  # token permutation before and after the experts (read + write)
     elementwise = elementwise_time(
         (2 * NORM_BYTES + 2 * BIAS_DROPOUT_ADD_BYTES) * tokens * h / sp
-        + ACTIVATION_BYTES[model.swiglu] * ffn_tokens + permute, gpu)
+        + ACTIVATION_BYTES[model.swiglu] * ffn_elements + permute, gpu)
     return {"gemm": gemm, "gemm_backward": gemm_bwd, "attention": attention, "elementwise": elementwise,
             "core_attention": 0.0 if train.flash_attention else attention}
+
+
+def layer_forward(model, layout, train, hw: Hardware) -> dict[str, float]:
+    """Seconds of one layer's forward for one micro-batch on one GPU (averaged over dense and MoE layers):
+    'gemm' (and 'gemm_backward', its two backward GEMMs), 'attention', 'elementwise', and 'core_attention'
+    (what selective recomputation redoes: the attention core, unless FlashAttention)."""
+    moe_share = model.num_moe_layers / model.num_layers
+    parts = [(share, _layer_forward(model, layout, train, hw, moe))
+             for moe, share in ((False, 1 - moe_share), (True, moe_share)) if share]
+    return {k: sum(share * f[k] for share, f in parts) for k in parts[0][1]}
 
 
 def spans_nodes(layout, gpus_per_node: int) -> dict[str, bool]:
@@ -399,7 +406,8 @@ def layer_comm(model, layout, train, hw: Hardware, fwd: dict[str, float]) -> dic
         out["cp"] = (cp - 1) * (overlapped(hop, block, hw.gpu) + overlapped(2 * hop, BACKWARD_FACTOR * block, hw.gpu))
     if model.num_experts is not None and layout.ep > 1 and model.num_moe_layers:
         routed = BF16 * tokens // t * model.moe_router_topk * h
-        out["ep"] = 4 * collective_time("all_to_all", routed, layout.ep, _link("ep", layout, hw))
+        share = model.num_moe_layers / model.num_layers  # per layer, averaged like layer_forward
+        out["ep"] = share * 4 * collective_time("all_to_all", routed, layout.ep, _link("ep", layout, hw))
     return out
 
 
@@ -471,9 +479,7 @@ def step_time(model, layout, train, hw: Hardware | str | None = None) -> StepTim
         exposed["pp"] = 2 * m * v * hop
 
     exposed["dp"] = _data_parallel(model, layout, train, hw, m, mb_compute / (1 + BACKWARD_FACTOR), t_mb)
-    params_here = _params_on_gpu(model, layout)
-    shard = layout.dp * layout.cp if (train.use_distributed_optimizer or train.zero_stage == 3) else 1
-    optimizer = elementwise_time(ADAM_BYTES_PER_PARAM * params_here / shard, gpu)
+    optimizer = elementwise_time(ADAM_BYTES_PER_PARAM * _optimizer_params(model, layout, train), gpu)
 
     sequences = train.global_batch_size
     flops = model_flops(model, train, sequences)
@@ -492,6 +498,18 @@ def _params_on_gpu(model, layout) -> float:
     layers = model.num_layers / layout.pp
     return (layers * per_layer["dense"] / layout.tp + layers * per_layer["expert"] / (layout.ep * layout.etp)
             + model.embedding_params() / layout.tp)
+
+
+def _optimizer_params(model, layout, train) -> float:
+    """Parameters this GPU's Adam updates: all it holds, or its 1/d shard with the distributed optimizer
+    (dense parameters over dp·cp, experts over the expert-data-parallel group)."""
+    per_layer, layers = model.layer_params(), model.num_layers / layout.pp
+    dense = layers * per_layer["dense"] / layout.tp + model.embedding_params() / layout.tp
+    expert = layers * per_layer["expert"] / (layout.ep * layout.etp)
+    if train.use_distributed_optimizer or train.zero_stage == 3:
+        dense /= layout.dp * layout.cp
+        expert /= layout.tp * layout.cp * layout.dp // (layout.ep * layout.etp)
+    return dense + expert
 
 
 def _data_parallel(model, layout, train, hw: Hardware, m: int, mb_forward: float, t_mb: float) -> float:
