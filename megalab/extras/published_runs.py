@@ -151,3 +151,26 @@ def predict(run: PublishedRun) -> dict[str, float]:
         "HFU %": 100 * calc.korthikanti_hardware_flops(*args) / t.total / gpus / peak,
     }
     return {k: per_gpu[k] for k in run.published}
+
+
+def validation_rows(runs: list[PublishedRun] | None = None) -> list[dict]:
+    """One row per published figure: source, model, layout, metric, published, predicted, error."""
+    rows = []
+    for run in runs or all_runs():
+        predicted = predict(run)
+        for metric, published in run.published.items():
+            rows.append({"source": run.source, "model": run.model.name, "layout": str(run.layout), "metric": metric,
+                         "published": published, "predicted": predicted[metric],
+                         "error": predicted[metric] / published - 1})
+    return rows
+
+
+def validation_table(rows: list[dict] | None = None) -> str:
+    rows = rows if rows is not None else validation_rows()
+    head = f"{'source':<46} {'model':<11} {'layout':<22} {'metric':<16} {'published':>9} {'predicted':>9} {'error':>7}"
+    lines = [head, "-" * len(head)]
+    lines += [f"{r['source']:<46} {r['model']:<11} {r['layout']:<22} {r['metric']:<16} {r['published']:>9.1f} "
+              f"{r['predicted']:>9.1f} {r['error']:>+7.1%}" for r in rows]
+    worst = max(abs(r["error"]) for r in rows)
+    lines.append(f"{len(rows)} published figures, largest error {worst:.1%}")
+    return "\n".join(lines)
