@@ -81,6 +81,7 @@ def test_collective_times_follow_the_ring_formulas():
     assert S.collective_time("all_reduce", nbytes, n, link) == pytest.approx(2 * gather)
     assert S.collective_time("send_recv", nbytes, 2, link) == pytest.approx(nbytes / 50e9 + 1e-5)
     assert S.collective_time("all_reduce", nbytes, 1, link) == 0.0
+    assert S.collective_time("all_to_all", nbytes, n, link) == pytest.approx((n - 1) / n * nbytes / 50e9 + 1e-5)
     with pytest.raises(ValueError, match="all_reduce, all_gather"):
         S.collective_time("broadcast", nbytes, n, link)
 

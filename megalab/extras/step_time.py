@@ -229,19 +229,23 @@ def collective_time(kind: str, nbytes: float, group_size: int, link: Link) -> fl
 
         all_reduce        2 (n−1)/n · bytes / bw + 2 (n−1) · latency
         all_gather,       (n−1)/n · bytes / bw + (n−1) · latency
-        reduce_scatter,
-        all_to_all
+        reduce_scatter
+        all_to_all        (n−1)/n · bytes / bw + latency      (every pair exchanges at once, one round)
         send_recv         bytes / bw + latency
     """
     n = group_size
     if kind == "send_recv":
         return nbytes / link.achievable_bandwidth + link.latency
+    kinds = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
+    if kind not in kinds:
+        raise ValueError(f"collective kind must be one of {', '.join([*kinds, 'send_recv'])}, got {kind!r}")
     if n <= 1:
         return 0.0
-    steps = {"all_reduce": 2, "all_gather": 1, "reduce_scatter": 1, "all_to_all": 1}
-    if kind not in steps:
-        raise ValueError(f"collective kind must be one of {', '.join([*steps, 'send_recv'])}, got {kind!r}")
-    return steps[kind] * ((n - 1) / n * nbytes / link.achievable_bandwidth + (n - 1) * link.latency)
+    wire = (n - 1) / n * nbytes / link.achievable_bandwidth
+    if kind == "all_to_all":
+        return wire + link.latency
+    steps = 2 if kind == "all_reduce" else 1
+    return steps * (wire + (n - 1) * link.latency)
 
 
 def overlapped(comm: float, compute: float, gpu: GPU) -> float:
