@@ -497,19 +497,18 @@ def step_time(model, layout, train, hw: Hardware | str | None = None) -> StepTim
 ADAM_BYTES_PER_PARAM = 4 * 4 + 3 * 4 + 2  # read fp32 param, grad, m, v; write param, m, v; write the bf16 copy
 
 
-def _params_on_gpu(model, layout) -> float:
-    per_layer = model.layer_params()
-    layers = model.num_layers / layout.pp
-    return (layers * per_layer["dense"] / layout.tp + layers * per_layer["expert"] / (layout.ep * layout.etp)
-            + model.embedding_params() / layout.tp)
+def _params_on_gpu(model, layout) -> tuple[float, float]:
+    """(dense, expert) parameters on a GPU of the first stage: its layers' dense weights / tp, its experts
+    / (ep·etp), the word embedding / tp."""
+    per_layer, layers = model.layer_params(), model.num_layers / layout.pp
+    dense = layers * per_layer["dense"] / layout.tp + model.embedding_params() / layout.tp
+    return dense, layers * per_layer["expert"] / (layout.ep * layout.etp)
 
 
 def _optimizer_params(model, layout, train) -> float:
-    """Parameters this GPU's Adam updates: all it holds, or its 1/d shard with the distributed optimizer
-    (dense parameters over dp·cp, experts over the expert-data-parallel group)."""
-    per_layer, layers = model.layer_params(), model.num_layers / layout.pp
-    dense = layers * per_layer["dense"] / layout.tp + model.embedding_params() / layout.tp
-    expert = layers * per_layer["expert"] / (layout.ep * layout.etp)
+    """Parameters this GPU's Adam updates: all it holds, or its shard with the distributed optimizer
+    (dense parameters over dp·cp, experts over the expert-data-parallel group tp·cp·dp/(ep·etp))."""
+    dense, expert = _params_on_gpu(model, layout)
     if train.use_distributed_optimizer or train.zero_stage == 3:
         dense /= layout.dp * layout.cp
         expert /= layout.tp * layout.cp * layout.dp // (layout.ep * layout.etp)
@@ -529,11 +528,11 @@ def _data_parallel(model, layout, train, hw: Hardware, m: int, mb_forward: float
     if d == 1:
         return 0.0
     link = _link("dp", layout, hw)
-    params = _params_on_gpu(model, layout)
+    params = sum(_params_on_gpu(model, layout))
     if train.zero_stage == 3:
         gathers = 2 + (1 if train.recompute == "full" else 0)
         per_mb = (gathers * collective_time("all_gather", train.param_bytes * params, d, link)
-                  + collective_time("reduce_scatter", train.param_bytes * params, d, link))
+                  + collective_time("reduce_scatter", train.grad_bytes * params, d, link))
         return m * overlapped(per_mb, t_mb, hw.gpu)
     backward = BACKWARD_FACTOR * mb_forward
     if train.use_distributed_optimizer:
