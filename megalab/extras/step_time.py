@@ -72,7 +72,7 @@ class GPU:
     memory_bandwidth: float  # HBM bytes/s (datasheet)
     memory_gb: float
     memory_efficiency: float = 0.85  # fraction of HBM bandwidth streaming kernels reach
-    sustained: float = 0.9  # fraction of the short benchmark's matmul rate held through a long run
+    sustained: float = 0.9  # fraction of the short benchmark's matmul rate held through a long run (an estimate)
     # compute speed lost while a collective runs beside it: NCCL's thread blocks take SMs (one per
     # channel) and its copies take HBM bandwidth
     overlap_slowdown: float = 0.45
