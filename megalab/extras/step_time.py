@@ -33,8 +33,8 @@ planner_validation.py): Narayanan et al. 2021 Tables 1 and 2, Korthikanti et al.
 API (stable; the laptop calibration builds its own Hardware on it):
 
     GPU(name, peak_flops, matmul_efficiency, num_sms, memory_bandwidth, memory_gb, memory_efficiency=0.85,
-        sustained=0.9, overlap_slowdown=0.45, tiles=..., kernel_overhead=4e-6, source="",
-        efficiency_curve=None)                  efficiency_curve: measured (m, n, k) -> fraction of peak
+        sustained=0.9, overlap_slowdown=0.45, attention_efficiency=0.6, tiles=..., kernel_overhead=4e-6,
+        source="", efficiency_curve=None)                  efficiency_curve: measured (m, n, k) -> fraction of peak
     Link(name, bandwidth, latency, efficiency=1.0, source="")   bytes/s each GPU sends, s per message step
     Hardware(name, gpu, intra_node, inter_node, gpus_per_node=8)
     hardware(name_or_Hardware) -> Hardware      known: HARDWARE; unknown -> ValueError naming the fields
@@ -76,6 +76,9 @@ class GPU:
     # compute speed lost while a collective runs beside it: NCCL's thread blocks take SMs (one per
     # channel) and its copies take HBM bandwidth
     overlap_slowdown: float = 0.45
+    # fraction of peak a fused (Flash) attention kernel reaches, forward and backward together:
+    # FlashAttention-2 (Dao 2023) 50-73% on A100, FlashAttention-3 (Shah et al. 2024) up to 75% on H100
+    attention_efficiency: float = 0.6
     tiles: tuple[tuple[int, int], ...] = ((256, 128), (128, 256), (128, 128))  # cuBLAS output tiles
     kernel_overhead: float = 4e-6  # s between two kernels (launch, tail)
     source: str = ""
@@ -209,13 +212,13 @@ def attention_time(b: int, heads: int, s_q: int, s_kv: int, head_dim: int, gpu: 
 
     Unfused (Megatron 2021-22): two batched GEMMs whose [s_q, s_kv] scores go through HBM, and the
     fused softmax + dropout over them; the causal mask is applied, not skipped. FlashAttention keeps
-    the scores on chip: its time is the GEMM FLOPs (half of them with a causal mask) at the GPU's best
-    matmul efficiency.
+    the scores on chip: its time is the GEMM FLOPs (half of them with a causal mask) at the fraction of
+    peak fused attention kernels reach (`attention_efficiency`).
     """
     dv = value_dim or head_dim
     if flash:
         flops = 2 * b * heads * s_q * s_kv * (head_dim + dv) * (0.5 if causal else 1.0)
-        return flops / (gpu.peak_flops * gpu.matmul_efficiency * gpu.sustained) + gpu.kernel_overhead
+        return flops / (gpu.peak_flops * gpu.attention_efficiency * gpu.sustained) + gpu.kernel_overhead
     scores = gemm_time(s_q, s_kv, head_dim, gpu, batch=b * heads)  # [s_q, d] x [d, s_kv] per head
     softmax = elementwise_time(SOFTMAX_DROPOUT_BYTES * b * heads * s_q * s_kv, gpu)
     values = gemm_time(s_q, dv, s_kv, gpu, batch=b * heads)  # [s_q, s_kv] x [s_kv, dv] per head
