@@ -131,3 +131,11 @@ def test_the_hint_magic(tree, capsys, monkeypatch):
     assert capsys.readouterr().out.startswith("usage: %hint EXERCISE_ID [LEVEL]")
     megalab.hint_magic("toy.nope")
     assert "%hint: no exercise 'toy.nope'" in capsys.readouterr().out
+
+
+def test_the_verdict_of_a_chained_failure_is_the_last_exception():
+    from megalab.lab.grading import failure_line
+
+    text = ("E   megalab.lab.launch.LaunchTimeoutError: ranks stuck\n\nDuring handling of the above exception, another "
+            "exception occurred:\n\n    def test_x():\nE   AssertionError: likely mistake: all-reduce on one rank only\n")
+    assert failure_line(text) == "AssertionError: likely mistake: all-reduce on one rank only"

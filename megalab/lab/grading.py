@@ -83,8 +83,14 @@ def _n(count: int, noun: str) -> str:
     return f"{count} {noun}{'s' * (count != 1)}"
 
 
+_CHAINED = re.compile(r"^(During handling of the above exception, another exception occurred:|"
+                      r"The above exception was the direct cause of the following exception:)\s*$", re.MULTILINE)
+
+
 def failure_line(text: str) -> str:
-    """The line of a failure report worth showing in the table."""
+    """The line of a failure report worth showing in the table (of a chain of exceptions, the last one's:
+    a check that names the mistake while handling a launch's error is what the learner must read)."""
+    text = _CHAINED.split(text)[-1]
     lines = [line.strip() for line in text.splitlines() if line.strip()]
     raised = [line[1:].strip() for line in lines if line.startswith("E ")]  # pytest's report: "E   Error: ..."
     for candidates in (raised, lines):
