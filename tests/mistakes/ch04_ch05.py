@@ -216,6 +216,12 @@ if final.exists():
 os.rename(tmp, final)
 tracker.write_text(str(iteration))
 """),
+    Mistake("checkpoint.commit", "renamed onto an existing checkpoint of the same iteration without removing it",
+            says="without removing it first", code="""
+os.rename(tmp, final)
+tracker.with_suffix(".tmp").write_text(str(iteration))
+os.replace(tracker.with_suffix(".tmp"), tracker)
+"""),
     Mistake("checkpoint.commit", "shutil.move onto an existing checkpoint nests tmp inside it", says="nested",
             code="""
 shutil.move(tmp, final)
