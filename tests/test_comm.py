@@ -14,6 +14,7 @@ import torch.distributed as dist
 from megalab.extras import comm
 from megalab.lab import dist as mdist
 from megalab.lab import launch
+from megalab.lab.checks import close, mistake, require
 from megalab.lab.dist import shard_bounds
 
 LENGTHS = (0, 1, 2, 3, 5, 7, 10, 13, 64, 1001)  # below, at, and not divisible by the world size
@@ -207,21 +208,39 @@ def _approx(got, expected, what, rel=None):
     assert got == pytest.approx(expected, rel=rel), f"{what} is {got:.6g}, expected {expected:.6g}"
 
 
+def _close64(got, expected, what, mistakes, rel=1e-6):
+    """close() of plain floats in float64 (as_tensor would round them to float32), naming the typical mistakes."""
+    as64 = lambda x: torch.tensor(x, dtype=torch.float64)  # noqa: E731
+    return close(as64(got), as64(expected), what, rtol=rel, atol=0.0,
+                 mistakes={name: as64(value) for name, value in mistakes.items()})
+
+
+def _all_reduce_time_mistakes(n, m, algorithm):
+    """What the typical wrong formulas give for all_reduce_time(n, m, ALPHA, BETA, algorithm)."""
+    rounds = {"naive": n - 1, "tree": math.ceil(math.log2(n)) if n > 1 else 0, "ring": n - 1}[algorithm]
+    per_round = ALPHA + (m / n if algorithm == "ring" else m) * BETA
+    mistakes = {"counted one phase only (reduce, then broadcast: the factor 2)": rounds * per_round}
+    if algorithm == "ring":
+        mistakes["each ring step moves nbytes / n, not the whole message"] = 2 * rounds * (ALPHA + m * BETA)
+    if algorithm == "tree":
+        mistakes["log2(n) must be rounded up with ceil (a partial round is a whole round)"] = \
+            2 * math.log2(n) * (ALPHA + m * BETA)
+    return mistakes
+
+
 @pytest.mark.exercise("comm.all_reduce_time")
 def test_all_reduce_time_formulas():
     m = 1e6
     call = "all_reduce_time(n={}, m=1e6 bytes, alpha=1e-5, beta=1e-9, {!r})"
     # n = 4: ring 2*3*alpha + 2*3/4*m*beta; naive 2*3*(alpha + m*beta); tree 2*log2(4)*(alpha + m*beta)
-    _approx(comm.all_reduce_time(4, m, ALPHA, BETA, "ring"), 6e-5 + 1.5e-3,
-            call.format(4, "ring") + " (2(n-1) alpha + 2(n-1)/n m beta)")
-    _approx(comm.all_reduce_time(4, m, ALPHA, BETA, "naive"), 6 * 1.01e-3,
-            call.format(4, "naive") + " (2(n-1) (alpha + m beta))")
-    _approx(comm.all_reduce_time(4, m, ALPHA, BETA, "tree"), 4 * 1.01e-3,
-            call.format(4, "tree") + " (2 ceil(log2 n) (alpha + m beta))")
-    _approx(comm.all_reduce_time(5, m, ALPHA, BETA, "tree"), 6 * 1.01e-3,
-            call.format(5, "tree") + " (ceil(log2 5) = 3)")
-    _approx(comm.all_reduce_time(1024, m, ALPHA, BETA, "ring"), 2046e-5 + 2 * 1023 / 1024 * 1e-3,
-            call.format(1024, "ring"))
+    cases = [(4, "ring", 6e-5 + 1.5e-3, " (2(n-1) alpha + 2(n-1)/n m beta)"),
+             (4, "naive", 6 * 1.01e-3, " (2(n-1) (alpha + m beta))"),
+             (4, "tree", 4 * 1.01e-3, " (2 ceil(log2 n) (alpha + m beta))"),
+             (5, "tree", 6 * 1.01e-3, " (ceil(log2 5) = 3)"),
+             (1024, "ring", 2046e-5 + 2 * 1023 / 1024 * 1e-3, "")]
+    for n, algorithm, expected, formula in cases:
+        require(_close64(comm.all_reduce_time(n, m, ALPHA, BETA, algorithm), expected,
+                         call.format(n, algorithm) + formula, _all_reduce_time_mistakes(n, m, algorithm)))
     for algorithm in comm.ALL_REDUCE_ALGORITHMS:
         _approx(comm.all_reduce_time(1, m, ALPHA, BETA, algorithm), 0, call.format(1, algorithm) + " (one rank: no "
                                                                                           "communication)")
@@ -229,16 +248,31 @@ def test_all_reduce_time_formulas():
         comm.all_reduce_time(4, m, ALPHA, BETA, "butterfly")
 
 
+BUSBW_FACTORS = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,
+                 "reduce_scatter": lambda n: (n - 1) / n, "broadcast": lambda n: 1.0, "reduce": lambda n: 1.0}
+
+
+def _busbw_mistakes(nbytes, seconds, n, collective):
+    """What the typical wrong factors give for busbw(nbytes, seconds, n, collective)."""
+    algbw, factor = nbytes / seconds, BUSBW_FACTORS[collective](n)
+    mistakes = {"divided algbw by the factor instead of multiplying": algbw / factor}
+    if collective == "all_reduce":
+        mistakes["an all-reduce's factor is 2(n-1)/n (reduce-scatter + all-gather), not (n-1)/n"] = \
+            algbw * (n - 1) / n
+    return mistakes
+
+
 @pytest.mark.exercise("comm.busbw")
 def test_busbw_factors():
     _approx(comm.algbw(1e9, 0.1), 1e10, "algbw(1e9 bytes, 0.1 s)")
     call = "busbw(1e9 bytes, 0.1 s, n={}, {!r})"
-    _approx(comm.busbw(1e9, 0.1, 8, "all_reduce"), 1e10 * 14 / 8, call.format(8, "all_reduce") + " (algbw x 2(n-1)/n)")
-    _approx(comm.busbw(1e9, 0.1, 8, "all_gather"), 1e10 * 7 / 8, call.format(8, "all_gather") + " (algbw x (n-1)/n)")
-    _approx(comm.busbw(1e9, 0.1, 8, "reduce_scatter"), 1e10 * 7 / 8,
-            call.format(8, "reduce_scatter") + " (algbw x (n-1)/n)")
-    _approx(comm.busbw(1e9, 0.1, 8, "broadcast"), 1e10, call.format(8, "broadcast") + " (algbw x 1)")
-    _approx(comm.busbw(1e9, 0.1, 2, "all_reduce"), 1e10, call.format(2, "all_reduce") + " (2(n-1)/n = 1 on 2 ranks)")
+    for n, collective, expected, why in [(8, "all_reduce", 1e10 * 14 / 8, " (algbw x 2(n-1)/n)"),
+                                         (8, "all_gather", 1e10 * 7 / 8, " (algbw x (n-1)/n)"),
+                                         (8, "reduce_scatter", 1e10 * 7 / 8, " (algbw x (n-1)/n)"),
+                                         (8, "broadcast", 1e10, " (algbw x 1)"),
+                                         (2, "all_reduce", 1e10, " (2(n-1)/n = 1 on 2 ranks)")]:
+        require(_close64(comm.busbw(1e9, 0.1, n, collective), expected, call.format(n, collective) + why,
+                         _busbw_mistakes(1e9, 0.1, n, collective)))
     # a ring all-reduce in the model runs at busbw = 1/beta for large messages, whatever n is
     for n in (2, 8, 64):
         t = 2 * (n - 1) / n * 1e12 * BETA  # the ring's bandwidth term
@@ -248,19 +282,29 @@ def test_busbw_factors():
         comm.busbw(1e9, 0.1, 8, "all_to_all")
 
 
+def _absolute_fit(sizes, seconds, latency_steps, bytes_factor):
+    """The fit a learner gets by forgetting to weight the rows: least squares in absolute seconds."""
+    design = torch.tensor([[latency_steps, bytes_factor * s] for s in sizes], dtype=torch.float64)
+    return torch.linalg.lstsq(design, torch.tensor(seconds, dtype=torch.float64)[:, None]).solution.flatten().tolist()
+
+
 @pytest.mark.exercise("comm.fit_alpha_beta")
 def test_fit_alpha_beta_recovers_parameters():
     sizes = [2.0**k for k in range(2, 26, 2)]
     exact = [ALPHA + s * BETA for s in sizes]
-    alpha, beta = comm.fit_alpha_beta(sizes, exact)
-    _approx(alpha, ALPHA, "fit_alpha_beta on exact times alpha + m beta: alpha", rel=1e-9)
-    _approx(beta, BETA, "fit_alpha_beta on exact times alpha + m beta: beta", rel=1e-9)
+    fit = comm.fit_alpha_beta(sizes, exact)
+    where = "fit_alpha_beta on exact times alpha + m beta: (alpha, beta)"
+    require(_close64(fit, (ALPHA, BETA), where, {"returned (beta, alpha): swapped": (BETA, ALPHA)}, rel=1e-9))
     # a ring all-reduce on 4 ranks: t = 6 alpha + 1.5 beta m; 3% multiplicative noise
     noise = torch.Generator().manual_seed(0)
     measured = [(6 * ALPHA + 1.5 * s * BETA) * math.exp(0.03 * torch.randn(1, generator=noise).item()) for s in sizes]
-    alpha, beta = comm.fit_alpha_beta(sizes, measured, latency_steps=6, bytes_factor=1.5)
-    where = "fit_alpha_beta(latency_steps=6, bytes_factor=1.5) on 4-rank ring times with 3% noise"
-    _approx(alpha, ALPHA, f"{where}: alpha (within 10%)", rel=0.1)
-    _approx(beta, BETA, f"{where}: beta (within 10%)", rel=0.1)
+    fit = comm.fit_alpha_beta(sizes, measured, latency_steps=6, bytes_factor=1.5)
+    where = "fit_alpha_beta(latency_steps=6, bytes_factor=1.5) on 4-rank ring times with 3% noise: (alpha, beta)"
+    require(_close64(fit, (ALPHA, BETA), f"{where} (within 10%)", {
+        "fitted absolute errors (divide each row by its time: the fit must weigh relative errors)":
+            _absolute_fit(sizes, measured, 6, 1.5),
+        "ignored latency_steps and bytes_factor (fitted one message: alpha 6x, beta 1.5x too large)":
+            (6 * ALPHA, 1.5 * BETA),
+        "returned (beta, alpha): swapped": (BETA, ALPHA)}, rel=0.1))
     with pytest.raises(ValueError, match="at least two"):
         comm.fit_alpha_beta([1.0], [1.0])
