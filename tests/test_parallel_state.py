@@ -359,7 +359,13 @@ def test_create_groups_calls_new_group_for_every_group_on_every_rank(monkeypatch
 
 @pytest.mark.exercise("parallel_state.create_groups")
 def test_groups_on_eight_ranks():
-    res = launch.run_function(_groups_worker, 8, LAYOUTS, launch=dict(timeout=180))
+    try:  # a deadlock is called after 60 s of every rank waiting; ranks still computing get 540 s
+        res = launch.run_function(_groups_worker, 8, LAYOUTS, launch=dict(timeout=60, hard_timeout=540))
+    except launch.LaunchTimeoutError as e:
+        require(mistake("the ranks hang creating or using the groups: every rank must call new_group for every group, "
+                        "in the same order", f"{e.kind}: {str(e).splitlines()[0]}; " + "; ".join(
+                            f"rank {r} at {s.strip().splitlines()[-1].strip()}" for r, s in sorted(e.stacks.items())
+                            if s.strip())))
     def where(rank, kwargs):
         sizes = ", ".join(f"{k.removesuffix('_model_parallel_size').removesuffix('_parallel_size')}={v}"
                           for k, v in kwargs.items())

@@ -107,12 +107,13 @@ for step in range(world - 1):
     target = partial[chunks[(rank - step - 2) % world]]
     send_recv(outgoing, next_rank, target, prev_rank, group)
 """),
-    Mistake("comm.reduce_scatter", "one step too many (n steps, not n-1)", says="counted twice", code="""
+    Mistake("comm.reduce_scatter", "copied all_gather's chunk indices (send chunk r - s, receive r - s - 1)",
+            says="all_gather's chunk indices", code="""
 next_rank, prev_rank = (rank + 1) % world, (rank - 1) % world
 received = torch.empty_like(partial[: chunks[0].stop])
-for step in range(world):
-    outgoing = partial[chunks[(rank - step - 1) % world]]
-    target = partial[chunks[(rank - step - 2) % world]]
+for step in range(world - 1):
+    outgoing = partial[chunks[(rank - step) % world]]
+    target = partial[chunks[(rank - step - 1) % world]]
     incoming = received[: target.numel()]
     send_recv(outgoing, next_rank, incoming, prev_rank, group)
     target += incoming
