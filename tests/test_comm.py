@@ -327,7 +327,7 @@ class ThreadedWorld:
 
 def _world_verdict(world: ThreadedWorld, what: str):
     """A verdict for what went wrong in the messages (re-raising a rank's own exception), or None."""
-    for rank, exc in sorted(world.errors.items()):
+    for _, exc in sorted(world.errors.items()):
         if isinstance(exc, ValueError) and "buffer" in str(exc):
             return mistake("a message does not fit its receive buffer: the wrong chunk is sent or received (sender "
                            "and receiver must agree on the chunk index of every step)", f"{what}: {exc}")
@@ -388,7 +388,8 @@ def test_broadcast_names_typical_mistakes():
     for world_size, src, length in [(4, 1, 5), (3, 2, 4), (8, 0, 3), (5, 3, 2), (2, 1, 3)]:
         what = f"comm.broadcast of {length} elements from src={src} on {world_size} threaded ranks"
         world = ThreadedWorld(world_size)
-        got = world.run(lambda rank: comm.broadcast(_encoded(torch.arange(length), rank), src=src).clone())
+        got = world.run(lambda rank, src=src, length=length: comm.broadcast(_encoded(torch.arange(length), rank),
+                                                                            src=src).clone())
         require(_first(_world_verdict(world, what)))
         expected = _encoded(torch.arange(length), src)
         holds = {r: next((k for k in range(world_size) if torch.equal(t, _encoded(torch.arange(length), k))), None)
