@@ -386,7 +386,7 @@ def _nccl_verdict(run, world: int, what: str):
 @pytest.mark.exercise("comm.broadcast")
 def test_broadcast_names_typical_mistakes():
     for world_size, src, length in [(4, 1, 5), (3, 2, 4), (8, 0, 3), (5, 3, 2), (2, 1, 3)]:
-        what = f"comm.broadcast of {length} elements from src={src} on {world_size} threaded ranks"
+        what = f"comm.broadcast is wrong for {length} elements from src={src} on {world_size} threaded ranks"
         world = ThreadedWorld(world_size)
         got = world.run(lambda rank, src=src, length=length: comm.broadcast(_encoded(torch.arange(length), rank),
                                                                             src=src).clone())
@@ -410,7 +410,7 @@ def test_broadcast_names_typical_mistakes():
 
 
 def _all_gather_verdict(world_size: int, length: int):
-    what = f"comm.all_gather of {length} elements on {world_size} threaded ranks"
+    what = f"comm.all_gather is wrong for {length} elements on {world_size} threaded ranks"
     chunks = [slice(*shard_bounds(length, world_size, r)) for r in range(world_size)]
     expected = _encoded(torch.arange(length), 0) - 1
     for r, c in enumerate(chunks):
@@ -446,7 +446,7 @@ def test_all_gather_names_typical_mistakes():
 
 def _sum_verdict(name: str, world_size: int, length: int):
     """comm.reduce_scatter or comm.ring_all_reduce of encoded parts on threads: RIGHT or the likely mistake."""
-    what = f"comm.{name} of {length} elements on {world_size} threaded ranks"
+    what = f"comm.{name} is wrong for {length} elements on {world_size} threaded ranks"
     chunks = [slice(*shard_bounds(length, world_size, r)) for r in range(world_size)]
     positions = torch.arange(length)
     world = ThreadedWorld(world_size)
