@@ -383,6 +383,29 @@ def _nccl_verdict(run, world: int, what: str):
     return None
 
 
+def test_threaded_world_reports_deadlocks_stray_sends_and_misfits():
+    """The harness of the checks below: a receive nobody serves is a deadlock (with its line), a message nobody
+    receives is reported, a message that does not fit its buffer is an error; a plain ring completes, every time."""
+    world = ThreadedWorld(3)
+    world.run(lambda rank: dist.recv(torch.zeros(2), src=(rank + 1) % 3) if rank == 0 else None)
+    assert list(world.stuck) == [0] and world.stuck[0][0] == 1, world.stuck
+    world = ThreadedWorld(2)
+    world.run(lambda rank: dist.send(torch.ones(2), dst=1) if rank == 0 else None)
+    assert world.unreceived == {(0, 1): 1} and not world.stuck, (world.unreceived, world.stuck)
+    world = ThreadedWorld(2)
+    world.run(lambda rank: dist.send(torch.ones(3), dst=1) if rank == 0 else dist.recv(torch.zeros(2), src=0))
+    assert "buffer" in str(world.errors.get(1)), world.errors
+    for _ in range(50):  # no false alarm: each rank sends to the next and receives from the previous
+        world = ThreadedWorld(4)
+
+        def ring(rank, world=world):
+            out = torch.zeros(1)
+            comm.send_recv(torch.full((1,), float(rank)), (rank + 1) % 4, out, (rank - 1) % 4)
+            return out.item()
+
+        assert world.run(ring) == {r: float((r - 1) % 4) for r in range(4)} and not world.stuck and not world.unreceived
+
+
 @pytest.mark.exercise("comm.broadcast")
 def test_broadcast_names_typical_mistakes():
     for world_size, src, length in [(4, 1, 5), (3, 2, 4), (8, 0, 3), (5, 3, 2), (2, 1, 3)]:
