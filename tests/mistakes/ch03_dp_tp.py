@@ -195,3 +195,223 @@ if self.ddp.zero_stage < 3:
                for b, shard in zip(self.ddp.buckets, self.shards)]
 """),
 ]
+
+_CE_TAIL = """
+exp_logits = logits.exp()
+sums = torch.stack([exp_logits.sum(dim=-1), logits.sum(dim=-1)])
+dist.all_reduce(sums, group=group)
+sum_exp_logits, sum_logits = sums
+loss = sum_exp_logits.log() - predicted_logits
+vocab_size = logits.shape[-1] * dist.get_world_size(group)
+if label_smoothing > 0:
+    loss = (1 - label_smoothing) * loss + label_smoothing * (sum_exp_logits.log() - sum_logits / vocab_size)
+
+softmax = exp_logits.div_(sum_exp_logits.unsqueeze(-1))
+ctx.save_for_backward(softmax, outside, local_target)
+ctx.label_smoothing, ctx.vocab_size = label_smoothing, vocab_size
+return loss
+"""
+_CE_TARGET = """
+first, last = vocab_range(logits.shape[-1] * dist.get_world_size(group), group)
+outside = (target < first) | (target >= last)
+local_target = (target - first).masked_fill(outside, 0)
+predicted_logits = logits.gather(-1, local_target.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
+dist.all_reduce(predicted_logits, group=group)
+"""
+
+MISTAKES += [
+    # ------------------------------------------------------------------ tp.vocab_cross_entropy
+    Mistake("tp.vocab_cross_entropy", "skipped the max subtraction", says="skipped the max subtraction",
+            code="""
+logits = vocab_parallel_logits.float()
+""" + _CE_TARGET + _CE_TAIL),
+    Mistake("tp.vocab_cross_entropy", "subtracted the local max (no all-reduce MAX)", says="own max",
+            code="""
+logits = vocab_parallel_logits.float()
+logits_max = logits.max(dim=-1).values
+logits = logits - logits_max.unsqueeze(-1)
+""" + _CE_TARGET + _CE_TAIL),
+    Mistake("tp.vocab_cross_entropy", "did not mask the target logit on the other ranks", says="not masked",
+            code="""
+logits = vocab_parallel_logits.float()
+logits_max = logits.max(dim=-1).values
+dist.all_reduce(logits_max, op=dist.ReduceOp.MAX, group=group)
+logits = logits - logits_max.unsqueeze(-1)
+first, last = vocab_range(logits.shape[-1] * dist.get_world_size(group), group)
+outside = (target < first) | (target >= last)
+local_target = (target - first).masked_fill(outside, 0)
+predicted_logits = logits.gather(-1, local_target.unsqueeze(-1)).squeeze(-1)
+dist.all_reduce(predicted_logits, group=group)
+""" + _CE_TAIL),
+    # ------------------------------------------------------------------ tp.vocab_cross_entropy_backward
+    Mistake("tp.vocab_cross_entropy_backward", "did not mask the one-hot of targets on other ranks",
+            says="one-hot not masked", code="""
+grad_input = softmax.clone()
+onehot = torch.zeros_like(grad_input).scatter_(-1, local_target.unsqueeze(-1), 1.0)
+grad_input -= (1.0 - a) * onehot + a / ctx.vocab_size
+grad_input *= grad_output.unsqueeze(-1)
+"""),
+    Mistake("tp.vocab_cross_entropy_backward", "forgot to multiply by grad_output", says="grad_output",
+            code="""
+grad_input = softmax.clone()
+onehot = torch.zeros_like(grad_input).scatter_(-1, local_target.unsqueeze(-1), 1.0)
+onehot.masked_fill_(outside.unsqueeze(-1), 0.0)
+grad_input -= (1.0 - a) * onehot + a / ctx.vocab_size
+"""),
+    Mistake("tp.vocab_cross_entropy_backward", "onehot - softmax (sign flipped)", says="sign flipped",
+            code="""
+onehot = torch.zeros_like(softmax).scatter_(-1, local_target.unsqueeze(-1), 1.0)
+onehot.masked_fill_(outside.unsqueeze(-1), 0.0)
+grad_input = (1.0 - a) * onehot + a / ctx.vocab_size - softmax
+grad_input *= grad_output.unsqueeze(-1)
+"""),
+    # ------------------------------------------------------------------ tp.column_forward
+    Mistake("tp.column_forward", "forgot the all-gather when gather_output", says="not all-gathered",
+            code="""
+return column_parallel_linear(input_, self.weight, self.bias, self.sequence_parallel, self.tp_group)
+"""),
+    Mistake("tp.column_forward", "a plain F.linear, without f (copy_to_tensor_model_parallel_region)",
+            says="copy_to_tensor_model_parallel_region", code="""
+output_parallel = F.linear(input_, self.weight, self.bias)
+if self.gather_output:
+    return gather_from_tensor_model_parallel_region(output_parallel, self.tp_group)
+return output_parallel
+"""),
+    Mistake("tp.column_forward", "always f, ignoring sequence_parallel", says="sequence_parallel ignored",
+            code="""
+output_parallel = F.linear(copy_to_tensor_model_parallel_region(input_, self.tp_group), self.weight, self.bias)
+if self.gather_output:
+    return gather_from_tensor_model_parallel_region(output_parallel, self.tp_group)
+return output_parallel
+"""),
+    # ------------------------------------------------------------------ tp.row_forward
+    Mistake("tp.row_forward", "added the bias before the all-reduce", says="bias added on every rank",
+            code="""
+if not self.input_is_parallel:
+    input_ = scatter_to_tensor_model_parallel_region(input_, self.tp_group)
+output_parallel = F.linear(input_, self.weight, self.bias)
+if self.sequence_parallel:
+    return reduce_scatter_to_sequence_parallel_region(output_parallel, self.tp_group)
+return reduce_from_tensor_model_parallel_region(output_parallel, self.tp_group)
+"""),
+    Mistake("tp.row_forward", "forgot the all-reduce", says="forgot the all-reduce",
+            code="""
+if not self.input_is_parallel:
+    input_ = scatter_to_tensor_model_parallel_region(input_, self.tp_group)
+output = F.linear(input_, self.weight)
+if self.sequence_parallel:
+    output = reduce_scatter_to_sequence_parallel_region(output, self.tp_group)
+return output + self.bias if self.bias is not None else output
+"""),
+    Mistake("tp.row_forward", "all-reduced under sequence parallelism", says="instead of reduce-scattering",
+            code="""
+if not self.input_is_parallel:
+    input_ = scatter_to_tensor_model_parallel_region(input_, self.tp_group)
+output_parallel = F.linear(input_, self.weight)
+output = reduce_from_tensor_model_parallel_region(output_parallel, self.tp_group)
+return output + self.bias if self.bias is not None else output
+"""),
+    # ------------------------------------------------------------------ tp.vocab_embedding
+    Mistake("tp.vocab_embedding", "did not zero the rows of ids outside the range", says="did not zero",
+            code="""
+outside = (input_ids < self.vocab_start_index) | (input_ids >= self.vocab_end_index)
+local_ids = (input_ids - self.vocab_start_index).masked_fill(outside, 0)
+output_parallel = F.embedding(local_ids, self.weight)
+return reduce_from_tensor_model_parallel_region(output_parallel, self.tp_group)
+"""),
+    Mistake("tp.vocab_embedding", "looked up every id without masking the outside ones", says="other ranks' rows",
+            code="""
+outside = (input_ids < self.vocab_start_index) | (input_ids >= self.vocab_end_index)
+output_parallel = F.embedding(input_ids - self.vocab_start_index, self.weight)
+output_parallel = output_parallel.masked_fill(outside.unsqueeze(-1), 0.0)
+return reduce_from_tensor_model_parallel_region(output_parallel, self.tp_group)
+"""),
+    Mistake("tp.vocab_embedding", "forgot the all-reduce", says="forgot the all-reduce",
+            code="""
+outside = (input_ids < self.vocab_start_index) | (input_ids >= self.vocab_end_index)
+local_ids = (input_ids - self.vocab_start_index).masked_fill(outside, 0)
+return F.embedding(local_ids, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+"""),
+    # ------------------------------------------------------------------ tp.gather_last_dim
+    Mistake("tp.gather_last_dim", "concatenated along dim 0", says="along dim 0",
+            code="""
+pieces = [torch.empty_like(input_) for _ in range(world)]
+dist.all_gather(pieces, input_.contiguous(), group=group)
+return torch.cat(pieces)
+"""),
+    Mistake("tp.gather_last_dim", "one receive buffer repeated ([t] * world)", says="same tensor",
+            code="""
+pieces = [torch.empty_like(input_)] * world
+dist.all_gather(pieces, input_.contiguous(), group=group)
+return torch.cat(pieces, dim=-1)
+"""),
+    Mistake("tp.gather_last_dim", "stacked instead of concatenated", says="stacked",
+            code="""
+pieces = [torch.empty_like(input_) for _ in range(world)]
+dist.all_gather(pieces, input_.contiguous(), group=group)
+return torch.stack(pieces, dim=-1)
+"""),
+    # ------------------------------------------------------------------ tp.copy_to_region
+    Mistake("tp.copy_to_region", "identity backward (f and g swapped)", says="unchanged",
+            code="""
+return grad_output, None
+"""),
+    Mistake("tp.copy_to_region", "averaged instead of summed", says="averaged",
+            code="""
+return _reduce(grad_output, ctx.group) / dist.get_world_size(ctx.group), None
+"""),
+    Mistake("tp.copy_to_region", "all-reduced over the world, not ctx.group", says="every rank",
+            code="""
+grad = grad_output.clone()
+dist.all_reduce(grad)
+return grad, None
+"""),
+    # ------------------------------------------------------------------ tp.reduce_from_region
+    Mistake("tp.reduce_from_region", "identity forward (f and g swapped)", says="unchanged",
+            code="""
+return input_
+"""),
+    Mistake("tp.reduce_from_region", "averaged instead of summed", says="averaged",
+            code="""
+return _reduce(input_, group) / dist.get_world_size(group)
+"""),
+    Mistake("tp.reduce_from_region", "all-reduced over the world, not the TP group", says="every rank",
+            code="""
+output = input_.clone()
+dist.all_reduce(output)
+return output
+"""),
+    # ------------------------------------------------------------------ tp.sp_gather
+    Mistake("tp.sp_gather", "gathered along the hidden dim", says="hidden",
+            code="""
+pieces = [torch.empty_like(input_) for _ in range(world)]
+dist.all_gather(pieces, input_.contiguous(), group=group)
+return torch.cat(pieces, dim=-1)
+"""),
+    Mistake("tp.sp_gather", "gathered along the batch dim", says="batch",
+            code="""
+pieces = [torch.empty_like(input_) for _ in range(world)]
+dist.all_gather(pieces, input_.contiguous(), group=group)
+return torch.cat(pieces, dim=1)
+"""),
+    # ------------------------------------------------------------------ tp.sp_reduce_scatter
+    Mistake("tp.sp_reduce_scatter", "reduce-scattered along the hidden dim", says="hidden",
+            code="""
+chunk = divide(input_.shape[-1], world, "hidden size")
+output = torch.empty((*input_.shape[:-1], chunk), dtype=input_.dtype, device=input_.device)
+dist.reduce_scatter_single(output, input_.contiguous(), group=group)
+return output
+"""),
+    Mistake("tp.sp_reduce_scatter", "split without summing", says="without summing",
+            code="""
+chunk = divide(input_.shape[0], world, "sequence length")
+rank = dist.get_rank(group)
+return input_[rank * chunk:(rank + 1) * chunk].contiguous()
+"""),
+    Mistake("tp.sp_reduce_scatter", "all-reduced, kept the whole sequence", says="without scattering",
+            code="""
+output = input_.clone()
+dist.all_reduce(output, group=group)
+return output
+"""),
+]
