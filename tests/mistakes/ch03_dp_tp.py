@@ -398,9 +398,10 @@ return torch.cat(pieces, dim=1)
     Mistake("tp.sp_reduce_scatter", "reduce-scattered along the hidden dim", says="hidden",
             code="""
 chunk = divide(input_.shape[-1], world, "hidden size")
-output = torch.empty((*input_.shape[:-1], chunk), dtype=input_.dtype, device=input_.device)
-dist.reduce_scatter_single(output, input_.contiguous(), group=group)
-return output
+output = input_.clone()
+dist.all_reduce(output, group=group)
+rank = dist.get_rank(group)
+return output[..., rank * chunk:(rank + 1) * chunk].contiguous()
 """),
     Mistake("tp.sp_reduce_scatter", "split without summing", says="without summing",
             code="""
