@@ -191,49 +191,31 @@ def _params_close(diffs: dict, tol: float, where: str, against: str):
     require_within({f"parameter {n}": d for n, d in diffs.items()}, tol, where=where, against=against)
 
 
-def _buckets_like(numels, bucket_size, pad_to=1, *, forward=False, strict=False, pad=True, next_padded=True):
-    """build_buckets as written, or as a typical mistake writes it (to name the mistake a result shows)."""
-    round_up = (lambda n: -(-n // pad_to) * pad_to) if pad else (lambda n: n)
-    buckets, indices, start, filled = [], [], 0, 0
-    for i in range(len(numels)) if forward else reversed(range(len(numels))):
-        indices.append(i)
-        filled += numels[i]
-        if filled > bucket_size if strict else filled >= bucket_size:
-            end = start + round_up(filled)
-            buckets.append((indices, start, end))
-            indices, start, filled = [], end if next_padded else start + filled, 0
-    if indices:
-        buckets.append((indices, start, start + round_up(filled)))
-    return buckets
-
-
-BUCKET_MISTAKES = {
-    "filled the buckets in forward order (backward produces the last parameter's gradient first: reverse them)":
-        dict(forward=True),
-    "closed a bucket only when it exceeds bucket_size (> instead of >=)": dict(strict=True),
-    "bucket length not padded to a multiple of pad_to (_round_up)": dict(pad=False),
-    "the next bucket starts at the previous one's unpadded end (start at the padded end)": dict(next_padded=False),
+FORWARD = "filled the buckets in forward order (backward produces the last parameter's gradient first: reverse them)"
+STRICT = "closed a bucket only when it exceeds bucket_size (> instead of >=)"
+UNPADDED = "bucket length not padded to a multiple of pad_to (_round_up)"
+NEXT_UNPADDED = "the next bucket starts at the previous one's unpadded end (start at the padded end)"
+# build_buckets(numels, bucket_size=5, pad_to=2): the right buckets, and what each typical mistake gives
+BUCKET_CASES = {
+    (4, 2, 6, 3): ([([3, 2], 0, 10), ([1, 0], 10, 16)], {
+        FORWARD: [([0, 1], 0, 6), ([2], 6, 12), ([3], 12, 16)], UNPADDED: [([3, 2], 0, 9), ([1, 0], 9, 15)],
+        NEXT_UNPADDED: [([3, 2], 0, 10), ([1, 0], 9, 15)]}),
+    (3, 2, 5): ([([2], 0, 6), ([1, 0], 6, 12)], {  # 5 elements exactly: the bucket closes
+        FORWARD: [([0, 1], 0, 6), ([2], 6, 12)], STRICT: [([2, 1], 0, 8), ([0], 8, 12)],
+        UNPADDED: [([2], 0, 5), ([1, 0], 5, 10)], NEXT_UNPADDED: [([2], 0, 6), ([1, 0], 5, 11)]}),
 }
-
-
-def _require_buckets(numels, bucket_size, pad_to, what):
-    got = build_buckets(numels, bucket_size, pad_to=pad_to)
-    expected = _buckets_like(numels, bucket_size, pad_to)
-    if got != expected:
-        for name, how in BUCKET_MISTAKES.items():
-            if got == _buckets_like(numels, bucket_size, pad_to, **how):
-                require(mistake(name, f"build_buckets({numels}, bucket_size={bucket_size}, pad_to={pad_to}) gave "
-                                      f"{got}, expected {expected}"))
-    require(equal(got, expected, what))
 
 
 @pytest.mark.exercise("data_parallel.build_buckets")
 def test_build_buckets_reverse_order_and_padding():
     rule = "(ids, start, end) per bucket: parameters in reverse order, a bucket closes at >= bucket_size elements"
-    _require_buckets([4, 2, 6, 3], 5, 2, f"build_buckets([4, 2, 6, 3], bucket_size=5, pad_to=2) {rule}, its length "
-                                         "padded to a multiple of 2")
-    _require_buckets([3, 2, 5], 5, 2, f"build_buckets([3, 2, 5], bucket_size=5, pad_to=2) {rule} (5 elements close "
-                                      "a bucket)")
+    for numels, (expected, mistakes) in BUCKET_CASES.items():
+        got = build_buckets(list(numels), 5, pad_to=2)
+        what = f"build_buckets({list(numels)}, bucket_size=5, pad_to=2) {rule}, its length padded to a multiple of 2"
+        for name, wrong in mistakes.items():
+            if got == wrong and got != expected:
+                require(mistake(name, f"{what}: got {got}, expected {expected}"))
+        require(equal(got, expected, what))
     require(equal(build_buckets([4, 2, 6, 3], 5, pad_to=2), [([3, 2], 0, 10), ([1, 0], 10, 16)],
                   f"build_buckets([4, 2, 6, 3], bucket_size=5, pad_to=2) {rule}, its length padded to a multiple of 2"))
     require(equal(build_buckets([4, 2, 6, 3], 100), [([3, 2, 1, 0], 0, 15)],
