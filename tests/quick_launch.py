@@ -80,8 +80,7 @@ class Quick:
         if self.failure is not None:
             kind, detail = self.failure
             if kind == "hang":
-                require(mistake("a rank waits in a collective the other rank never joins (a wrong group, a "
-                                "collective only some ranks call, or a forgotten wait)", f"stuck at {detail}"))
+                require(mistake(HANG, f"stuck at {detail}"))
             raise AssertionError(f"the quick {WORLD}-rank check of {exercise} failed: {detail}")
         if exercise not in self.results:
             raise AssertionError(f"the quick check of {exercise} did not run (is its test selected with the quick "
@@ -99,6 +98,27 @@ def quick_fixture(cases: dict):
         return Quick(request.module.__name__, [ex for ex in cases if ex in wanted])
 
     return quick
+
+
+HANG = ("a rank waits in a collective the other rank never joins (a wrong group, a collective only some ranks "
+        "call, or a forgotten wait)")
+
+
+def results(quick: Quick, exercise: str, part=None, known: dict[str, str] | None = None) -> dict[int, object]:
+    """{rank: the case's result}. A rank that raised (in the case, or in its `part`) fails the test: with the
+    mistake of `known` ({text in the error: mistake}) that its error matches, a hang's, or its error as it is."""
+    res = quick.get(exercise)
+    for rank, value in sorted(res.items()):
+        if part is not None and not (isinstance(value, dict) and "error" in value):
+            value = value[part]
+        if isinstance(value, dict) and "error" in value:
+            err = value["error"]
+            for text, name in {**(known or {}), f"Timed out waiting {COLLECTIVE_TIMEOUT * 1000}ms": HANG}.items():
+                if text in err:
+                    require(mistake(name, f"rank {rank}: {last_error_line(err)}"))
+            raise AssertionError(f"{exercise}, quick {WORLD}-rank check{f' ({part})' if part else ''}, rank {rank} "
+                                 f"raised {last_error_line(err)}")
+    return res
 
 
 def errors_of(results: dict[int, object]) -> dict[int, str]:

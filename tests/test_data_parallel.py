@@ -22,7 +22,8 @@ from megalab.extras import calc, toy
 from megalab.lab import launch
 from megalab.lab.checks import close, mistake
 from tests.feedback import equal, require, require_no_error, require_within
-from tests.quick_launch import errors_of, last_error_line, quick_fixture
+from tests.quick_launch import quick_fixture
+from tests.quick_launch import results as quick_results
 
 STEPS, MICRO_BATCH = 10, 4
 OPTIMIZERS = {"adam": (torch.optim.Adam, dict(lr=1e-2)), "sgd": (torch.optim.SGD, dict(lr=0.1, momentum=0.9))}
@@ -446,23 +447,6 @@ quick = quick_fixture(QUICK)
 NAMES = ["0.weight", "0.bias", "2.weight", "2.bias"]
 
 
-def _case(quick, exercise, part=None, known=None):
-    """Rank 0's result of the quick case (and rank 1's checked the same way): an error in a rank names the mistake
-    when its message matches one of `known` ({text in the error: mistake}), else is shown as it is."""
-    results = quick.get(exercise)
-    for rank, value in sorted(results.items()):
-        if part is not None and not (isinstance(value, dict) and "error" in value):
-            value = value[part]
-        if isinstance(value, dict) and "error" in value:
-            for text, name in (known or {}).items():
-                if text in value["error"]:
-                    require(mistake(name, f"rank {rank}: {last_error_line(value['error'])}"))
-            raise AssertionError(f"{exercise}, quick 2-rank check{f' ({part})' if part else ''}, rank {rank} raised "
-                                 f"{last_error_line(value['error'])}")
-    require(equal(errors_of(results), {}, f"{exercise}: the ranks that raised"))
-    return results
-
-
 def _grads_close(got, expected, where, mistakes=None):
     for name, g, e in zip(NAMES, got, expected):
         if g is None:
@@ -474,7 +458,7 @@ def _grads_close(got, expected, where, mistakes=None):
 
 @pytest.mark.exercise("data_parallel.grad_hook")
 def test_quick_grad_hook_accumulates_and_launches_full_buckets(quick):
-    results = _case(quick, "data_parallel.grad_hook", "one step")
+    results = quick_results(quick, "data_parallel.grad_hook", "one step")
     for rank, r in results.items():
         one = r["one step"]
         _grads_close(one["grads"], r["expected"], f"rank {rank}, one DDP step (2 buckets)")
@@ -482,7 +466,7 @@ def test_quick_grad_hook_accumulates_and_launches_full_buckets(quick):
             require(mistake("the hook never launches a full bucket (no overlap: every bucket waits for "
                             "finish_grad_sync)", f"rank {rank}: 0 of {one['buckets']} buckets launched during backward"))
         require(equal(one["launched_in_backward"], one["buckets"], f"rank {rank}: buckets launched during backward"))
-    results = _case(quick, "data_parallel.grad_hook", "accumulate", known={
+    results = quick_results(quick, "data_parallel.grad_hook", "accumulate", known={
         "reduced twice": "launched the bucket inside no_sync() (the hook must not start_grad_sync when self._sync "
                          "is False)"})
     for rank, r in results.items():
@@ -493,7 +477,7 @@ def test_quick_grad_hook_accumulates_and_launches_full_buckets(quick):
 
 @pytest.mark.exercise("data_parallel.finish_grad_sync")
 def test_quick_finish_grad_sync_waits_and_launches_the_rest(quick):
-    results = _case(quick, "data_parallel.finish_grad_sync", "overlap", known={
+    results = quick_results(quick, "data_parallel.finish_grad_sync", "overlap", known={
         "reduced twice": "bucket.handle not reset to None after the wait (the next step sees a stale handle)"})
     for rank, r in results.items():
         ov = r["overlap"]
@@ -502,7 +486,7 @@ def test_quick_finish_grad_sync_waits_and_launches_the_rest(quick):
                             f"rank {rank}: {ov['unwaited']} reduction(s) launched and never waited for"))
         _grads_close(ov["grads"], r["expected"], f"rank {rank}, one DDP step (2 buckets, overlap on)")
         _grads_close(ov["second step"], r["expected"], f"rank {rank}, a second DDP step")
-    results = _case(quick, "data_parallel.finish_grad_sync", "no overlap", known={
+    results = quick_results(quick, "data_parallel.finish_grad_sync", "no overlap", known={
         "'NoneType' object has no attribute 'wait'": "did not launch the buckets the hooks did not launch "
                                                      "(start_grad_sync for each bucket without a handle)"})
     for rank, r in results.items():
@@ -518,7 +502,7 @@ def test_quick_reduce_scatter_keeps_each_ranks_shard(quick):
              "'NoneType' object has no attribute": "stage 1 has no grad_shard: its shard is the view "
                                                    "grad_data[bucket.shard] of the full buffer"}
     for stage in (1, 2):
-        results = _case(quick, "data_parallel.reduce_scatter", stage, known)
+        results = quick_results(quick, "data_parallel.reduce_scatter", stage, known)
         for rank, r in results.items():
             for k, (got, exp) in enumerate(zip(r[stage]["shards"], r[stage]["expected"])):
                 require(close(got, exp, f"rank {rank}, ZeRO-{stage}, bucket {k}: the reduced gradient shard",
@@ -529,7 +513,7 @@ def test_quick_reduce_scatter_keeps_each_ranks_shard(quick):
 @pytest.mark.exercise("data_parallel.zero_step")
 def test_quick_zero_step_updates_and_gathers(quick):
     for stage in (1, 2):
-        results = _case(quick, "data_parallel.zero_step", stage)
+        results = quick_results(quick, "data_parallel.zero_step", stage)
         for rank, r in results.items():
             s = r[stage]
             if s["unwaited"]:
@@ -545,7 +529,7 @@ def test_quick_zero_step_updates_and_gathers(quick):
 def test_quick_zero3_gather_rebuilds_full_parameters(quick):
     known = {"storage of size 0": "all-gathered into param_data without re-allocating its storage first "
                                   "(untyped_storage().resize_)"}
-    results = _case(quick, "data_parallel.zero3_gather", "shards changed", known)
+    results = quick_results(quick, "data_parallel.zero3_gather", "shards changed", known)
     for rank, r in results.items():
         c = r["shards changed"]
         for name, got, exp in zip(NAMES, c["params"], c["expected"]):
@@ -555,7 +539,7 @@ def test_quick_zero3_gather_rebuilds_full_parameters(quick):
                                 "shards)", f"rank {rank}: parameter {name} is right only in this rank's shard"))
             require(close(got, exp, f"rank {rank}, ZeRO-3: parameter {name} gathered after every rank added 1 to its "
                                     "shard"))
-    results = _case(quick, "data_parallel.zero3_gather", "one step", known)
+    results = quick_results(quick, "data_parallel.zero3_gather", "one step", known)
     for rank, r in results.items():
         for name, got, exp in zip(NAMES, r["one step"]["params"], r["one step"]["expected"]):
             require(close(got, exp, f"rank {rank}, ZeRO-3: parameter {name} gathered after one SGD step"))

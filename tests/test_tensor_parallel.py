@@ -39,7 +39,8 @@ from megalab.extras import calc
 from megalab.lab import launch
 from megalab.lab.checks import close, mistake
 from tests.feedback import equal, max_error, require, require_no_error, require_within
-from tests.quick_launch import errors_of, last_error_line, quick_fixture
+from tests.quick_launch import quick_fixture
+from tests.quick_launch import results as quick_results
 
 TOL = 1e-5
 SMALL = dict(num_layers=2, hidden_size=32, num_attention_heads=8, num_query_groups=8, vocab_size=64, seq_length=8,
@@ -572,17 +573,6 @@ QUICK = {"tp.copy_to_region": _quick_copy_to, "tp.reduce_from_region": _quick_re
 quick = quick_fixture(QUICK)
 
 
-def _quick_results(quick, exercise, known=None):
-    """{rank: result} of the exercise's quick case; a rank's error names the mistake when it matches `known`."""
-    results = quick.get(exercise)
-    for rank, err in sorted(errors_of(results).items()):
-        for text, name in (known or {}).items():
-            if text in err:
-                require(mistake(name, f"rank {rank}: {last_error_line(err)}"))
-        raise AssertionError(f"{exercise}, quick 2-rank check, rank {rank} raised {last_error_line(err)}")
-    return results
-
-
 def _shape_named(got, expected_shape, shapes: dict, what: str):
     """A wrong shape named by the mistake that gives it ({mistake: the shape it gives})."""
     if tuple(got.shape) != tuple(expected_shape):
@@ -597,7 +587,7 @@ WORLD_GROUP = "all-reduced over every rank, not the given group (pass group=)"
 
 @pytest.mark.exercise("tp.copy_to_region")
 def test_quick_copy_to_region_backward_sums_over_the_group(quick):
-    res = _quick_results(quick, "tp.copy_to_region")
+    res = quick_results(quick, "tp.copy_to_region")
     dys = [res[r]["tp"]["dy"] for r in sorted(res)]
     for rank, r in res.items():
         require(close(r["tp"]["dx"], sum(dys), f"tp=2, rank {rank}: the input gradient of f (the sum of the ranks' "
@@ -610,7 +600,7 @@ def test_quick_copy_to_region_backward_sums_over_the_group(quick):
 
 @pytest.mark.exercise("tp.reduce_from_region")
 def test_quick_reduce_from_region_forward_sums_over_the_group(quick):
-    res = _quick_results(quick, "tp.reduce_from_region")
+    res = quick_results(quick, "tp.reduce_from_region")
     xs = [res[r]["tp"]["x"] for r in sorted(res)]
     for rank, r in res.items():
         require(close(r["tp"]["y"], sum(xs), f"tp=2, rank {rank}: the output of g (the sum of the ranks' inputs)",
@@ -623,7 +613,7 @@ def test_quick_reduce_from_region_forward_sums_over_the_group(quick):
 
 @pytest.mark.exercise("tp.gather_last_dim")
 def test_quick_gather_last_dim_concatenates_in_rank_order(quick):
-    res = _quick_results(quick, "tp.gather_last_dim")
+    res = quick_results(quick, "tp.gather_last_dim")
     xs = [res[r]["x"] for r in sorted(res)]
     expected = torch.cat(xs, -1)
     for rank, r in res.items():
@@ -642,7 +632,7 @@ def test_quick_gather_last_dim_concatenates_in_rank_order(quick):
 
 @pytest.mark.exercise("tp.sp_gather")
 def test_quick_sp_gather_concatenates_the_sequence(quick):
-    res = _quick_results(quick, "tp.sp_gather")
+    res = quick_results(quick, "tp.sp_gather")
     xs = [res[r]["x"] for r in sorted(res)]
     expected = torch.cat(xs, 0)
     for rank, r in res.items():
@@ -656,7 +646,7 @@ def test_quick_sp_gather_concatenates_the_sequence(quick):
 
 @pytest.mark.exercise("tp.sp_reduce_scatter")
 def test_quick_sp_reduce_scatter_keeps_this_ranks_sequence_slice(quick):
-    res = _quick_results(quick, "tp.sp_reduce_scatter")
+    res = quick_results(quick, "tp.sp_reduce_scatter")
     xs = [res[r]["x"] for r in sorted(res)]
     for rank, r in res.items():
         expected = sum(xs)[rank * 2:(rank + 1) * 2]
@@ -671,7 +661,7 @@ def test_quick_sp_reduce_scatter_keeps_this_ranks_sequence_slice(quick):
 
 @pytest.mark.exercise("tp.column_forward")
 def test_quick_column_parallel_forward_and_input_gradient(quick):
-    res = _quick_results(quick, "tp.column_forward")
+    res = quick_results(quick, "tp.column_forward")
     for rank, r in res.items():
         p = r["plain"]
         require(close(p["y"], p["expected y"], f"tp=2, rank {rank}: ColumnParallelLinear's output slice [4, 2, 8/t]"))
@@ -690,7 +680,7 @@ def test_quick_column_parallel_forward_and_input_gradient(quick):
 
 @pytest.mark.exercise("tp.row_forward")
 def test_quick_row_parallel_forward_sums_once(quick):
-    res = _quick_results(quick, "tp.row_forward")
+    res = quick_results(quick, "tp.row_forward")
     for rank, r in res.items():
         p = r["plain"]
         require(close(p["y"], p["expected y"], f"tp=2, rank {rank}: RowParallelLinear's output", mistakes={
@@ -705,7 +695,7 @@ def test_quick_row_parallel_forward_sums_once(quick):
 
 @pytest.mark.exercise("tp.vocab_embedding")
 def test_quick_vocab_parallel_embedding_zeros_other_rows(quick):
-    res = _quick_results(quick, "tp.vocab_embedding", known={
+    res = quick_results(quick, "tp.vocab_embedding", known={
         "index out of range": "looked up ids of other ranks' rows (shift by vocab_start_index and send the outside "
                               "ids to a valid local row before F.embedding)"})
     ranges = [(res[r]["start"], res[r]["end"]) for r in sorted(res)]
@@ -738,7 +728,7 @@ def _ce_variants(logits, target, t=2):
 
 @pytest.mark.exercise("tp.vocab_cross_entropy")
 def test_quick_vocab_parallel_cross_entropy_forward(quick):
-    res = _quick_results(quick, "tp.vocab_cross_entropy")
+    res = quick_results(quick, "tp.vocab_cross_entropy")
     for rank, r in res.items():
         v = _ce_variants(r["logits"], r["target"])
         require(close(r["plain"], v["right"], f"tp=2, rank {rank}: the per-token loss of logits [5, 8] split in 2",
@@ -755,7 +745,7 @@ def test_quick_vocab_parallel_cross_entropy_forward(quick):
 
 @pytest.mark.exercise("tp.vocab_cross_entropy_backward")
 def test_quick_vocab_parallel_cross_entropy_backward(quick):
-    res = _quick_results(quick, "tp.vocab_cross_entropy_backward")
+    res = quick_results(quick, "tp.vocab_cross_entropy_backward")
     for rank, r in res.items():
         logits, target, w = r["logits"], r["target"], r["weights"]
         n = logits.shape[-1] // 2
