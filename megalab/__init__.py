@@ -25,9 +25,8 @@ def load_ipython_extension(ipython):
         _switch_to(root)
         return sys.modules["megalab"].load_ipython_extension(ipython)
 
-    from megalab.lab.magic import TorchrunMagics
-
     from megalab.lab.dist import scratch_root
+    from megalab.lab.magic import TorchrunMagics
 
     ipython.register_magics(TorchrunMagics)
     ipython.register_magic_function(grade_magic, "line", "grade")

@@ -3,8 +3,6 @@ hides the hints and starts a bug hunt from the bug; `megalab hint` reveals one l
 `megalab progress` counts what the last grades passed; a check that only skipped never counts as passed."""
 
 import json
-import os
-from pathlib import Path
 
 import matplotlib
 import nbformat

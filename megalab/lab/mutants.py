@@ -14,7 +14,7 @@ down between two mistakes), so a mistake costs what its failing test costs. The 
     caught, not named    failed, but the verdict only says "wrong" (the test needs a diagnosis)
     NOT CAUGHT           every test passed (or was skipped): the check cannot tell this mistake from a solution
 
-How the body gets in, fast: the function that holds the region is compiled again with the mutated region
+How the body gets in, fast (megalab/lab/mutate.py): the function that holds the region is compiled again with the mutated region
 and its `__code__` swapped in the live process (every reference to it sees the mutant), and in every rank
 that megalab.lab.launch starts (the env var MEGALAB_MUTANT, read by megalab.lab.worker). A mistake marked
 `fresh` (a Triton kernel, code a separate process runs) instead runs in a fresh process on a copy of the
@@ -26,26 +26,20 @@ from __future__ import annotations
 import argparse
 import importlib
 import importlib.util
-import inspect
 import json
-import linecache
 import os
 import shutil
 import subprocess
 import sys
 import tempfile
-import textwrap
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-ENV = "MEGALAB_MUTANT"
+from megalab.lab.mutate import ENV, CannotSwap, mutated_source, swap
+
 MISTAKES_DIR = "tests/mistakes"
 TEST_TIMEOUT = 120  # seconds per test: a hanging mutant fails (the tests' own launches time out sooner)
-
-
-class CannotSwap(RuntimeError):
-    """The function around a region cannot be swapped in a live process (run the mistake `fresh`)."""
 
 
 @dataclass
@@ -77,96 +71,6 @@ def load_mistakes(root: Path, files: list[str] | None = None) -> list:
         spec.loader.exec_module(module)
         found += list(getattr(module, "MISTAKES", []))
     return found
-
-
-def mutated_source(text: str, ex, code: str) -> str:
-    """`text` (the module holding `ex`) with the region's body replaced by `code`, at the region's indent."""
-    begin, end = ex.solution
-    lines = text.splitlines(keepends=True)
-    body = [ex.indent + line if line.strip() else "\n" for line in textwrap.dedent(code).strip("\n").splitlines(True)]
-    body = [line if line.endswith("\n") else line + "\n" for line in body]
-    return "".join(lines[:begin] + body + lines[end + 1 :])
-
-
-# --------------------------------------------------------------------------- swapping a function's code
-
-
-def _module_name(rel: str) -> str:
-    return rel.removesuffix(".py").removesuffix("/__init__").replace("/", ".")
-
-
-def _holder(module, qualname: str):
-    """(function object, its qualname) of the outermost function on the path `qualname` inside `module`."""
-    obj, parts = module, qualname.split(".")
-    for i, part in enumerate(parts):
-        owner = obj
-        obj = inspect.getattr_static(owner, part, None)
-        if obj is None:
-            raise CannotSwap(f"{module.__name__}.{'.'.join(parts[: i + 1])} is not reachable")
-        if isinstance(obj, (staticmethod, classmethod)):
-            obj = obj.__func__
-        while hasattr(obj, "__wrapped__") and not hasattr(obj, "__code__"):  # functools.lru_cache, wraps
-            obj = obj.__wrapped__
-        if inspect.isfunction(obj):
-            while hasattr(obj, "__wrapped__") and inspect.isfunction(obj.__wrapped__):
-                obj = obj.__wrapped__
-            return obj, ".".join(parts[: i + 1])
-        if not inspect.isclass(obj):
-            raise CannotSwap(f"{module.__name__}.{'.'.join(parts[: i + 1])} is a {type(obj).__name__}, "
-                             "not a plain function (mark the mistake fresh=True)")
-    raise CannotSwap(f"no function at {qualname}")
-
-
-def _find_code(code, qualname: str):
-    if getattr(code, "co_qualname", None) == qualname:
-        return code
-    for const in code.co_consts:
-        if inspect.iscode(const):
-            found = _find_code(const, qualname)
-            if found is not None:
-                return found
-    return None
-
-
-def swap(root: Path, rel: str, line: int, source: str):
-    """Swap the code of the function around 1-based `line` of module `rel` for its code in `source`;
-    returns a callable that undoes it."""
-    from megalab.lab.workspace import enclosing_function, parse_module
-
-    qualname = enclosing_function(parse_module(source, rel), line)
-    if qualname is None:
-        raise CannotSwap(f"{rel}:{line} is not inside a function")
-    module = importlib.import_module(_module_name(rel))
-    func, outer = _holder(module, qualname)
-    filename = func.__code__.co_filename
-    new = _find_code(compile(source, filename, "exec"), func.__code__.co_qualname)
-    if new is None or len(new.co_freevars) != len(func.__code__.co_freevars):
-        raise CannotSwap(f"cannot rebuild {outer} of {rel} from the mutated source")
-    old, old_lines = func.__code__, linecache.cache.get(filename)
-    func.__code__ = new
-    linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)  # tracebacks show the mutant
-    clear = [getattr(o, "cache_clear") for o in vars(module).values() if callable(getattr(o, "cache_clear", None))]
-    for c in clear:
-        c()
-
-    def undo():
-        func.__code__ = old
-        if old_lines is None:
-            linecache.cache.pop(filename, None)
-        else:
-            linecache.cache[filename] = old_lines
-        for c in clear:
-            c()
-
-    return undo
-
-
-def apply_from_env() -> None:
-    """In a rank: swap in the mutant that MEGALAB_MUTANT names (a JSON file), if any."""
-    path = os.environ.get(ENV)
-    if path:
-        spec = json.loads(Path(path).read_text())
-        swap(Path(spec["root"]), spec["path"], spec["line"], spec["source"])
 
 
 # --------------------------------------------------------------------------- running an exercise's tests
