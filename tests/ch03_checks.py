@@ -205,3 +205,207 @@ def check_communicate() -> Verdict:
     except (pm.P2PDeadlock, pm.P2PMismatch) as e:
         return mistake(f"the exchange breaks NCCL's rules ({type(e).__name__})", str(e).replace("\n", " "))
     return RIGHT
+
+
+# ------------------------------------------------------------------ context parallelism
+def check_rank_chunks() -> Verdict:
+    """rank_chunks for cp 2-4, every rank, zigzag and plain."""
+    from megalab.core.utils import rank_chunks
+
+    for cp in (2, 3, 4):
+        for zigzag in (True, False):
+            got = [tuple(rank_chunks(cp, r, zigzag)) for r in range(cp)]
+            right = [(r, 2 * cp - 1 - r) if zigzag else (2 * r, 2 * r + 1) for r in range(cp)]
+            verdict = named_equal(got, right, f"rank_chunks(cp={cp}, rank, zigzag={zigzag}) for ranks 0..{cp - 1}", {
+                "zigzag gives rank r chunks r and r + 1; its second chunk is the mirror 2*cp - 1 - r":
+                    [(r, r + 1) for r in range(cp)] if zigzag else None,
+                "the mirror chunk off by one: 2*cp - r instead of 2*cp - 1 - r":
+                    [(r, 2 * cp - r) for r in range(cp)] if zigzag else None,
+                "plain split gives rank r chunks r and r + 1 instead of 2r and 2r + 1":
+                    [(r, r + 1) for r in range(cp)] if not zigzag else None,
+                "zigzag and plain swapped": [(2 * r, 2 * r + 1) if zigzag else (r, 2 * cp - 1 - r) for r in range(cp)]})
+            if not verdict:
+                return verdict
+    return RIGHT
+
+
+def check_causal_block_mask() -> Verdict:
+    """causal_block_mask for every pair of 4 chunks."""
+    from megalab.transformer_engine.context_parallel import causal_block_mask
+
+    n = 4
+    table = lambda rule: [[rule(i, j) for j in range(n)] for i in range(n)]  # [query chunk][key chunk]
+    return named_equal(table(causal_block_mask), table(lambda i, j: "full" if j < i else "causal" if j == i else "skip"),
+                       "causal_block_mask(query chunk i, key chunk j) for i, j in 0..3, as rows i", {
+        "the wrong side of the diagonal: LATER key chunks full, earlier ones skipped (comparison reversed)":
+            table(lambda i, j: "full" if j > i else "causal" if j == i else "skip"),
+        "the diagonal block (same chunk) treated as full: no causal mask inside the chunk":
+            table(lambda i, j: "full" if j <= i else "skip"),
+        "the diagonal block skipped: a query then sees no key of its own chunk (not even itself)":
+            table(lambda i, j: "full" if j < i else "skip"),
+    })
+
+
+def check_lse_merge() -> Verdict:
+    """merge_attention of two key blocks vs attention over both: ordinary scores, starting from nothing
+    (lse = -inf), and large scores (where exp(lse) alone overflows)."""
+    import torch
+
+    from megalab.lab.checks import close
+    from megalab.transformer_engine.context_parallel import block_attention, merge_attention
+
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(1, 2, 3, 4, generator=g) for _ in range(3))  # [b, np, s, hn]: keys 0..2
+    k2, v2 = torch.randn(1, 2, 5, 4, generator=g), torch.randn(1, 2, 5, 4, generator=g)  # keys 3..7
+    (o1, l1), (o2, l2) = block_attention(q, k, v), block_attention(q, k2, v2)
+    ref_out, ref_lse = block_attention(q, torch.cat([k, k2], 2), torch.cat([v, v2], 2))
+    out, lse = merge_attention(o1, l1, o2, l2)
+    new = torch.logaddexp(l1, l2).unsqueeze(-1)
+    verdict = close(out, ref_out, "merge_attention's output (2 key blocks) vs attention over all keys", atol=1e-5,
+                    mistakes={
+        "the sign of the rescale flipped: exp(new_lse - lse) instead of exp(lse - new_lse)":
+            o1 * torch.exp(new - l1.unsqueeze(-1)) + o2 * torch.exp(new - l2.unsqueeze(-1)),
+        "the outputs added without rescaling each by its share exp(lse_part - new_lse)": o1 + o2,
+        "the outputs averaged (0.5 each) instead of weighted by their softmax mass": (o1 + o2) / 2,
+        "the rescale uses exp(lse_part) alone, not divided by exp(new_lse)":
+            o1 * torch.exp(l1.unsqueeze(-1)) + o2 * torch.exp(l2.unsqueeze(-1))})
+    if not verdict:
+        return verdict
+    verdict = close(lse, ref_lse, "merge_attention's lse (2 key blocks) vs logsumexp over all keys", atol=1e-5, mistakes={
+        "lse not updated: the old lse returned instead of log(e^lse + e^block_lse)": l1,
+        "the new lse is the max of the two, not their log-sum-exp": torch.maximum(l1, l2),
+        "the new lse is the sum of the two lse's": l1 + l2})
+    if not verdict:
+        return verdict
+    out, lse = merge_attention(torch.zeros_like(o1), torch.full_like(l1, float("-inf")), o2, l2)
+    verdict = close(out, o2, "merge_attention from nothing (out 0, lse -inf) and one block: the block's own output",
+                    atol=1e-5)
+    if not verdict:
+        return verdict
+    o1, l1, o2, l2 = (t.double() for t in (o1, l1, o2, l2))  # fp64: exp(1000) overflows even there
+    big_out, big_lse = merge_attention(o1, l1 + 1000.0, o2, l2 + 1000.0)  # the same shares, scores 1000 higher
+    if not (torch.isfinite(big_out).all() and torch.isfinite(big_lse).all()):
+        return mistake("log(exp(lse) + exp(block_lse)) without subtracting the max: exp overflows for large scores "
+                       "(use torch.logaddexp)", "merging two blocks whose lse is ~1000 gives inf/NaN")
+    return close(big_out, ref_out.double(), "merge_attention with every lse 1000 higher (the shares, so the output, "
+                 "unchanged)", atol=1e-5)
+
+
+RING_MISTAKES = {
+    "unbatched": "isend and irecv posted one by one, not as ONE batch_isend_irecv: on NCCL every rank's lone send can "
+                 "wait for a receive its neighbour never reaches (deadlock)",
+    "backwards": "the ring runs backwards: sends to the previous rank (me - 1) and receives from the next (me + 1)",
+    "in place": "receives into the tensor it is sending (no fresh buffer): the block being sent and read is overwritten",
+    "returned": "returned the tensor it sent instead of the received buffer",
+}
+
+
+def check_ring_step() -> Verdict:
+    """ring_step on 3 ranks: recorded (megalab/extras/p2p_model.py), ONE batch of send -> rank + 1 and receive <- rank - 1
+    into a fresh buffer; run on a threaded world, each rank ends with its previous rank's tensor."""
+    import torch
+
+    from megalab.extras import p2p_model as pm
+    from megalab.transformer_engine.context_parallel import ring_step
+    from tests import threaded_world
+
+    world, sent = 3, {}
+
+    def record(rank, group):
+        sent[rank] = torch.full((2,), float(rank))
+        buffer, requests = ring_step(sent[rank], group)
+        if buffer is sent[rank] or buffer.data_ptr() == sent[rank].data_ptr():
+            raise _Named(RING_MISTAKES["in place"], f"rank {rank}'s buffer shares the sent tensor's memory")
+
+    class _Named(Exception):
+        pass
+
+    try:
+        streams = pm.record(record, world)
+    except _Named as e:
+        return mistake(*e.args)
+    for rank, units in streams.items():
+        ops = [op for unit in units for op in unit]
+        peers = sorted((op.op, op.peer) for op in ops)
+        if peers == sorted([("send", (rank - 1) % world), ("recv", (rank + 1) % world)]):
+            return mistake(RING_MISTAKES["backwards"], f"rank {rank} posts {[str(op) for op in ops]}")
+        if len(units) > 1:
+            return mistake(RING_MISTAKES["unbatched"], f"rank {rank} posts {len(units)} separate units "
+                           f"{[[str(op) for op in u] for u in units]}")
+        verdict = equal(peers, sorted([("send", (rank + 1) % world), ("recv", (rank - 1) % world)]),
+                        f"ring_step on rank {rank} of {world}: the (operation, peer) pairs it posts")
+        if not verdict:
+            return verdict
+
+    def run(rank, group):
+        buffer, requests = ring_step(torch.full((2,), float(rank)), group)
+        for request in requests:
+            request.wait()
+        return buffer.tolist()
+
+    got = threaded_world.run(world, run)
+    return named_equal([got[r] for r in range(world)], [[float((r - 1) % world)] * 2 for r in range(world)],
+                       f"what ring_step's buffer holds after the wait on ranks 0..{world - 1} (each sends its rank)",
+                       {RING_MISTAKES["returned"]: [[float(r)] * 2 for r in range(world)]})
+
+
+def _cp_attention_grads(cp: int, seed: int = 3):
+    """Ring attention (zigzag) on a threaded world of cp ranks vs SDPA on the full sequence: per rank the positions,
+    ours (out, dq, dk, dv) and the reference's; plus the partial dK/dV that each rank's queries alone give."""
+    import torch
+    import torch.nn.functional as F
+
+    from megalab.core.utils import cp_rank_positions
+    from megalab.transformer_engine.context_parallel import context_parallel_attention
+    from tests import threaded_world
+
+    b, np_, ng, hn, s = 1, 2, 1, 4, 4 * cp
+    g = torch.Generator().manual_seed(seed)
+    q, k, v, dout = (torch.randn(b, n, s, hn, generator=g) for n in (np_, ng, ng, np_))
+    pos = {r: cp_rank_positions(s, cp, r) for r in range(cp)}
+
+    def sdpa(dout_rows=None):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = F.scaled_dot_product_attention(leaves[0], *(t.repeat_interleave(np_ // ng, 1) for t in leaves[1:]),
+                                             is_causal=True)
+        d = dout if dout_rows is None else torch.zeros_like(dout).index_copy(2, dout_rows, dout[:, :, dout_rows])
+        out.backward(d)
+        return out.detach(), *(t.grad for t in leaves)
+
+    ref = sdpa()
+    partial = {r: sdpa(pos[r]) for r in range(cp)}  # the gradients that rank r's queries alone produce
+
+    def run(rank, group):
+        local = [t[:, :, pos[rank]].clone().requires_grad_() for t in (q, k, v)]
+        out = context_parallel_attention(*local, group)
+        out.backward(dout[:, :, pos[rank]])
+        return out.detach(), *(t.grad for t in local)
+
+    return pos, threaded_world.run(cp, run), ref, partial
+
+
+def check_backward_ring() -> Verdict:
+    """dq, dk, dv of ring attention (zigzag, cp = 2 and 3, threaded world) vs SDPA's on the full sequence."""
+    import torch
+
+    from megalab.lab.checks import close
+
+    for cp in (2, 3):
+        pos, ours, ref, partial = _cp_attention_grads(cp)
+        for rank in range(cp):
+            where = f"ring attention, cp={cp}, rank {rank}"
+            verdict = close(ours[rank][0], ref[0][:, :, pos[rank]], f"{where}: the output vs SDPA's", atol=1e-5)
+            for i, name in ((2, "dk"), (3, "dv"), (1, "dq")):
+                if not verdict:
+                    return verdict
+                mistakes = {} if name == "dq" else {
+                    "forgot the last hop home: each rank ends up with the dK/dV of the block one rank further on "
+                    "(send dkv once more after the loop)": ref[i][:, :, pos[(rank + 1) % cp]],
+                    "dK/dV never travel with their block: each rank adds every visiting block's gradient into its "
+                    "own dkv": sum(partial[rank][i][:, :, pos[o]] for o in range(cp)),
+                    "dK/dV left at zero (never accumulated)": torch.zeros_like(ours[rank][i])}
+                verdict = close(ours[rank][i], ref[i][:, :, pos[rank]], f"{where}: {name} vs SDPA's", atol=1e-5,
+                                mistakes=mistakes)
+            if not verdict:
+                return verdict
+    return RIGHT

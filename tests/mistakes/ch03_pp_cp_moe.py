@@ -140,4 +140,109 @@ for i in range(len(forwards) - num_warmup):
     ops += [forwards[num_warmup + i], backwards[num_warmup + i]]
 return ops + backwards[:num_warmup]
 """),
+    # ------------------------------------------------------------------ cp.zigzag_split
+    Mistake("cp.zigzag_split", "rank r gets chunks r and r + 1", says="chunks r and r + 1", code="""
+if zigzag:
+    return cp_rank, cp_rank + 1
+return 2 * cp_rank, 2 * cp_rank + 1
+"""),
+    Mistake("cp.zigzag_split", "the mirror chunk off by one (2cp - r)", says="mirror chunk off by one", code="""
+if zigzag:
+    return cp_rank, 2 * cp_size - cp_rank
+return 2 * cp_rank, 2 * cp_rank + 1
+"""),
+    Mistake("cp.zigzag_split", "plain split as neighbouring chunk ids r, r + 1", says="plain split gives rank r", code="""
+if zigzag:
+    return cp_rank, 2 * cp_size - 1 - cp_rank
+return cp_rank, cp_rank + 1
+"""),
+    # ------------------------------------------------------------------ cp.causal_block_mask
+    Mistake("cp.causal_block_mask", "comparison reversed (later chunks full)", says="wrong side of the diagonal", code="""
+if kv_chunk > q_chunk:
+    return "full"
+return "causal" if kv_chunk == q_chunk else "skip"
+"""),
+    Mistake("cp.causal_block_mask", "diagonal block full", says="treated as full", code="""
+return "full" if kv_chunk <= q_chunk else "skip"
+"""),
+    Mistake("cp.causal_block_mask", "diagonal block skipped", says="diagonal block skipped", code="""
+return "full" if kv_chunk < q_chunk else "skip"
+"""),
+    # ------------------------------------------------------------------ cp.lse_merge
+    Mistake("cp.lse_merge", "wrong sign in the rescale", says="sign of the rescale flipped", code="""
+new_lse = torch.logaddexp(lse, block_lse)
+out = out * torch.exp(new_lse - lse).unsqueeze(-1) + block_out * torch.exp(new_lse - block_lse).unsqueeze(-1)
+return out, new_lse
+"""),
+    Mistake("cp.lse_merge", "log(exp + exp) without subtracting the max", says="without subtracting the max", code="""
+new_lse = torch.log(torch.exp(lse) + torch.exp(block_lse))
+out = out * torch.exp(lse - new_lse).unsqueeze(-1) + block_out * torch.exp(block_lse - new_lse).unsqueeze(-1)
+return out, new_lse
+"""),
+    Mistake("cp.lse_merge", "outputs added without rescaling", says="added without rescaling", code="""
+new_lse = torch.logaddexp(lse, block_lse)
+return out + block_out, new_lse
+"""),
+    Mistake("cp.lse_merge", "lse not updated", says="lse not updated", code="""
+new_lse = torch.logaddexp(lse, block_lse)
+out = out * torch.exp(lse - new_lse).unsqueeze(-1) + block_out * torch.exp(block_lse - new_lse).unsqueeze(-1)
+return out, lse
+"""),
+    # ------------------------------------------------------------------ cp.ring_step
+    Mistake("cp.ring_step", "lone isend then irecv", says="not as ONE batch_isend_irecv", code="""
+buffer = torch.empty_like(tensor)
+requests = [dist.isend(tensor.contiguous(), ranks[(me + 1) % len(ranks)], group=group),
+            dist.irecv(buffer, ranks[(me - 1) % len(ranks)], group=group)]
+return buffer, requests
+"""),
+    Mistake("cp.ring_step", "sends to the previous rank, receives from the next", says="the ring runs backwards", code="""
+buffer = torch.empty_like(tensor)
+requests = dist.batch_isend_irecv([dist.P2POp(dist.isend, tensor.contiguous(), ranks[(me - 1) % len(ranks)], group),
+                                   dist.P2POp(dist.irecv, buffer, ranks[(me + 1) % len(ranks)], group)])
+return buffer, requests
+"""),
+    Mistake("cp.ring_step", "receives into the tensor it sends", says="receives into the tensor it is sending", code="""
+requests = dist.batch_isend_irecv([dist.P2POp(dist.isend, tensor, ranks[(me + 1) % len(ranks)], group),
+                                   dist.P2POp(dist.irecv, tensor, ranks[(me - 1) % len(ranks)], group)])
+return tensor, requests
+"""),
+    # ------------------------------------------------------------------ cp.backward_ring
+    Mistake("cp.backward_ring", "forgot the last hop home of dK/dV", says="forgot the last hop home", code="""
+for step in range(cp):
+    owner = (rank - step) % cp
+    if dkv is None:
+        dkv = torch.zeros_like(kv)
+    else:
+        dkv, dkv_requests = ring_step(dkv, group)
+        _wait(dkv_requests)
+    if step + 1 < cp:
+        next_block, kv_requests = ring_step(block, group)
+    for rows, cols, kind in _block_pairs(q_chunks, rank_chunks(cp, owner, zigzag), c):
+        dq_ij, dk, dv = block_attention_backward(
+            q[:, :, rows], block[0][:, :, cols], block[1][:, :, cols], out[:, :, rows], lse[:, :, rows],
+            dout[:, :, rows], _mask(kind, c, q.device))
+        dq[:, :, rows] += dq_ij
+        dkv[0][:, :, cols] += dk
+        dkv[1][:, :, cols] += dv
+    if step + 1 < cp:
+        _wait(kv_requests)
+        block = next_block
+"""),
+    Mistake("cp.backward_ring", "dK/dV accumulated locally, never sent with their block", says="never travel", code="""
+dkv = torch.zeros_like(kv)
+for step in range(cp):
+    owner = (rank - step) % cp
+    if step + 1 < cp:
+        next_block, kv_requests = ring_step(block, group)
+    for rows, cols, kind in _block_pairs(q_chunks, rank_chunks(cp, owner, zigzag), c):
+        dq_ij, dk, dv = block_attention_backward(
+            q[:, :, rows], block[0][:, :, cols], block[1][:, :, cols], out[:, :, rows], lse[:, :, rows],
+            dout[:, :, rows], _mask(kind, c, q.device))
+        dq[:, :, rows] += dq_ij
+        dkv[0][:, :, cols] += dk
+        dkv[1][:, :, cols] += dv
+    if step + 1 < cp:
+        _wait(kv_requests)
+        block = next_block
+"""),
 ]
