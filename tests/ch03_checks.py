@@ -409,3 +409,92 @@ def check_backward_ring() -> Verdict:
             if not verdict:
                 return verdict
     return RIGHT
+
+
+# ------------------------------------------------------------------ mixture of experts
+def check_capacity(logits, topk: int, capacity_factor: float) -> Verdict:
+    """topk_softmax_with_capacity's dropping: which (token, expert) pairs stay, and their weights."""
+    import math
+
+    import torch
+
+    from megalab.core.transformer.moe.moe_utils import topk_softmax_with_capacity
+    from megalab.lab.checks import close
+
+    num_tokens, num_experts = logits.shape
+    probs, routed, _ = topk_softmax_with_capacity(logits, topk)  # before dropping
+    capacity = math.ceil(num_tokens * topk / num_experts * capacity_factor)
+    arrival = routed.long().cumsum(0) - 1  # [T, E]
+    by_weight = torch.zeros_like(routed)
+    for e in range(num_experts):
+        tokens = routed[:, e].nonzero().flatten()
+        best = probs[tokens, e].argsort(descending=True, stable=True)[:capacity]
+        by_weight[tokens[best], e] = True
+    pairs = lambda m: sorted(map(tuple, m.nonzero().tolist()))
+    got_probs, got_map, _ = topk_softmax_with_capacity(logits, topk, capacity_factor)
+    where = f"topk_softmax_with_capacity({num_tokens} tokens, top-{topk}, capacity_factor={capacity_factor}: {capacity} " \
+            "per expert)"
+    verdict = named_equal(pairs(got_map), pairs(routed & (arrival < capacity)), f"{where}: the kept (token, expert) "
+                          "pairs (each expert keeps its first tokens, in token order)", {
+        "off by one: arrival <= capacity keeps capacity + 1 tokens per expert": pairs(routed & (arrival <= capacity)),
+        "arrivals counted along the wrong dim (cumsum over experts, dim 1, instead of over tokens, dim 0)":
+            pairs(routed & (routed.long().cumsum(1) - 1 < capacity)),
+        "kept the highest weights per expert instead of the first arrivals (position is the policy here)":
+            pairs(by_weight),
+        "nothing dropped: the capacity never applied": pairs(routed)})
+    if not verdict:
+        return verdict
+    return close(got_probs, probs * got_map, f"{where}: the weights (0 for dropped pairs)", rtol=0, atol=0, mistakes={
+        "dropped tokens keep their weight: probs not masked with the kept map": probs})
+
+
+def check_alltoall_dispatch() -> Verdict:
+    """MoEAlltoAllTokenDispatcher.token_permutation on a threaded world (ep = 2, 2 local experts each, uneven
+    routing): the rows each rank receives, grouped [local expert][source rank], and its tokens per local expert."""
+    import torch
+
+    from megalab.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
+    from megalab.lab.checks import close
+    from tests import threaded_world
+
+    ep, num_local, tokens = 2, 2, 5
+    maps = {0: [[1, 1, 0, 0], [1, 0, 0, 1], [0, 1, 1, 0], [1, 0, 1, 0], [1, 1, 0, 0]],  # [T, E] per source rank
+            1: [[0, 0, 1, 1], [1, 0, 0, 1], [0, 0, 1, 1], [0, 1, 0, 1], [0, 0, 1, 1]]}  # rank 0 sends 3 rows to 1, gets 2
+    maps = {r: torch.tensor(m, dtype=torch.bool) for r, m in maps.items()}
+    hidden = {r: (100 * r + torch.arange(tokens, dtype=torch.float)).unsqueeze(1).expand(tokens, 3).clone()
+              for r in range(ep)}  # row value = 100 * rank + token
+
+    def run(rank, group):
+        dispatcher = MoEAlltoAllTokenDispatcher(num_local, [rank * num_local + i for i in range(num_local)], group)
+        probs = maps[rank].float() / 2
+        permuted, per_expert = dispatcher.token_permutation(hidden[rank], probs, maps[rank])
+        return permuted[:, 0].tolist(), per_expert.tolist()
+
+    try:
+        got = threaded_world.run(ep, run)
+    except (RuntimeError, ValueError) as e:
+        if "split" in str(e):
+            return mistake("the all-to-all split sizes do not fit together: output and input splits swapped? "
+                           "(all_to_all(group, input, OUTPUT_split_sizes, INPUT_split_sizes))",
+                           f"rank {getattr(e, 'rank', '?')}: {e}")
+        raise
+    except threaded_world.WorldStuck as e:
+        return mistake("a rank waits for a collective the others never join (all_gather / all_to_all on one rank "
+                       "only, or on another group?)", str(e))
+    for rank in range(ep):
+        local = [rank * num_local + i for i in range(num_local)]
+        rows = lambda order: [100.0 * s + t for e, s in order for t in range(tokens) if maps[s][t, e]]
+        expected = rows([(e, s) for e in local for s in range(ep)])
+        where = f"ep=2, rank {rank}: the rows token_permutation returns (value = 100 * source rank + token)"
+        verdict = close(got[rank][0], expected, where, rtol=0, atol=0, mistakes={
+            "forgot to sort the received chunks by local expert (sort_chunks_by_idxs): they stay [source rank][expert]":
+                rows([(e, s) for s in range(ep) for e in local])}) if len(got[rank][0]) == len(expected) else \
+            equal(len(got[rank][0]), len(expected), f"ep=2, rank {rank}: the number of rows token_permutation returns "
+                  "(every token copy routed to this rank's experts)")
+        if not verdict:
+            return verdict
+        counts = [sum(int(maps[s][:, e].sum()) for s in range(ep)) for e in local]
+        verdict = equal(got[rank][1], counts, f"ep=2, rank {rank}: tokens per local expert (over all source ranks)")
+        if not verdict:
+            return verdict
+    return RIGHT

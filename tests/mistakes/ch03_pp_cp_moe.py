@@ -245,4 +245,143 @@ for step in range(cp):
         _wait(kv_requests)
         block = next_block
 """),
+    # ------------------------------------------------------------------ moe.load_balancing_loss
+    Mistake("moe.load_balancing_loss", "fractions of T, not of T*k", says="forgot the top-k", code="""
+aggregated_probs_per_expert = probs.sum(dim=0)
+return torch.sum(aggregated_probs_per_expert * tokens_per_expert) * (
+    num_experts * moe_aux_loss_coeff / (total_num_tokens * total_num_tokens))
+"""),
+    Mistake("moe.load_balancing_loss", "forgot the factor E", says="forgot the factor E", code="""
+aggregated_probs_per_expert = probs.sum(dim=0)
+return torch.sum(aggregated_probs_per_expert * tokens_per_expert) * (
+    moe_aux_loss_coeff / (topk * total_num_tokens * total_num_tokens))
+"""),
+    Mistake("moe.load_balancing_loss", "divided by T only once", says="not averaged", code="""
+aggregated_probs_per_expert = probs.sum(dim=0)
+return torch.sum(aggregated_probs_per_expert * tokens_per_expert) * (
+    num_experts * moe_aux_loss_coeff / (topk * total_num_tokens))
+"""),
+    # ------------------------------------------------------------------ moe.topk_routing
+    Mistake("moe.topk_routing", "softmax over all experts, then top-k (not renormalised)", says="not renormalised to sum 1",
+            code="""
+if score_function == "softmax":
+    top_probs, top_indices = torch.topk(torch.softmax(logits, dim=-1, dtype=torch.float32), k=topk, dim=1)
+    top_probs = top_probs.type_as(logits)
+else:
+    scores = torch.sigmoid(logits)
+    chooser = scores if expert_bias is None else scores + expert_bias
+    top_indices = torch.topk(chooser, k=topk, dim=1).indices
+    top_probs = scores.gather(1, top_indices)
+    if topk > 1:
+        top_probs = top_probs / (top_probs.sum(dim=-1, keepdim=True) + 1e-20)
+probs = torch.zeros_like(logits).scatter(1, top_indices, top_probs)
+routing_map = torch.zeros_like(logits, dtype=torch.bool).scatter(1, top_indices, True)
+"""),
+    Mistake("moe.topk_routing", "sigmoid weights not renormalised", says="sigmoid scores not renormalised", code="""
+if score_function == "softmax":
+    scores, top_indices = torch.topk(logits, k=topk, dim=1)
+    top_probs = torch.softmax(scores, dim=-1, dtype=torch.float32).type_as(logits)
+else:
+    scores = torch.sigmoid(logits)
+    chooser = scores if expert_bias is None else scores + expert_bias
+    top_indices = torch.topk(chooser, k=topk, dim=1).indices
+    top_probs = scores.gather(1, top_indices)
+probs = torch.zeros_like(logits).scatter(1, top_indices, top_probs)
+routing_map = torch.zeros_like(logits, dtype=torch.bool).scatter(1, top_indices, True)
+"""),
+    Mistake("moe.topk_routing", "the expert bias in the weights too", says="expert bias added to the weights", code="""
+if score_function == "softmax":
+    scores, top_indices = torch.topk(logits, k=topk, dim=1)
+    top_probs = torch.softmax(scores, dim=-1, dtype=torch.float32).type_as(logits)
+else:
+    scores = torch.sigmoid(logits)
+    if expert_bias is not None:
+        scores = scores + expert_bias
+    top_probs, top_indices = torch.topk(scores, k=topk, dim=1)
+    if topk > 1:
+        top_probs = top_probs / (top_probs.sum(dim=-1, keepdim=True) + 1e-20)
+probs = torch.zeros_like(logits).scatter(1, top_indices, top_probs)
+routing_map = torch.zeros_like(logits, dtype=torch.bool).scatter(1, top_indices, True)
+"""),
+    # ------------------------------------------------------------------ moe.capacity
+    Mistake("moe.capacity", "keeps capacity + 1 tokens (<= instead of <)", says="off by one", code="""
+position = routing_map.long().cumsum(dim=0) - 1
+keep = routing_map & (position <= capacity)
+if pad_to_capacity:
+    free = capacity - keep.sum(dim=0)
+    filler = ~routing_map & ((~routing_map).long().cumsum(dim=0) - 1 < free)
+    keep = keep | filler
+probs = probs * keep
+routing_map = keep
+"""),
+    Mistake("moe.capacity", "arrivals counted over the experts (dim 1)", says="wrong dim", code="""
+position = routing_map.long().cumsum(dim=1) - 1
+keep = routing_map & (position < capacity)
+if pad_to_capacity:
+    free = capacity - keep.sum(dim=0)
+    filler = ~routing_map & ((~routing_map).long().cumsum(dim=0) - 1 < free)
+    keep = keep | filler
+probs = probs * keep
+routing_map = keep
+"""),
+    Mistake("moe.capacity", "dropped tokens keep their weight", says="dropped tokens keep their weight", code="""
+position = routing_map.long().cumsum(dim=0) - 1
+keep = routing_map & (position < capacity)
+if pad_to_capacity:
+    free = capacity - keep.sum(dim=0)
+    filler = ~routing_map & ((~routing_map).long().cumsum(dim=0) - 1 < free)
+    keep = keep | filler
+routing_map = keep
+"""),
+    # ------------------------------------------------------------------ moe.permute
+    Mistake("moe.permute", "routing_map not transposed: token-major rows", says="token-major order", code="""
+mask = routing_map
+sorted_indices = torch.arange(tokens.shape[0], device=tokens.device).unsqueeze(1).expand_as(mask).masked_select(mask)
+permuted_probs = probs.masked_select(mask) if probs is not None else None
+return tokens.index_select(0, sorted_indices), permuted_probs, sorted_indices
+"""),
+    Mistake("moe.permute", "probs selected without the transpose", says="probs selected token-major", code="""
+mask = routing_map.t()
+sorted_indices = torch.arange(tokens.shape[0], device=tokens.device).expand_as(mask).masked_select(mask)
+permuted_probs = probs.masked_select(routing_map) if probs is not None else None
+return tokens.index_select(0, sorted_indices), permuted_probs, sorted_indices
+"""),
+    Mistake("moe.permute", "sorted_indices hold expert ids", says="the expert of each row", code="""
+mask = routing_map.t()
+sorted_indices = torch.arange(mask.shape[0], device=tokens.device).unsqueeze(1).expand_as(mask).masked_select(mask)
+permuted_probs = probs.t().masked_select(mask) if probs is not None else None
+return tokens.index_select(0, sorted_indices), permuted_probs, sorted_indices
+"""),
+    # ------------------------------------------------------------------ moe.alltoall_dispatch
+    Mistake("moe.alltoall_dispatch", "output and input splits swapped", says="splits swapped", code="""
+if ep > 1:
+    counts = [torch.empty_like(num_local_tokens_per_expert) for _ in range(ep)]
+    dist.all_gather(counts, num_local_tokens_per_expert, group=self.ep_group)
+    counts = torch.stack(counts)
+else:
+    counts = num_local_tokens_per_expert.unsqueeze(0)
+per_local = counts[:, self.local_expert_indices]
+self.input_splits = num_local_tokens_per_expert.view(ep, L).sum(dim=1).tolist()
+self.output_splits = per_local.sum(dim=1).tolist()
+self.num_global_tokens_per_local_expert = per_local
+if ep > 1:
+    permuted = all_to_all(self.ep_group, permuted, self.input_splits, self.output_splits)
+if L > 1:
+    permuted = sort_chunks_by_idxs(permuted, per_local.reshape(-1),
+                                   torch.arange(ep * L).view(ep, L).t().reshape(-1).tolist())
+"""),
+    Mistake("moe.alltoall_dispatch", "received chunks not sorted by local expert", says="forgot to sort", code="""
+if ep > 1:
+    counts = [torch.empty_like(num_local_tokens_per_expert) for _ in range(ep)]
+    dist.all_gather(counts, num_local_tokens_per_expert, group=self.ep_group)
+    counts = torch.stack(counts)
+else:
+    counts = num_local_tokens_per_expert.unsqueeze(0)
+per_local = counts[:, self.local_expert_indices]
+self.input_splits = num_local_tokens_per_expert.view(ep, L).sum(dim=1).tolist()
+self.output_splits = per_local.sum(dim=1).tolist()
+self.num_global_tokens_per_local_expert = per_local
+if ep > 1:
+    permuted = all_to_all(self.ep_group, permuted, self.output_splits, self.input_splits)
+"""),
 ]
