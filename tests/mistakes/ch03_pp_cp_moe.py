@@ -384,4 +384,82 @@ self.num_global_tokens_per_local_expert = per_local
 if ep > 1:
     permuted = all_to_all(self.ep_group, permuted, self.output_splits, self.input_splits)
 """),
+    # ------------------------------------------------------------------ hybrid.train_step
+    Mistake("hybrid.train_step", "dp grads summed with a plain all_reduce", says="summed, not averaged", code="""
+model, stages = build_model(config, state, seed)
+local = slice(dp_rank * batch_size // dp, (dp_rank + 1) * batch_size // dp)
+mine = get_batch_on_this_cp_rank({"ids": ids[local], "labels": labels[local]}, cp, cp_rank)
+inputs, targets = mine["ids"].chunk(num_microbatches), mine["labels"].chunk(num_microbatches)
+local = nn.ModuleList(stages)
+ddp, opt = None, optimizer_cls(local.parameters(), lr=lr)
+loss_func = lambda logits, y: _local_loss(logits, y, tp_group)
+losses = []
+with MoEAuxLossAutoScaler.loss_scale(1 / num_microbatches):
+    for x, y in zip(inputs, targets):
+        loss = loss_func(stages[0](x), y)
+        (loss / num_microbatches).backward()
+        losses.append(loss.item())
+for param in local.parameters():
+    if param.grad is not None:
+        dist.all_reduce(param.grad, group=dp_group)
+opt.step()
+"""),
+    Mistake("hybrid.train_step", "loss not divided by num_microbatches", says="not divided by num_microbatches",
+            code="""
+model, stages = build_model(config, state, seed)
+local = slice(dp_rank * batch_size // dp, (dp_rank + 1) * batch_size // dp)
+mine = get_batch_on_this_cp_rank({"ids": ids[local], "labels": labels[local]}, cp, cp_rank)  # zigzag chunks
+inputs, targets = mine["ids"].chunk(num_microbatches), mine["labels"].chunk(num_microbatches)
+local = nn.ModuleList(stages)  # this rank's parameters
+if moe:  # experts reduce over expert-DP, the rest over DP (finalize_model_grads): no DP wrapper
+    ddp, opt = None, optimizer_cls(local.parameters(), lr=lr)
+else:
+    ddp = DistributedDataParallel(local, group=dp_group, zero_stage=zero_stage,
+                                  overlap_grad_reduce=False)  # reduce once, after the last micro-batch
+    opt = DistributedOptimizer(ddp, optimizer_cls, lr=lr) if zero_stage else optimizer_cls(ddp.parameters(), lr=lr)
+loss_func = lambda logits, y: _local_loss(logits, y, tp_group)
+with MoEAuxLossAutoScaler.loss_scale(1 / num_microbatches):  # MoE aux losses: their share of the mean
+    if pp > 1:
+        s, b, h = config.seq_length // cp, inputs[0].shape[0], config.hidden_size
+        shape = (s // state.get_tensor_model_parallel_world_size() if config.sequence_parallel else s, b, h)
+        result = forward_backward_pipelining(stages, inputs, targets, loss_func, shape,
+                                             group=state.get_pipeline_model_parallel_group())
+        losses = result.losses
+    else:
+        losses = []
+        for x, y in zip(inputs, targets):
+            loss = loss_func(stages[0](x), y)
+            loss.backward()
+            losses.append(loss.item())
+finalize_model_grads([ddp] if ddp is not None else stages, state)  # dp(-cp) / edp, SP norms over tp, tied embeddings
+opt.step()
+"""),
+    Mistake("hybrid.train_step", "forgot finalize_model_grads", says="finalize_model_grads not called", code="""
+model, stages = build_model(config, state, seed)
+local = slice(dp_rank * batch_size // dp, (dp_rank + 1) * batch_size // dp)
+mine = get_batch_on_this_cp_rank({"ids": ids[local], "labels": labels[local]}, cp, cp_rank)  # zigzag chunks
+inputs, targets = mine["ids"].chunk(num_microbatches), mine["labels"].chunk(num_microbatches)
+local = nn.ModuleList(stages)  # this rank's parameters
+if moe:  # experts reduce over expert-DP, the rest over DP (finalize_model_grads): no DP wrapper
+    ddp, opt = None, optimizer_cls(local.parameters(), lr=lr)
+else:
+    ddp = DistributedDataParallel(local, group=dp_group, zero_stage=zero_stage,
+                                  overlap_grad_reduce=False)  # reduce once, after the last micro-batch
+    opt = DistributedOptimizer(ddp, optimizer_cls, lr=lr) if zero_stage else optimizer_cls(ddp.parameters(), lr=lr)
+loss_func = lambda logits, y: _local_loss(logits, y, tp_group)
+with MoEAuxLossAutoScaler.loss_scale(1 / num_microbatches):  # MoE aux losses: their share of the mean
+    if pp > 1:
+        s, b, h = config.seq_length // cp, inputs[0].shape[0], config.hidden_size
+        shape = (s // state.get_tensor_model_parallel_world_size() if config.sequence_parallel else s, b, h)
+        result = forward_backward_pipelining(stages, inputs, targets, loss_func, shape,
+                                             group=state.get_pipeline_model_parallel_group())
+        losses = result.losses
+    else:
+        losses = []
+        for x, y in zip(inputs, targets):
+            loss = loss_func(stages[0](x), y)
+            (loss / num_microbatches).backward()
+            losses.append(loss.item())
+opt.step()
+"""),
 ]
