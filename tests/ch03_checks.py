@@ -475,17 +475,20 @@ def check_alltoall_dispatch() -> Verdict:
         permuted, per_expert = dispatcher.token_permutation(hidden[rank], probs, maps[rank])
         return permuted[:, 0].tolist(), per_expert.tolist()
 
+    world = threaded_world.World(ep)
     try:
-        got = threaded_world.run(ep, run)
-    except (RuntimeError, ValueError) as e:
-        if "split" in str(e):
-            return mistake("the all-to-all split sizes do not fit together: output and input splits swapped? "
-                           "(all_to_all(group, input, OUTPUT_split_sizes, INPUT_split_sizes))",
-                           f"rank {getattr(e, 'rank', '?')}: {e}")
+        got = world.run(run)
+    except (RuntimeError, ValueError, threaded_world.WorldStuck) as e:
+        verdict = _alltoall_splits(world.log, maps, ep, num_local)
+        if verdict is not None:
+            return verdict
+        if isinstance(e, threaded_world.WorldStuck):
+            return mistake("a rank waits for a collective the others never join (all_gather / all_to_all on one "
+                           "rank only, or on another group?)", str(e))
         raise
-    except threaded_world.WorldStuck as e:
-        return mistake("a rank waits for a collective the others never join (all_gather / all_to_all on one rank "
-                       "only, or on another group?)", str(e))
+    verdict = _alltoall_splits(world.log, maps, ep, num_local)
+    if verdict is not None:
+        return verdict
     for rank in range(ep):
         local = [rank * num_local + i for i in range(num_local)]
         rows = lambda order: [100.0 * s + t for e, s in order for t in range(tokens) if maps[s][t, e]]
@@ -503,3 +506,32 @@ def check_alltoall_dispatch() -> Verdict:
         if not verdict:
             return verdict
     return RIGHT
+
+
+def _alltoall_splits(log, maps, ep: int, num_local: int) -> Verdict | None:
+    """A named verdict when the all-to-all's split sizes (from the threaded world's log) are wrong, else None."""
+    right = {}
+    for rank in range(ep):
+        local = [rank * num_local + i for i in range(num_local)]
+        sends = [int(maps[rank][:, [d * num_local + i for i in range(num_local)]].sum()) for d in range(ep)]
+        receives = [int(maps[s][:, local].sum()) for s in range(ep)]
+        right[rank] = dict(output_split_sizes=receives, input_split_sizes=sends)
+    calls = {rank: args for rank, name, args in log if name == "all_to_all_single"}
+    gathered = {rank for rank, name, _ in log if name == "all_gather"}
+    for rank in range(ep):
+        if rank not in calls or calls[rank] == right[rank]:
+            continue
+        got, want = calls[rank], right[rank]
+        detail = (f"rank {rank} passed output_split_sizes={got['output_split_sizes']}, input_split_sizes="
+                  f"{got['input_split_sizes']}; it sends {want['input_split_sizes']} rows and receives "
+                  f"{want['output_split_sizes']}")
+        if (got["output_split_sizes"], got["input_split_sizes"]) == (want["input_split_sizes"],
+                                                                      want["output_split_sizes"]):
+            return mistake("output and input splits swapped: all_to_all(group, input, OUTPUT_split_sizes, "
+                           "INPUT_split_sizes)", detail)
+        if got["input_split_sizes"] == want["input_split_sizes"] and rank not in gathered:
+            return mistake("the counts were never all_gathered: the output splits must come from what the OTHER "
+                           "ranks route to this rank's experts", detail)
+        return mistake("the all-to-all split sizes do not match the routing (input: rows per destination rank, "
+                       "output: rows per source rank, from the all_gathered counts)", detail)
+    return None

@@ -80,6 +80,7 @@ class World:
         self._calls: dict[tuple, int] = {}  # (rank, group ranks) -> collectives this rank called on the group
         self._waiting: dict[int, str] = {}
         self._failed = False
+        self.log: list[tuple] = []  # (rank, collective, its arguments) of the collectives called, for diagnosis
 
     # ------------------------------------------------------------------ helpers
     @property
@@ -163,6 +164,7 @@ class World:
             return [requests[id(o)] for o in ops]
 
         def all_gather(tensor_list, tensor, group=None, async_op=False):
+            world.log.append((world.rank, "all_gather", dict(size=len(tensor_list))))
             got = world._exchange(world._group(group), tensor.detach().clone(), "all_gather")
             with torch.no_grad():
                 for i, t in enumerate(tensor_list):
@@ -181,6 +183,7 @@ class World:
             n, me = len(group.ranks), group.ranks.index(world.rank)
             ins = list(input_split_sizes) if input_split_sizes is not None else [input.shape[0] // n] * n
             outs = list(output_split_sizes) if output_split_sizes is not None else [output.shape[0] // n] * n
+            world.log.append((world.rank, "all_to_all_single", dict(output_split_sizes=outs, input_split_sizes=ins)))
             got = world._exchange(group, (list(torch.split(input.detach(), ins)), outs), "all_to_all_single")
             pieces = []
             for src in range(n):

@@ -384,6 +384,19 @@ self.num_global_tokens_per_local_expert = per_local
 if ep > 1:
     permuted = all_to_all(self.ep_group, permuted, self.output_splits, self.input_splits)
 """),
+    Mistake("moe.alltoall_dispatch", "counts not all-gathered: assumes every rank routes like this one",
+            says="never all_gathered", code="""
+counts = num_local_tokens_per_expert.unsqueeze(0).expand(ep, -1)
+per_local = counts[:, self.local_expert_indices]
+self.input_splits = num_local_tokens_per_expert.view(ep, L).sum(dim=1).tolist()
+self.output_splits = per_local.sum(dim=1).tolist()
+self.num_global_tokens_per_local_expert = per_local
+if ep > 1:
+    permuted = all_to_all(self.ep_group, permuted, self.output_splits, self.input_splits)
+if L > 1:
+    permuted = sort_chunks_by_idxs(permuted, per_local.reshape(-1),
+                                   torch.arange(ep * L).view(ep, L).t().reshape(-1).tolist())
+"""),
     # ------------------------------------------------------------------ hybrid.train_step
     Mistake("hybrid.train_step", "dp grads summed with a plain all_reduce", says="summed, not averaged", code="""
 model, stages = build_model(config, state, seed)
