@@ -381,11 +381,30 @@ def _cp_attention_grads(cp: int, seed: int = 3):
         out.backward(dout[:, :, pos[rank]])
         return out.detach(), *(t.grad for t in local)
 
-    return pos, threaded_world.run(cp, run), ref, partial
+    def dq_overwritten(rank):  # the backward ring with dq[rows] = (not +=) each block pair's dq
+        from megalab.core.utils import rank_chunks
+        from megalab.transformer_engine import context_parallel as cpm
+
+        ql, dl = q[:, :, pos[rank]], dout[:, :, pos[rank]]
+        scores = ql @ k.repeat_interleave(np_ // ng, 1).transpose(-1, -2) / hn**0.5
+        lse = scores.masked_fill(pos[rank][:, None] < torch.arange(s)[None, :], float("-inf")).logsumexp(-1)
+        dq, c = torch.zeros_like(ql), s // (2 * cp)
+        for step in range(cp):
+            owner = (rank - step) % cp
+            kb, vb = k[:, :, pos[owner]], v[:, :, pos[owner]]
+            for rows, cols, kind in cpm._block_pairs(rank_chunks(cp, rank), rank_chunks(cp, owner), c):
+                dq[:, :, rows] = cpm.block_attention_backward(ql[:, :, rows], kb[:, :, cols], vb[:, :, cols],
+                                                              ref[0][:, :, pos[rank]][:, :, rows], lse[:, :, rows],
+                                                              dl[:, :, rows], cpm._mask(kind, c, q.device))[0]
+        return dq
+
+    return pos, threaded_world.run(cp, run), ref, partial, dq_overwritten
 
 
 def check_backward_ring() -> Verdict:
     """dq, dk, dv of ring attention (zigzag, cp = 2 and 3, threaded world) vs SDPA's on the full sequence."""
+    import functools
+
     import torch
 
     from megalab.lab.checks import close
@@ -393,7 +412,7 @@ def check_backward_ring() -> Verdict:
 
     for cp in (2, 3):
         try:
-            pos, ours, ref, partial = _cp_attention_grads(cp)
+            pos, ours, ref, partial, dq_overwritten = _cp_attention_grads(cp)
         except WorldStuck as e:
             return mistake("a rank waits for a message no rank sends: the sends and receives of the backward ring do "
                            "not pair up (a ring_step on some ranks or steps only?)", f"cp={cp}: {e}")
@@ -403,7 +422,8 @@ def check_backward_ring() -> Verdict:
             for i, name in ((2, "dk"), (3, "dv"), (1, "dq")):
                 if not verdict:
                     return verdict
-                mistakes = {} if name == "dq" else {
+                mistakes = {"dq overwritten by each block pair (dq[rows] = ...) instead of accumulated (+=)":
+                            functools.partial(dq_overwritten, rank)} if name == "dq" else {
                     "forgot the last hop home: each rank ends up with the dK/dV of the block one rank further on "
                     "(send dkv once more after the loop)": ref[i][:, :, pos[(rank + 1) % cp]],
                     "dK/dV never travel with their block: each rank adds every visiting block's gradient into its "

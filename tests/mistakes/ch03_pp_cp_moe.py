@@ -245,6 +245,30 @@ for step in range(cp):
         _wait(kv_requests)
         block = next_block
 """),
+    Mistake("cp.backward_ring", "dq overwritten by each block pair", says="dq overwritten", code="""
+for step in range(cp):
+    owner = (rank - step) % cp
+    if dkv is None:
+        dkv = torch.zeros_like(kv)
+    else:
+        dkv, dkv_requests = ring_step(dkv, group)
+        _wait(dkv_requests)
+    if step + 1 < cp:
+        next_block, kv_requests = ring_step(block, group)
+    for rows, cols, kind in _block_pairs(q_chunks, rank_chunks(cp, owner, zigzag), c):
+        dq_ij, dk, dv = block_attention_backward(
+            q[:, :, rows], block[0][:, :, cols], block[1][:, :, cols], out[:, :, rows], lse[:, :, rows],
+            dout[:, :, rows], _mask(kind, c, q.device))
+        dq[:, :, rows] = dq_ij
+        dkv[0][:, :, cols] += dk
+        dkv[1][:, :, cols] += dv
+    if step + 1 < cp:
+        _wait(kv_requests)
+        block = next_block
+if cp > 1:
+    dkv, dkv_requests = ring_step(dkv, group)
+    _wait(dkv_requests)
+"""),
     # ------------------------------------------------------------------ moe.load_balancing_loss
     Mistake("moe.load_balancing_loss", "fractions of T, not of T*k", says="forgot the top-k", code="""
 aggregated_probs_per_expert = probs.sum(dim=0)
