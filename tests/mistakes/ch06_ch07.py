@@ -183,3 +183,137 @@ causal = torch.ones(total, total, dtype=torch.bool, device=cu_seqlens.device).tr
 return same & causal
 """),
 ]
+MISTAKES += [
+    # ------------------------------------------------------------------ 06·05 inference
+    Mistake("inference.paged_slots", "skipped the block table", says="not as an index into the block table", code="""
+positions = torch.arange(start, start + n, device=self.key.device)
+return positions // self.block_size, positions % self.block_size
+"""),
+    Mistake("inference.paged_slots", "block index rounded up: off by one page", says="off by one page", code="""
+positions = torch.arange(start, start + n, device=self.key.device)
+table = torch.tensor(self.block_tables[seq_id], device=self.key.device)
+return table[(positions + self.block_size - 1) // self.block_size], positions % self.block_size
+"""),
+    Mistake("inference.paged_slots", "positions from 0, not start", says="not from start", code="""
+positions = torch.arange(n, device=self.key.device)
+table = torch.tensor(self.block_tables[seq_id], device=self.key.device)
+return table[positions // self.block_size], positions % self.block_size
+"""),
+    Mistake("inference.schedule", "admitted past the token budget", says="past the token budget", code="""
+while self.waiting and len(self.active) + len(admitted) < self.max_batch_size:
+    request = self.waiting[0]
+    if tokens > self.max_tokens:
+        break
+    if not self.cache.fits([r.final_length for r in (*self.active, *admitted, request)]):
+        break
+    admitted.append(self.waiting.popleft())
+    tokens += len(request.prompt_tokens)
+"""),
+    Mistake("inference.schedule", "skipped a request that does not fit", says="first come, first served", code="""
+for request in list(self.waiting):
+    if len(self.active) + len(admitted) >= self.max_batch_size:
+        break
+    if tokens + len(request.prompt_tokens) > self.max_tokens:
+        continue
+    if not self.cache.fits([r.final_length for r in (*self.active, *admitted, request)]):
+        continue
+    self.waiting.remove(request)
+    admitted.append(request)
+    tokens += len(request.prompt_tokens)
+"""),
+    Mistake("inference.schedule", "forgot the running requests' decode tokens", says="decode tokens", code="""
+tokens = 0
+while self.waiting and len(self.active) + len(admitted) < self.max_batch_size:
+    request = self.waiting[0]
+    if tokens + len(request.prompt_tokens) > self.max_tokens:
+        break
+    if not self.cache.fits([r.final_length for r in (*self.active, *admitted, request)]):
+        break
+    admitted.append(self.waiting.popleft())
+    tokens += len(request.prompt_tokens)
+"""),
+    Mistake("inference.schedule", "ignored the KV cache", says="KV cache", code="""
+while self.waiting and len(self.active) + len(admitted) < self.max_batch_size:
+    request = self.waiting[0]
+    if tokens + len(request.prompt_tokens) > self.max_tokens:
+        break
+    admitted.append(self.waiting.popleft())
+    tokens += len(request.prompt_tokens)
+"""),
+    Mistake("inference.filter_logits", "top-k kept exactly k, dropping ties", says="ties", code="""
+logits = logits.clone()
+if top_k > 0:
+    keep = torch.topk(logits, min(top_k, logits.shape[-1])).indices
+    outside = torch.ones_like(logits, dtype=torch.bool)
+    outside[keep] = False
+    logits[outside] = float("-inf")
+if 0.0 < top_p < 1.0:
+    sorted_logits, order = torch.sort(logits, descending=True)
+    cumulative = sorted_logits.softmax(-1).cumsum(-1)
+    drop = cumulative - sorted_logits.softmax(-1) >= top_p
+    drop[0] = False
+    logits[order[drop]] = float("-inf")
+return logits
+"""),
+    Mistake("inference.filter_logits", "top-p dropped the token that crosses p", says="crosses top_p", code="""
+logits = logits.clone()
+if top_k > 0:
+    kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[-1]
+    logits[logits < kth] = float("-inf")
+if 0.0 < top_p < 1.0:
+    sorted_logits, order = torch.sort(logits, descending=True)
+    cumulative = sorted_logits.softmax(-1).cumsum(-1)
+    drop = cumulative >= top_p
+    drop[0] = False
+    logits[order[drop]] = float("-inf")
+return logits
+"""),
+    Mistake("inference.filter_logits", "top-p cumulated in vocabulary order", says="vocabulary order", code="""
+logits = logits.clone()
+if top_k > 0:
+    kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[-1]
+    logits[logits < kth] = float("-inf")
+if 0.0 < top_p < 1.0:
+    probs = logits.softmax(-1)
+    drop = probs.cumsum(-1) - probs >= top_p
+    drop[logits.argmax()] = False
+    logits[drop] = float("-inf")
+return logits
+"""),
+    Mistake("inference.filter_logits", "top-p on the logits before top-k", says="before top-k", code="""
+original, logits = logits, logits.clone()
+if top_k > 0:
+    kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[-1]
+    logits[logits < kth] = float("-inf")
+if 0.0 < top_p < 1.0:
+    sorted_logits, order = torch.sort(original, descending=True)
+    cumulative = sorted_logits.softmax(-1).cumsum(-1)
+    drop = cumulative - sorted_logits.softmax(-1) >= top_p
+    drop[0] = False
+    logits[order[drop]] = float("-inf")
+return logits
+"""),
+    Mistake("inference.cached_attention", "causal mask without the cache offset", says="without the cache offset",
+            code="""
+keys = keys.repeat_interleave(np_ // keys.shape[1], dim=1)
+values = values.repeat_interleave(np_ // values.shape[1], dim=1)
+visible = torch.arange(keys.shape[0], device=query.device) <= torch.arange(n, device=query.device)[:, None]
+context = F.scaled_dot_product_attention(
+    query.transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1), attn_mask=visible)
+return context.transpose(0, 1).reshape(n, np_ * hn)
+"""),
+    Mistake("inference.cached_attention", "no causal mask", says="no causal mask", code="""
+keys = keys.repeat_interleave(np_ // keys.shape[1], dim=1)
+values = values.repeat_interleave(np_ // values.shape[1], dim=1)
+context = F.scaled_dot_product_attention(query.transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1))
+return context.transpose(0, 1).reshape(n, np_ * hn)
+"""),
+    Mistake("inference.cached_attention", "GQA groups repeated, not interleaved", says="repeat_interleave", code="""
+keys = keys.repeat(1, np_ // keys.shape[1], 1)
+values = values.repeat(1, np_ // values.shape[1], 1)
+visible = torch.arange(keys.shape[0], device=query.device) <= start + torch.arange(n, device=query.device)[:, None]
+context = F.scaled_dot_product_attention(
+    query.transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1), attn_mask=visible)
+return context.transpose(0, 1).reshape(n, np_ * hn)
+"""),
+]
