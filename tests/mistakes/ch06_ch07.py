@@ -317,3 +317,170 @@ context = F.scaled_dot_product_attention(
 return context.transpose(0, 1).reshape(n, np_ * hn)
 """),
 ]
+MISTAKES += [
+    # ------------------------------------------------------------------ 07·01 train in 3D parallel: the resume check
+    Mistake("projects.curves_match", "never checked the iterations", says="never checked the iterations", code="""
+if not resumed or len(resumed) > len(reference):
+    return False
+tail = reference[-len(resumed):]
+return all(abs(loss - ref) <= rtol * abs(ref) for (_, loss), (_, ref) in zip(resumed, tail))
+"""),
+    Mistake("projects.curves_match", "any iterations of the reference accepted", says="in order, none missing", code="""
+expected = dict(reference)
+if not resumed or any(it not in expected for it, _ in resumed):
+    return False
+return all(abs(loss - expected[it]) <= rtol * abs(expected[it]) for it, loss in resumed)
+"""),
+    Mistake("projects.curves_match", "rtol used as an absolute tolerance", says="absolute tolerance", code="""
+expected = dict(reference)
+iterations = [it for it, _ in resumed]
+if not resumed or iterations != sorted(expected)[-len(resumed):]:
+    return False
+return all(abs(loss - expected[it]) <= rtol for it, loss in resumed)
+"""),
+    Mistake("projects.curves_match", "strict < rejects the exact continuation", says="instead of <=", code="""
+expected = dict(reference)
+iterations = [it for it, _ in resumed]
+if not resumed or iterations != sorted(expected)[-len(resumed):]:
+    return False
+return all(abs(loss - expected[it]) < rtol * abs(expected[it]) for it, loss in resumed)
+"""),
+    # ------------------------------------------------------------------ 07·02 a custom layer: sliding-window attention
+    Mistake("sliding_window.mask", "window off by one (W + 1 keys)", says="W + 1 keys", code="""
+i = torch.arange(seq_length, device=device)[:, None]
+j = torch.arange(seq_length, device=device)[None, :]
+distance = i - j
+return (distance >= 0) & (distance <= window)
+"""),
+    Mistake("sliding_window.mask", "window off by one (W - 1 keys)", says="W - 1 keys", code="""
+i = torch.arange(seq_length, device=device)[:, None]
+j = torch.arange(seq_length, device=device)[None, :]
+return (i - j >= 0) & (i - j < window - 1)
+"""),
+    Mistake("sliding_window.mask", "no causal part", says="no causal part", code="""
+i = torch.arange(seq_length, device=device)[:, None]
+j = torch.arange(seq_length, device=device)[None, :]
+return (i - j).abs() < window
+"""),
+    Mistake("sliding_window.mask", "band the wrong way (j - i)", says="wrong way", code="""
+i = torch.arange(seq_length, device=device)[:, None]
+j = torch.arange(seq_length, device=device)[None, :]
+distance = j - i
+return (distance >= 0) & (distance < window)
+"""),
+    Mistake("sliding_window.blocked", "block 0's padding block visible", says="zero padding", code="""
+pad = n * window - s
+q, k, v = (F.pad(t, (0, 0, 0, pad)).view(b, h, n, window, d) for t in (q, k, v))
+
+def with_previous_block(t):
+    return torch.cat([F.pad(t, (0, 0, 0, 0, 1, 0))[:, :, :-1], t], dim=3)
+
+r = torch.arange(window, device=q.device)[:, None]
+t = torch.arange(2 * window, device=q.device)[None, :]
+band = (t > r) & (t <= r + window)
+mask = band.expand(n, window, 2 * window)
+q, k, v = (x.flatten(0, 1) for x in (q, with_previous_block(k), with_previous_block(v)))
+context = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+return context.reshape(b, h, n * window, d)[:, :, :s]
+"""),
+    Mistake("sliding_window.blocked", "band off by one (W + 1 keys)", says="W + 1 keys", code="""
+pad = n * window - s
+q, k, v = (F.pad(t, (0, 0, 0, pad)).view(b, h, n, window, d) for t in (q, k, v))
+
+def with_previous_block(t):
+    return torch.cat([F.pad(t, (0, 0, 0, 0, 1, 0))[:, :, :-1], t], dim=3)
+
+r = torch.arange(window, device=q.device)[:, None]
+t = torch.arange(2 * window, device=q.device)[None, :]
+band = (t >= r) & (t <= r + window)
+mask = band.expand(n, window, 2 * window).clone()
+mask[0, :, :window] = False
+q, k, v = (x.flatten(0, 1) for x in (q, with_previous_block(k), with_previous_block(v)))
+context = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+return context.reshape(b, h, n * window, d)[:, :, :s]
+"""),
+    Mistake("sliding_window.blocked", "only the query's own block", says="own block", code="""
+pad = n * window - s
+q, k, v = (F.pad(t, (0, 0, 0, pad)).view(b, h, n, window, d) for t in (q, k, v))
+mask = torch.ones(window, window, dtype=torch.bool, device=q.device).tril()
+q, k, v = (x.flatten(0, 1) for x in (q, k, v))
+context = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+return context.reshape(b, h, n * window, d)[:, :, :s]
+"""),
+    # ------------------------------------------------------------------ 07·03 profile and speed up
+    Mistake("speedup.remove_hotspots", "kept full recompute", says="kept full activation recompute", code="""
+config = replace(config, attention_backend="sdpa")
+return config, LayerSpec(column_linear=spec.column_linear, row_linear=spec.row_linear)
+"""),
+    Mistake("speedup.remove_hotspots", "kept the looped attention", says="LoopedAttention", code="""
+config = replace(config, recompute_granularity=None, recompute_method=None, recompute_num_layers=None,
+                 attention_backend="sdpa")
+return config, spec
+"""),
+    Mistake("speedup.remove_hotspots", "selective recompute instead of none", says="selective recompute", code="""
+config = replace(config, recompute_granularity="selective", recompute_method=None, recompute_num_layers=None,
+                 attention_backend="sdpa")
+return config, LayerSpec(column_linear=spec.column_linear, row_linear=spec.row_linear)
+"""),
+    Mistake("speedup.interleaved_speedup", "not interleaved", says="not interleaved", code="""
+for name, fn in (("before", before), ("after", after)):
+    for round_ in range(warmup + repeats):
+        start = clock()
+        fn()
+        elapsed = clock() - start
+        if round_ >= warmup:
+            times[name].append(elapsed * 1e3)
+"""),
+    Mistake("speedup.interleaved_speedup", "kept the warm-up rounds", says="warm-up round", code="""
+for round_ in range(warmup + repeats):
+    for name, fn in (("before", before), ("after", after)):
+        start = clock()
+        fn()
+        times[name].append((clock() - start) * 1e3)
+"""),
+    Mistake("speedup.interleaved_speedup", "seconds, not milliseconds", says="not milliseconds", code="""
+for round_ in range(warmup + repeats):
+    for name, fn in (("before", before), ("after", after)):
+        start = clock()
+        fn()
+        elapsed = clock() - start
+        if round_ >= warmup:
+            times[name].append(elapsed)
+"""),
+    Mistake("speedup.interleaved_speedup", "one clock reading per round", says="one clock reading per round", code="""
+for round_ in range(warmup + repeats):
+    start = clock()
+    for name, fn in (("before", before), ("after", after)):
+        fn()
+        if round_ >= warmup:
+            times[name].append((clock() - start) * 1e3)
+"""),
+    # ------------------------------------------------------------------ 07·04 serve the trained model
+    Mistake("projects.load_inference_model", "read but never copied in", says="never copied", code="""
+state = {f"model.{name}": torch.empty_like(p) for name, p in model.named_parameters()}
+with warnings.catch_warnings():
+    warnings.filterwarnings("ignore", "torch.distributed is disabled")
+    read_state(path, state, no_dist=True)
+"""),
+    Mistake("projects.load_inference_model", "copied only the weights", says="only the weights", code="""
+state = {f"model.{name}": torch.empty_like(p) for name, p in model.named_parameters() if name.endswith("weight")}
+with warnings.catch_warnings():
+    warnings.filterwarnings("ignore", "torch.distributed is disabled")
+    read_state(path, state, no_dist=True)
+with torch.no_grad():
+    for name, p in model.named_parameters():
+        if name.endswith("weight"):
+            p.copy_(state[f"model.{name}"])
+"""),
+    Mistake("projects.load_inference_model", "loaded only the transformer layers", says="only the transformer layers",
+            code="""
+layers = {name: p for name, p in model.named_parameters() if name.startswith("decoder.")}
+state = {f"model.{name}": torch.empty_like(p) for name, p in layers.items()}
+with warnings.catch_warnings():
+    warnings.filterwarnings("ignore", "torch.distributed is disabled")
+    read_state(path, state, no_dist=True)
+with torch.no_grad():
+    for name, p in layers.items():
+        p.copy_(state[f"model.{name}"])
+"""),
+]
