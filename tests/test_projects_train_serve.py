@@ -2,13 +2,16 @@
 a tp2·pp2 training checkpoint becomes one GPTModel with the trained model's logits, and the load test
 times first tokens of streamed requests and counts every failure."""
 
+import dataclasses
 import shutil
 import tempfile
+import warnings
 from pathlib import Path
 
 import httpx
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 
 from megalab.core.inference import InferenceEngine, PagedKVCache
 from megalab.core.inference.text_generation_server.text_generation_server import ServerThread, create_app, load_test
@@ -17,7 +20,7 @@ from megalab.core.tokenizers.text.libraries.bytelevel_tokenizer import ByteToken
 from megalab.core.transformer.transformer_config import TransformerConfig
 from megalab.extras import projects
 from megalab.lab import launch
-from megalab.training.checkpointing import CheckpointError
+from megalab.training.checkpointing import TRACKER, CheckpointError, checkpoint_dir
 from tests.feedback import close, require
 
 REFERENCE = [(1, 9.01), (2, 8.9), (3, 8.7), (4, 8.41), (5, 8.3), (6, 8.2)]
@@ -134,19 +137,12 @@ def _train_and_reference_logits(root: str, tokens: torch.Tensor):
 def _write_tp1_checkpoint(root: Path, model: GPTModel, iteration: int = 3) -> None:
     """A training checkpoint of `model` in the layout save_checkpoint writes (model.<name> tensors at full shape,
     common.pt with the model config, the tracker), written by one process without a process group."""
-    import dataclasses
-    import warnings
-
-    import torch.distributed.checkpoint as dcp
-
-    from megalab.training import checkpointing as ckpt
-
-    path = ckpt.checkpoint_dir(root, iteration)
+    path = checkpoint_dir(root, iteration)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", "torch.distributed is disabled")
         dcp.save({f"model.{name}": p.detach() for name, p in model.named_parameters()}, checkpoint_id=path, no_dist=True)
     torch.save({"iteration": iteration, "model_config": dataclasses.asdict(model.config)}, path / "common.pt")
-    (root / ckpt.TRACKER).write_text(str(iteration))
+    (root / TRACKER).write_text(str(iteration))
 
 
 @pytest.mark.exercise("projects.load_inference_model")
