@@ -59,12 +59,12 @@ def _output_layer_case():
     state = ps.initialize_model_parallel(tensor_model_parallel_size=2)
     try:
         group, rank = state.get_tensor_model_parallel_group(), state.get_tensor_model_parallel_rank()
-        config, vocab = bh.toy_tp_config(), 8
+        config, vocab, dev = bh.toy_tp_config(), 8, mdist.device()
         g = torch.Generator().manual_seed(0)
-        w = torch.randn(vocab, config.hidden_size, generator=g)  # the single-process weight [V, h]
-        x = torch.randn(2, 3, config.hidden_size, generator=g)
-        labels = torch.randint(0, vocab, (2, 3), generator=g)
-        layer = bh.build_output_layer(config, vocab, group)
+        w = torch.randn(vocab, config.hidden_size, generator=g).to(dev)  # the single-process weight [V, h]
+        x = torch.randn(2, 3, config.hidden_size, generator=g).to(dev)
+        labels = torch.randint(0, vocab, (2, 3), generator=g).to(dev)
+        layer = bh.build_output_layer(config, vocab, group).to(dev)
         with torch.no_grad():
             layer.weight.copy_(full_shard_of(w, layer.weight, rank))
         xs = x.clone().requires_grad_()
@@ -89,7 +89,7 @@ def test_output_layer_sends_every_vocab_slices_gradient_back():
     for rank, out in res.items():
         if out["logits_shape"][-1] != out["vocab"] // 2:
             require(mistake(f"the logits hold {out['logits_shape'][-1]} of the {out['vocab']} vocabulary entries on "
-                            "rank {rank}, not this rank's slice of vocab/2 (gather_output=True?): "
+                            f"rank {rank}, not this rank's slice of vocab/2 (gather_output=True?): "
                             "vocab_parallel_cross_entropy reads them as a slice and computes a wrong loss",
                             f"logits {out['logits_shape']}"))
         require(close(out["grad"], out["reference"], f"the hidden state's gradient on TP rank {rank}", atol=1e-5,
@@ -108,7 +108,7 @@ def _sync_points(pp_size: int, pp_rank: int, m: int) -> list[int]:
 @pytest.mark.exercise("bugs.pp_grad_sync")
 def test_grad_sync_once_after_the_last_backward_on_every_stage():
     for pp in (2, 4):
-        for m in (1, 3, 4, 8):
+        for m in (4, 8, 3, 1):
             for rank in range(pp):
                 points = _sync_points(pp, rank, m)
                 where = f"pp={pp}, stage {rank}, m={m}: syncs after backward(s) {points}, expected [{m - 1}]"
@@ -262,10 +262,20 @@ def test_cp_trainer_equals_one_process_document_by_document_only_when_fixed():
 
 
 def test_buggy_versions_are_the_regions_bug():
-    """injected() swaps in each region's BUGGY lines: the functions behave as the bug, and are put back after."""
-    require(all_of(equal(bh.buggy_version(bh.tensor_parallel_dropout_seed)(7, 1), 7, "buggy seed"),
-                   equal(bh.buggy_version(bh.vocab_partition)(67, 2), (66, 33), "buggy vocab_partition(67, 2)"),
-                   equal(bh.buggy_version(bh.should_sync_grads)(3, 4, 0), False, "buggy sync on the last stage")))
+    """injected() runs each region's shipped bug (SHIPPED = the region's `### BUGGY` lines), and puts the fix back."""
+    from pathlib import Path
+
+    from megalab.lab.exercises import parse_regions
+
+    path = Path(bh.__file__)
+    regions, problems = parse_regions(path.read_text(), "megalab/extras/bug_hunt.py")
+    require(equal(problems, [], "problems of the exercise markers in bug_hunt.py"))
+    buggy = {ex.id.removeprefix("bugs."): "\n".join(line.strip() and line[len(ex.indent):] for line in ex.buggy)
+             for ex in regions}
+    require(equal(buggy, bh.SHIPPED, "the regions' BUGGY lines (bug_hunt.SHIPPED must hold the same code)"))
+    require(all_of(equal(bh.buggy_version("tp_dropout_seed")(7, 1), 7, "buggy seed"),
+                   equal(bh.buggy_version("vocab_padding")(67, 2), (66, 33), "buggy vocab_partition(67, 2)"),
+                   equal(bh.buggy_version("pp_grad_sync")(3, 4, 0), False, "buggy sync on the last stage")))
     with bh.injected("vocab_padding"):
         require(equal(bh.vocab_partition(67, 2), (66, 33), "vocab_partition inside injected('vocab_padding')"))
     require(equal(bh.vocab_partition(67, 2), (68, 34), "vocab_partition after injected(...)"))

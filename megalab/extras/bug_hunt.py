@@ -49,6 +49,7 @@ from megalab.core.tensor_parallel.utils import vocab_size_with_padding
 from megalab.core.transformer.transformer_config import TransformerConfig
 from megalab.core.utils import get_batch_on_this_cp_rank, init_method_normal
 from megalab.extras.comm_tracer import CollectiveTracer
+from megalab.lab import dist as mdist
 
 
 # ================================================================== the five functions (one bug each)
@@ -152,29 +153,42 @@ BUGS = {
 
 
 # ================================================================== showing a bug next to its fix
-def buggy_version(fn):
-    """`fn` with its exercise region replaced by the region's `### BUGGY` lines (uncommented); `fn` itself when
-    its source has no such lines (the learner's copy, which starts with the bug)."""
+# The bug each region ships with: the lines after its `### BUGGY` (tests/test_bug_hunt.py checks they agree). The
+# learner's copy starts with them in place of the region, so they are kept here too, for injected().
+SHIPPED = {
+    "tp_dropout_seed": "return base_seed",
+    "vocab_padding": "per_partition = vocab_size // tp_size  # each rank's slice\n"
+                     "return per_partition * tp_size, per_partition",
+    "output_layer": "return nn.Linear(config.hidden_size, vocab_size // dist.get_world_size(tp_group), bias=False)",
+    "pp_grad_sync": "in_cooldown = backward_index >= num_microbatches - num_warmup\n"
+                    "return in_cooldown and backward_index == num_microbatches - 1",
+    "cp_packed": "batch = pack_batch(docs, seq_length)  # documents back to back in rows of seq_length\n"
+                 "batch.pop(\"packed_seq_params\")  # ContextParallelAttention refuses them\n"
+                 "return batch",
+}
+
+
+def buggy_version(name: str):
+    """BUGS[name] as shipped: its signature, docstring and exercise line, then the SHIPPED body (whatever the
+    function's body is now: the fix in the reference, yours in your copy)."""
+    fn = BUGS[name]
     lines = textwrap.dedent(inspect.getsource(fn)).splitlines()
-    marks = [i for i, line in enumerate(lines) if line.strip() in ("### BEGIN SOLUTION", "### BUGGY", "### END SOLUTION")]
-    if len(marks) != 3:
-        return fn
-    begin, buggy, end = marks
-    indent = lines[begin][: len(lines[begin]) - len(lines[begin].lstrip())]
-    body = [indent + line.strip()[2:] if line.strip().startswith("# ") else line for line in lines[buggy + 1:end]]
+    at = next(i for i, line in enumerate(lines) if line.lstrip().startswith("# EXERCISE "))
+    indent = lines[at][: len(lines[at]) - len(lines[at].lstrip())]
+    source = "\n".join(lines[: at + 1]) + "\n" + textwrap.indent(SHIPPED[name], indent) + "\n"
     namespace = dict(fn.__globals__)
-    exec(compile("\n".join(lines[:begin] + body + lines[end + 1:]), inspect.getsourcefile(fn), "exec"), namespace)
+    exec(compile(source, inspect.getsourcefile(fn), "exec"), namespace)
     return namespace[fn.__name__]
 
 
 @contextlib.contextmanager
 def injected(*names: str) -> Iterator[None]:
-    """Inside, the trainers call the buggy version of the named functions (BUGS keys)."""
+    """Inside, the trainers call the shipped (buggy) version of the named functions (BUGS keys)."""
     module = sys.modules[__name__]
     saved = {name: getattr(module, BUGS[name].__name__) for name in names}
     try:
         for name in names:
-            setattr(module, BUGS[name].__name__, buggy_version(BUGS[name]))
+            setattr(module, BUGS[name].__name__, buggy_version(name))
         yield
     finally:
         for name, fn in saved.items():
@@ -273,14 +287,14 @@ def train_tp(tp_size: int, *, steps: int = 8, vocab_size: int = 67, hidden_dropo
         config = toy_tp_config(hidden_dropout)
         padded = padded_vocab_size or vocab_partition(vocab_size, tp_size)[0]
         torch.manual_seed(0)
-        model = ToyTPModel(config, padded, tp_group)
+        model = ToyTPModel(config, padded, tp_group).to(mdist.device())
         out = {"padded_vocab_size": padded}
         if master is None:
             out["master"] = {name: p.detach().clone() for name, p in model.named_parameters()}
         else:
             load_master(model, master, tp_rank)
         optimizer = torch.optim.Adam(model.parameters(), lr=lr)
-        ids, labels = toy_tokens(vocab_size)
+        ids, labels = (t.to(mdist.device()) for t in toy_tokens(vocab_size))
         losses = []
         for step in range(steps):
             loss = model(ids, labels).mean()
@@ -354,11 +368,12 @@ def train_pp_dp(pp_size: int = 2, *, num_microbatches: int = 4, steps: int = 6, 
     try:
         pp_rank, dp_rank = state.get_pipeline_model_parallel_rank(), state.get_data_parallel_rank()
         dp_group, dp_size = state.get_data_parallel_group(), state.get_data_parallel_world_size()
-        stage = toy_pipeline(num_stages=pp_size)[pp_rank]
+        dev = mdist.device()
+        stage = toy_pipeline(num_stages=pp_size)[pp_rank].to(dev)
         sync = OverlappedGradSync(stage, dp_group, num_microbatches,
                                   get_num_warmup_microbatches(pp_size, pp_rank, num_microbatches))
         optimizer = torch.optim.SGD(stage.parameters(), lr=lr)
-        x, y = toy_regression(num_microbatches * dp_size)
+        x, y = (t.to(dev) for t in toy_regression(num_microbatches * dp_size))
         mine = slice(dp_rank * num_microbatches, (dp_rank + 1) * num_microbatches)  # this replica's micro-batches
         out = {"stage": pp_rank, "dp_rank": dp_rank, "losses": []}
         for step in range(steps):
@@ -369,7 +384,7 @@ def train_pp_dp(pp_size: int = 2, *, num_microbatches: int = 4, steps: int = 6, 
             if step == 0:
                 out["grad_norms"] = grad_norms(stage)
             if state.is_pipeline_last_stage():
-                loss = torch.tensor(sum(result.losses) / num_microbatches)
+                loss = torch.tensor(sum(result.losses) / num_microbatches, device=dev)
                 dist.all_reduce(loss, group=dp_group)
                 out["losses"].append(loss.item() / dp_size)
             optimizer.step()
@@ -422,11 +437,12 @@ def train_cp(cp_size: int, *, steps: int = 6, lr: float = 3e-3) -> dict:
     state = ps.initialize_model_parallel(context_parallel_size=cp_size)
     try:
         cp_rank = state.get_context_parallel_rank()
-        config, docs = toy_cp_config(), toy_documents()
+        dev = mdist.device()
+        config, docs = toy_cp_config(), [d.to(dev) for d in toy_documents()]
         torch.manual_seed(0)
-        reference = GPTModel(config)
+        reference = GPTModel(config).to(dev)
         torch.manual_seed(0)
-        model = GPTModel(config, context_parallel_layer_spec(cp_group=state.get_context_parallel_group()))
+        model = GPTModel(config, context_parallel_layer_spec(cp_group=state.get_context_parallel_group())).to(dev)
         batch = cp_batch_from_documents(docs, config.seq_length)
         tokens = sum(d.numel() - 1 for d in docs)  # real labels of the whole batch
         local = get_batch_on_this_cp_rank(batch, cp_size, cp_rank)
