@@ -1,6 +1,7 @@
 """megalab: learn how Megatron-LM trains and serves large language models by building it.
 
-`%load_ext megalab` in a notebook registers the `%%torchrun` cell magic and `%grade` (megalab/lab/magic.py)
+`%load_ext megalab` in a notebook registers the `%%torchrun` cell magic, `%grade`, `%hint` and `%progress`
+(megalab/lab/magic.py, megalab/lab/progress.py)
 and says which `megalab` the kernel runs: the one of the workspace the notebook lives in. If the
 kernel imported another (the reference's, from its editable install), it switches to the notebook's
 before anything else is imported, so the kernel and every rank run your code, never the solutions.
@@ -30,6 +31,8 @@ def load_ipython_extension(ipython):
 
     ipython.register_magics(TorchrunMagics)
     ipython.register_magic_function(grade_magic, "line", "grade")
+    ipython.register_magic_function(hint_magic, "line", "hint")
+    ipython.register_magic_function(progress_magic, "line", "progress")
     scratch_root()  # this kernel's own temp folder, which its %%torchrun ranks inherit
     print(banner(here))
 
@@ -48,6 +51,34 @@ def grade_magic(line: str) -> None:
     print(proc.stdout, end="")
     if proc.stderr:
         print(proc.stderr, end="", file=sys.stderr)
+
+
+def hint_magic(line: str) -> None:
+    """`%hint ID [LEVEL]`: the next hint for an exercise (the idea, then the approach), or hint LEVEL."""
+    from pathlib import Path
+
+    from megalab.lab.exercises import find_root
+    from megalab.lab.progress import HintError, format_hint, hint
+
+    args = line.split()
+    if not args or len(args) > 2 or (len(args) == 2 and not args[1].isdigit()):
+        print("usage: %hint EXERCISE_ID [LEVEL] (e.g. %hint dist.shard_bounds, or %hint dist.shard_bounds 2)")
+        return
+    try:
+        level, levels, text = hint(find_root(Path.cwd()), args[0], int(args[1]) if len(args) == 2 else None)
+    except (HintError, ValueError) as exc:
+        print(f"%hint: {exc}")
+        return
+    print(format_hint(args[0], level, levels, text))
+
+
+def progress_magic(line: str) -> None:
+    """`%progress [CHAPTER]`: exercises done per chapter, hints used and last attempts, with a chart."""
+    from pathlib import Path
+
+    from megalab.lab.progress import show
+
+    show(line.strip() or None, Path.cwd())
 
 
 def _tree_of(folder):
@@ -80,4 +111,4 @@ def banner(root) -> str:
         return f"megalab {__version__} · the reference implementation · every exercise solved"
     where = str(root).replace(str(Path.home()), "~", 1) if str(root).startswith(str(Path.home())) else str(root)
     return (f"megalab {__version__} · your workspace {where}/megalab · {done} of {total} exercises implemented · "
-            "%grade ID checks one")
+            "%grade ID checks one, %hint ID helps, %progress shows where you are")

@@ -118,7 +118,7 @@ def _toy_tree(root: Path) -> Path:
     (root / "megalab" / "__init__.py").write_text("")
     (root / "megalab" / "lab").mkdir()
     (root / "megalab" / "lab" / "__init__.py").write_text("")
-    for module in ("exercises.py", "grading.py", "launch.py", "notebooks.py", "worker.py", "workspace.py"):  # `megalab grade` loads its plugin here
+    for module in ("exercises.py", "grading.py", "launch.py", "notebooks.py", "progress.py", "worker.py", "workspace.py"):  # `megalab grade` loads its plugin here
         shutil.copy(REPO / "megalab" / "lab" / module, root / "megalab" / "lab" / module)
     (root / "megalab" / "toy.py").write_text(SOURCE)
     (root / "tests").mkdir()
@@ -314,6 +314,10 @@ def test_student_workspace_differs_only_in_the_regions(student):
         assert len(changes) == len(expected), f"{rel}: {len(changes)} changes for {len(expected)} regions"
         for (tag, i1, i2, j1, j2), ex in zip(changes, expected):
             begin, end = ex.solution
+            if ex.buggy is not None:  # a bug hunt starts from the bug, uncommented
+                assert (tag, i1, i2) == ("replace", begin, end + 1) and stu_lines[j1:j2] == ex.buggy, f"{rel}: {ex.id}"
+                checked += 1
+                continue
             assert (tag, i1, i2, j2 - j1) == ("replace", begin, end + 1, 1), f"{rel}: change {tag} at {i1} is not {ex.id}"
             assert stu_lines[j1] == f'{ex.indent}raise NotImplementedError("{ex.message()}")'
             checked += 1
@@ -358,8 +362,13 @@ def test_the_grader_runs_every_exercise_test(outcomes):
 
 
 def _stub_of(node: str, o, by_id) -> str:
-    """The exercise whose NotImplementedError (exact message) made this test fail."""
+    """The exercise whose NotImplementedError (exact message) made this test fail (a bug hunt's test: the
+    bug it names)."""
     assert o.outcome == "failed", f"{node} passes in the student workspace: does it test its exercise?"
+    hunted = [i for i in o.exercises if i in by_id and by_id[i].buggy is not None]
+    if hunted and unimplemented(o.text) is None:  # a bug hunt: red from the start, naming the bug
+        assert o.first_line.split(": ", 1)[-1].startswith("likely mistake:"), f"{node}: {o.first_line}"
+        return hunted[0]
     ex_id = unimplemented(o.text)
     assert ex_id in by_id, f"{node} fails, but not with an exercise's NotImplementedError: {o.first_line}"
     assert o.first_line == f"NotImplementedError: {by_id[ex_id].message()}"

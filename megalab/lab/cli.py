@@ -88,6 +88,35 @@ def _grade(args: argparse.Namespace) -> int:
     return 0 if report.ok else 1
 
 
+def _hint(args: argparse.Namespace) -> int:
+    from megalab.lab.exercises import find_root
+    from megalab.lab.progress import HintError, format_hint, hint
+
+    try:
+        level, levels, text = hint(find_root(), args.id, args.level)
+    except (HintError, ValueError) as exc:
+        print(f"megalab hint: {exc}", file=sys.stderr)
+        return 2
+    print(format_hint(args.id, level, levels, text))
+    return 0
+
+
+def _progress(args: argparse.Namespace) -> int:
+    import json
+    from dataclasses import asdict
+
+    from megalab.lab.exercises import find_root
+    from megalab.lab.progress import summary, table
+
+    try:
+        rows = summary(find_root())
+    except ValueError as exc:
+        print(f"megalab progress: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps([asdict(r) for r in rows], indent=1) if args.json else table(rows))
+    return 0
+
+
 def _workspace(args: argparse.Namespace) -> int:
     from megalab.lab.exercises import ExerciseError, find_root
     from megalab.lab.workspace import FIRST_NOTEBOOK, WorkspaceError, create
@@ -213,6 +242,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=300, help="seconds per test and per notebook cell (default 300)")
     p.add_argument("--no-notebooks", action="store_true", help="run the exercise tests only")
     p.set_defaults(func=_grade)
+
+    p = sub.add_parser("hint", help="a hint for an exercise: the idea first, then the approach (never the code)")
+    p.add_argument("id", help="the exercise id, e.g. tp.column_forward")
+    p.add_argument("--level", type=int, help="this hint level (default: the next one you have not seen)")
+    p.set_defaults(func=_hint)
+
+    p = sub.add_parser("progress", help="per chapter: exercises done, hints used, last attempt (from your grades)")
+    p.add_argument("--json", action="store_true", help="print JSON instead of the table")
+    p.set_defaults(func=_progress)
 
     p = sub.add_parser("report", help="merge a class's `grade --json` files: one row per student (file name)")
     p.add_argument("files", nargs="+", help="the students' JSON files, e.g. grades/*.json")

@@ -71,19 +71,26 @@ class Outcome:
 @dataclass
 class Row:
     name: str  # exercise id or notebook path
-    status: str  # passed / failed / not implemented / skipped
+    status: str  # passed / failed / not implemented / not graded
     detail: str  # first line of the (first) failure, or what passed
     outcomes: list[Outcome] = field(default_factory=list)
     where: str = ""  # an exercise's file:line and notebook
     notebook: str | None = None
+    hints: int = 0  # hint levels the learner has seen for this exercise (megalab hint)
 
 
 def _n(count: int, noun: str) -> str:
     return f"{count} {noun}{'s' * (count != 1)}"
 
 
+_CHAINED = re.compile(r"^(During handling of the above exception, another exception occurred:|"
+                      r"The above exception was the direct cause of the following exception:)\s*$", re.MULTILINE)
+
+
 def failure_line(text: str) -> str:
-    """The line of a failure report worth showing in the table."""
+    """The line of a failure report worth showing in the table (of a chain of exceptions, the last one's:
+    a check that names the mistake while handling a launch's error is what the learner must read)."""
+    text = _CHAINED.split(text)[-1]
     lines = [line.strip() for line in text.splitlines() if line.strip()]
     raised = [line[1:].strip() for line in lines if line.startswith("E ")]  # pytest's report: "E   Error: ..."
     for candidates in (raised, lines):
@@ -173,8 +180,9 @@ def exercise_row(ex: Exercise, tests: dict[str, Outcome], cells: dict[str, Outco
                        f"({loaded[0].first_line}); grade again when it is quieter", mine)
         return Row(ex.id, "failed", failed[0].first_line, mine)
     passed = sum(o.outcome == "passed" for o in mine)
-    if not passed:
-        return Row(ex.id, "skipped", f"{len(mine)} skipped", mine)
+    if not passed:  # never a pass by skipping: a check that did not run says nothing about the code
+        return Row(ex.id, "not graded", f"every test was skipped ({_n(len(mine), 'test')}): {mine[0].first_line or ''}"
+                   .rstrip(": "), mine)
     return Row(ex.id, "passed", f"{_n(passed, 'test')} passed", mine)
 
 
@@ -194,7 +202,7 @@ def grade_in_workspace(root: Path, ws, selected: list[Exercise], reference: dict
         if isinstance(together, dict):
             for ex in todo:
                 row = exercise_row(ex, together, {})
-                if row.status in ("passed", "skipped"):
+                if row.status == "passed":
                     rows[ex.id] = row
     for ex in todo:
         if ex.id not in rows:
@@ -281,7 +289,7 @@ class Report:
 
     @property
     def ok(self) -> bool:
-        return all(r.status in ("passed", "skipped") for r in self.exercises + self.notebooks)
+        return all(r.status == "passed" for r in self.exercises + self.notebooks)
 
     def verdict(self) -> str:
         """One exercise, said in full: status, the whole reason, where to work on it."""
@@ -291,7 +299,9 @@ class Report:
             lines += [f"  {line}" for line in r.detail.splitlines()]
         else:
             lines += [f"  {r.detail}"]
-        lines.append(f"  your code: {r.where}; taught in {r.notebook}  ({self.seconds:.1f} s)")
+        hints = f"; hints used: {r.hints}" if r.hints else ("" if r.status == "passed" else
+                                                             f"; stuck? `megalab hint {r.name}`")
+        lines.append(f"  your code: {r.where}; taught in {r.notebook}{hints}  ({self.seconds:.1f} s)")
         return "\n".join(lines)
 
     def table(self, width: int = 150) -> str:
@@ -324,7 +334,7 @@ class Report:
         def row(r: Row) -> dict:
             out = {"name": r.name, "status": r.status, "detail": r.detail}
             if r.where:  # an exercise
-                out.update(where=r.where, notebook=r.notebook)
+                out.update(where=r.where, notebook=r.notebook, hints=r.hints)
             out["items"] = [{**asdict(o), "text": o.text[-4000:]} for o in r.outcomes]  # the tail of each report
             return out
 
@@ -355,10 +365,15 @@ def grade(root: str | Path = ".", target: str | None = None, timeout: float = DE
     else:
         rows = grade_in_workspace(root, ws, selected, reference.exercises, timeout)
         cells = grade_notebooks(root, ws, nb_paths, timeout)
+    from megalab.lab.progress import load_state, record_grades  # (not at import: this module is also pytest's plugin)
+
+    used = load_state(root)["hints"]
     for row, ex in zip(rows, selected):
         mine = registry.exercises.get(ex.id)
         row.where = mine.where if mine else f"{ex.path} (its `# EXERCISE {ex.id}:` line is gone: put it back)"
         row.notebook = ex.notebook
+        row.hints = int(used.get(ex.id, 0))
+    record_grades(root, rows)  # `megalab progress` reads them
     return Report(str(root), label, time.perf_counter() - start, rows,
                   notebook_rows(nb_paths, cells), registry.problems())
 
