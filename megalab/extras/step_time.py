@@ -456,12 +456,14 @@ def recomputed_flops(model, train, num_sequences: int) -> float:
 
 
 def step_time(model, layout, train, hw: Hardware | str | None = None) -> StepTime:
-    """The step's seconds on the slowest GPU (the last pipeline stage: its layers and the logit layer)."""
-    from megalab.extras.planner import check_layout
-
+    """The step's seconds on the slowest GPU (the last pipeline stage: its layers and the logit layer).
+    The layout is taken as valid (planner.check_layout says why one is not)."""
     hw = hardware(hw if hw is not None else train.hardware)
     gpu, t, p, v = hw.gpu, layout.tp, layout.pp, layout.vpp
-    m = check_layout(model, layout, train)
+    m, rest = divmod(train.global_batch_size, train.micro_batch_size * layout.dp)  # micro-batches per step
+    if rest or not m:
+        raise ValueError(f"global batch {train.global_batch_size} is not a whole number of micro-batches "
+                         f"({train.micro_batch_size}) times dp={layout.dp}")
     layers = model.num_layers / p
     fwd = layer_forward(model, layout, train, hw)
     layer_fwd = fwd["gemm"] + fwd["attention"] + fwd["elementwise"]
