@@ -217,8 +217,11 @@ class Calibration:
     @classmethod
     def from_json(cls, text: str) -> Calibration:
         d = json.loads(text)
+        points = d.get("points", {})
+        if "gloo" in points:  # JSON keys are strings
+            points["gloo"] = {int(n): p for n, p in points["gloo"].items()}
         return cls(d["cpus"], {int(t): tuple(v) for t, v in d["matmul"].items()},
-                   {int(n): Link(**v) for n, v in d["links"].items()}, d.get("elementwise", 0.0), d.get("points", {}), d.get("machine", ""),
+                   {int(n): Link(**v) for n, v in d["links"].items()}, d.get("elementwise", 0.0), points, d.get("machine", ""),
                    d.get("measured_at", ""), tuple(d.get("load_average", ())))
 
     # ------------------------------------------------------------------ the machine as the model sees it
@@ -356,8 +359,9 @@ def _result(compute: float, communication: float, exposed: float | None = None, 
 
 
 def overlap_hides(cal: Calibration, ranks: int) -> bool:
-    """Whether gloo's communication threads can run beside the compute: only with a core to spare."""
-    return ranks * cal.threads_per_rank(ranks) < cal.cpus
+    """Whether gloo's communication threads can run beside the compute: only with more cores than ranks
+    (with one core or less per rank, sending steals the time it would hide behind)."""
+    return ranks < cal.cpus
 
 
 def predict_ddp_step(cal: Calibration, layers: int, width: int, batch: int, ranks: int,
