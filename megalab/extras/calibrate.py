@@ -410,11 +410,11 @@ def predict_pipeline(cal: Calibration, pp: int, num_microbatches: int, num_model
 
 
 def predict_cp_attention(cal: Calibration, seq_length: int, cp: int, rank: int, zigzag: bool = True,
-                         batch: int = 1, heads: int = 4, head_dim: int = 32) -> dict[str, float]:
+                         batch: int = 1, heads: int = 4, head_dim: int = 32, ranks: int | None = None) -> dict[str, float]:
     """03·08: one rank's ring-attention forward (causal, fp32, one thread per rank as in the notebook):
     the block matmuls it computes (a diagonal block in full, masked) and the softmax's elementwise passes
     over their scores ("thread time": this thread's CPU time), then, for the wall time, the cores shared
-    with the other ranks and cp-1 K/V messages."""
+    with the other `ranks` running (default cp) and cp-1 K/V messages."""
     from megalab.core.utils import rank_chunks
     from megalab.transformer_engine.context_parallel import _block_pairs
 
@@ -430,18 +430,20 @@ def predict_cp_attention(cal: Calibration, seq_length: int, cp: int, rank: int, 
     blocks = len(pairs)
     kv_bytes = 2 * batch * heads * (seq_length // cp) * head_dim * FP32  # K and V, one message per ring step
     communication = (cp - 1) * collective_time(cal, "isend", cp, kv_bytes)
-    exposed = communication if not overlap_hides(cal, cp) else max(0.0, communication - compute)
-    wall = compute / cal.rank_share(cp, 1)  # the cp ranks' threads share the cores
+    ranks = ranks or cp
+    exposed = communication if not overlap_hides(cal, ranks) else max(0.0, communication - compute)
+    wall = compute / cal.rank_share(ranks, 1)  # the ranks' threads share the cores
     return {**_result(wall, communication, exposed, blocks=blocks, matmuls=matmuls, softmax=softmax), "thread time": compute}
 
 
-def predict_moe_all_to_all(cal: Calibration, ep: int, sent_bytes: float, experts_gemm: tuple[int, int, int] | None = None
-                           ) -> dict[str, float]:
+def predict_moe_all_to_all(cal: Calibration, ep: int, sent_bytes: float, num_experts: int = 8,
+                           experts_gemm: tuple[int, int, int] | None = None) -> dict[str, float]:
     """03·09: a MoE layer's forward on one of `ep` ranks with the all-to-all dispatcher: the all-gather of
     tokens_per_expert, then dispatch and combine all-to-alls moving `sent_bytes` (a2a_bytes: both, to other
     ranks); experts_gemm = (tokens, hidden, ffn) of the local experts' matmuls (fc1 and fc2), if any."""
     per_direction = sent_bytes / 2 * ep / (ep - 1) if ep > 1 else 0.0  # the all-to-all's whole input
-    communication = collective_time(cal, "all_gather", ep, ep * 8 * FP32) + 2 * collective_time(
+    counts = ep * num_experts * 8  # every rank's tokens_per_expert, int64
+    communication = collective_time(cal, "all_gather", ep, counts) + 2 * collective_time(
         cal, "all_to_all", ep, per_direction)
     compute = 0.0
     if experts_gemm is not None:
