@@ -471,3 +471,8 @@ def predict_recompute(cal: Calibration, config, batch: int, seq_length: int) -> 
     extra = {"none": 0.0, "selective": attention, "full": forward - logits}
     rate = cal.flops(cal.cpus)
     return {name: (3 * forward + more) / rate for name, more in extra.items()}
+
+
+if __name__ == "__main__":  # python -m megalab.extras.calibrate: measure this machine again and cache it
+    print(calibration(refresh=True).summary())
+    print(f"cached in {cache_path()}")
