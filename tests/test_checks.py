@@ -38,3 +38,36 @@ def test_equal_all_of_and_require():
         assert str(exc) == v.reason
     else:
         raise AssertionError("require() let a wrong verdict pass")
+
+
+def test_a_mismatch_names_the_mistake_it_matches_first():
+    ref = torch.arange(1.0, 9.0).reshape(2, 4)
+    wrong_value = ref * 2
+    v = close(wrong_value, ref, "the all-reduced grad", mistakes={
+        "forgot the 1/world_size scale (a sum, not a mean)": lambda: ref * 2,
+        "all-reduced twice": ref * 4,
+    })
+    assert v.reason.startswith("likely mistake: forgot the 1/world_size scale (a sum, not a mean) — the all-reduced grad: ")
+    # no named mistake matches: the generic pattern is said after the numbers
+    assert "exactly 3 x the expected" in close(ref * 3, ref, "g", mistakes={"twice": ref * 2}).reason
+    assert close(ref, ref, "g", mistakes={"never evaluated": lambda: 1 / 0})  # right: mistakes are not computed
+
+
+def test_generic_patterns_are_named():
+    x = torch.arange(16.0).reshape(4, 4) + 1
+    said = {
+        "negative": close(-x, x, "y").reason,
+        "transpose": close(x.T, x, "y").reason,
+        "zeros": close(torch.zeros(4, 4), x, "y").reason,
+        "order": close(x[[2, 3, 0, 1]], x, "y").reason,
+        "shift": close(torch.cat([x[:1], x[:-1]]), x, "y").reason,
+        "shard": close(x[:2], x, "y").reason,
+    }
+    assert "the negative of the expected" in said["negative"]
+    assert "the transpose of the expected" in said["transpose"]
+    assert "all zeros" in said["zeros"]
+    assert "in another order" in said["order"]
+    assert "shifted by one along dim 0" in said["shift"]
+    assert "1/2 of the expected elements" in said["shard"]
+    noise = x + torch.randn(4, 4)
+    assert "it looks like" not in close(noise, x, "y").reason

@@ -15,8 +15,24 @@ the same indentation; the `# EXERCISE` line stays, so the task is still written 
     |    # EXERCISE dist.shard_bounds: balanced contiguous split (first length % world_size ranks get one more)
     |    raise NotImplementedError("exercise dist.shard_bounds: balanced ... — see course/01_foundations/01_....ipynb")
 
+A region starts with its hints (`megalab hint ID` shows them one level at a time; blanking takes them
+out of the learner's file with the solution):
+
+    |    ### BEGIN SOLUTION
+    |    # HINT 1: the idea, in words
+    |    # HINT 2: the approach (which function, which collective), never the code
+    |    #         (a hint goes on over indented comment lines)
+
+A bug-hunt region ends with the bug the learner starts from, commented out in the reference; the
+student version gets those lines uncommented instead of the raise (its checks start red, naming the bug):
+
+    |    ### BUGGY
+    |    # return base_seed
+    |    ### END SOLUTION
+
 The registry is derived from the source every time, in either workspace:
     id, task, where        the `# EXERCISE <id>: <task>` line
+    hints                  the `# HINT n:` lines that open the region
     notebook               the notebook under course/ whose markdown names the id in backticks
                            (**Exercise `dist.shard_bounds`** preferred over a passing mention)
     tests                  tests/ functions marked @pytest.mark.exercise("<id>") (read with ast)
@@ -37,6 +53,9 @@ _EXERCISE = re.compile(r"^(?P<indent>[ \t]*)# EXERCISE (?P<id>[A-Za-z_]\w*(?:\.[
 _EXERCISE_LIKE = re.compile(r"^[ \t]*#\s*EXERCISE\b")
 _BEGIN = re.compile(r"^[ \t]*### BEGIN SOLUTION\s*$")
 _END = re.compile(r"^[ \t]*### END SOLUTION\s*$")
+_BUGGY = re.compile(r"^[ \t]*### BUGGY\s*$")
+_HINT = re.compile(r"^[ \t]*# HINT (?P<level>\d+): ?(?P<text>.*)$")
+_HINT_MORE = re.compile(r"^[ \t]*#   +(?P<text>\S.*)$")  # a hint's next line: indented under its text
 _SKIP_DIRS = {".git", ".venv", "venv", "__pycache__", ".pytest_cache", ".ruff_cache", ".ipynb_checkpoints", ".megalab",
               "node_modules", "build", "dist"}
 
@@ -58,6 +77,8 @@ class Exercise:
     indent: str
     cell: int | None = None  # index of the notebook cell that holds the region
     solution: tuple[int, int] | None = None  # 0-based lines of BEGIN and END; None once blanked
+    hints: list[str] = field(default_factory=list)  # level 1, 2, ... (the `# HINT n:` lines)
+    buggy: list[str] | None = None  # a bug hunt: the code the learner starts from (uncommented), else None
     notebook: str | None = None
     tests: list[str] = field(default_factory=list)
 
@@ -112,6 +133,8 @@ def parse_regions(text: str, path: str, cell: int | None = None) -> tuple[list[E
                     problems.append(f"{at(i + 1)}: the solution of {ex.id} must be one block of statements at its "
                                     "markers' indentation (or deeper)")
                 ex.solution = (i + 1, end)
+                ex.hints, code, ex.buggy, bad = _split_body(lines[i + 2 : end], ex.indent)
+                problems += [f"{at(i + 2)}: {ex.id}: {why}" for why in bad]
                 i = end + 1
                 continue
         elif _BEGIN.match(line):
@@ -122,6 +145,45 @@ def parse_regions(text: str, path: str, cell: int | None = None) -> tuple[list[E
             problems.append(f"{at(i)}: malformed exercise line; write `# EXERCISE <module>.<name>: <one-line task>`")
         i += 1
     return found, problems
+
+
+def _split_body(body: list[str], indent: str) -> tuple[list[str], list[str], list[str] | None, list[str]]:
+    """A region's lines -> (hints, solution code lines, the bug's lines uncommented or None, problems)."""
+    hints, problems, i = [], [], 0
+    while i < len(body):
+        m = _HINT.match(body[i])
+        if m:
+            if int(m["level"]) != len(hints) + 1:
+                problems.append(f"hint {m['level']} comes after {len(hints)} hint(s); number them 1, 2, ...")
+            hints.append(m["text"].strip())
+        elif hints and _HINT_MORE.match(body[i]):
+            hints[-1] += " " + _HINT_MORE.match(body[i])["text"].strip()
+        else:
+            break
+        i += 1
+    rest = body[i:]
+    if not any(line.strip() and not line.strip().startswith("#") for line in rest):
+        problems.append("the solution has no code (only hints or comments)")
+    marks = [j for j, line in enumerate(rest) if _BUGGY.match(line)]
+    if not marks:
+        return hints, rest, None, problems
+    code, bug = rest[: marks[0]], rest[marks[0] + 1 :]
+    buggy = []
+    for line in bug:
+        text = line[len(indent):] if line.startswith(indent) else line.lstrip()
+        if text.strip() and not text.startswith("#"):
+            problems.append("the lines under `### BUGGY` must be commented out (`# ` + the code) in the reference")
+            break
+        buggy.append(indent + (text[2:] if text.startswith("# ") else text[1:]) if text.strip() else "")
+    if len(marks) > 1 or not any(b.strip() for b in buggy):
+        problems.append("a region has at most one `### BUGGY` part, and it must hold the commented-out buggy code")
+    return hints, code, buggy, problems
+
+
+def solution_code(text: str, ex: Exercise) -> list[str]:
+    """The solution's code lines of `ex` in `text` (without its hints and its bug)."""
+    begin, end = ex.solution
+    return _split_body(text.splitlines()[begin + 1 : end], ex.indent)[1]
 
 
 def _region_end(lines: list[str], start: int) -> int | None:
@@ -290,11 +352,15 @@ def load(root: str | Path = ".") -> Registry:
 
 
 def blank(text: str, exercises: list[Exercise]) -> str:
-    """`text` with each exercise's BEGIN..END block replaced by a raise at the region's indentation."""
+    """`text` with each exercise's BEGIN..END block (hints included) replaced by a raise at the region's
+    indentation, or, in a bug hunt, by the bug the learner starts from."""
     lines = text.splitlines(keepends=True)
     for ex in sorted(exercises, key=lambda ex: ex.line, reverse=True):
         begin, end = ex.solution
         newline = lines[begin][len(lines[begin].rstrip("\r\n")):] or "\n"
+        if ex.buggy is not None:
+            lines[begin : end + 1] = [line + newline for line in ex.buggy]
+            continue
         raise_line = f"{ex.indent}raise NotImplementedError({json.dumps(ex.message(), ensure_ascii=False)})"
         lines[begin : end + 1] = [raise_line + newline]
     return "".join(lines)
