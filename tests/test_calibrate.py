@@ -5,6 +5,7 @@ import math
 import pytest
 
 from megalab.extras import calibrate, comm
+from megalab.extras import step_time as st
 from megalab.extras.calibrate import Calibration, CalibrationError, Link
 
 RATE, OVERHEAD = 50e9, 5e-6  # a fake machine: 50 GFLOP/s per thread, 5 µs per matmul call
@@ -37,13 +38,31 @@ def test_fit_recovers_the_fake_machine(cal):
     assert "GFLOP/s" in cal.summary() and "alpha" in cal.summary()
 
 
+def gemm(cal, ranks, size=512, **kw):
+    return st.gemm_time(size, size, size, cal.hardware(ranks, **kw).gpu, dtype_bytes=4)
+
+
 def test_ranks_share_the_cores(cal):
     assert cal.threads_per_rank(1) == 2 and cal.threads_per_rank(4) == 1
     assert cal.rank_share(1) == 1.0 and cal.rank_share(2) == 1.0 and cal.rank_share(4) == 0.5
-    one = cal.gemm_time(512, 512, 512, ranks=2)  # 1 thread each, a core each
-    assert math.isclose(one, OVERHEAD + 2 * 512**3 / RATE, rel_tol=1e-6)
-    assert math.isclose(cal.gemm_time(512, 512, 512, ranks=4), 2 * one, rel_tol=1e-6)  # 4 ranks on 2 cores
-    assert cal.gemm_time(512, 512, 512, ranks=1) < one  # 2 threads
+    one = gemm(cal, 2)  # 1 thread each, a core each
+    assert math.isclose(one, OVERHEAD + 2 * 512**3 / RATE, rel_tol=1e-4)
+    assert math.isclose(gemm(cal, 4), 2 * one, rel_tol=1e-6)  # 4 ranks on 2 cores: half a core each
+    assert gemm(cal, 1) < one  # 2 threads
+    assert gemm(cal, 1, threads=1) == pytest.approx(one)
+    assert gemm(cal, 1, size=8) < 2 * OVERHEAD  # small matmuls: the call's overhead
+
+
+def test_hardware_is_the_step_time_models(cal):
+    hw = cal.hardware(4)
+    assert isinstance(hw, st.Hardware) and st.hardware(hw) is hw
+    assert hw.gpu.peak_flops == pytest.approx(RATE * 0.5)  # one thread, half a core
+    assert hw.intra_node.latency == pytest.approx(2 * ALPHA) and hw.intra_node.bandwidth == pytest.approx(1e9)
+    assert st.collective_time("all_reduce", 1e6, 4, hw.intra_node) == pytest.approx(
+        comm.all_reduce_time(4, 1e6, 2 * ALPHA, BETA))  # chapter 01's ring, through the planner's piece
+    assert hw.gpu.overlap_slowdown == 1.0  # no core to spare for gloo
+    roomy = Calibration.from_measurements(fake_matmul(), fake_gloo(), cpus=8, elementwise=1e-9)
+    assert roomy.hardware(4).gpu.overlap_slowdown == 0.0
 
 
 def test_predictions_are_monotone(cal):
@@ -99,6 +118,8 @@ def test_moe_and_traced_and_recompute(cal):
 
 
 def test_bad_input_says_what_to_provide(cal):
+    from megalab.extras.comm_tracer import Collective
+
     with pytest.raises(CalibrationError, match="measure_matmul"):
         Calibration.from_measurements([], fake_gloo(), cpus=2)
     with pytest.raises(CalibrationError, match="measure_gloo"):
@@ -112,9 +133,9 @@ def test_bad_input_says_what_to_provide(cal):
     with pytest.raises(CalibrationError, match="2 or more"):
         Calibration.from_measurements(fake_matmul(), {1: fake_gloo()[2]}, cpus=2)
     with pytest.raises(CalibrationError, match="elementwise"):
-        Calibration(2, {1: (0.0, RATE)}, {2: Link(ALPHA, BETA, 2)}).elementwise_time(100)
+        Calibration(2, {1: (0.0, RATE)}, {2: Link(ALPHA, BETA, 2)}).hardware(2)
     with pytest.raises(ValueError, match="no cost model"):
-        calibrate.collective_time(cal, "gossip", 4, 100)
+        calibrate.traced_time(cal, [Collective("gossip", 100, 4, 100.0)], 4)
 
 
 def test_cache_round_trip(cal, tmp_path, monkeypatch):

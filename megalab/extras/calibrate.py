@@ -1,26 +1,32 @@
 """Calibrate the cost model to THIS machine, then predict the course's own runs before measuring them.
 
-Two measurements fix the model (chapter 01 · 03's idea: a cost is a latency plus a size over a rate):
+Three measurements fix the model (chapter 01 · 03's idea: a cost is a latency plus a size over a rate):
 
     matmul     t(m, n, k) = overhead + 2 m n k / rate          fp32 on CPU, 1 thread and all threads
+    elementwise              seconds per element of torch.exp    fp32, 1 thread (softmax's passes)
     gloo       one message of M bytes: alpha + M beta            fitted from dist.all_reduce on 2 and 4
                (a ring all-reduce: 2 (n-1) alpha + 2 (n-1)/n M beta, comm.fit_alpha_beta)
 
-both fitted with `comm.fit_alpha_beta` (a matmul is a "message" of 2mnk FLOPs). One thing is
-laptop-specific: torchrun's ranks share the cores (the launcher gives each cpus // ranks threads, at
-least one), so with more ranks than cores each rank runs at `cores / (ranks x threads)` of a core.
+matmul and gloo both fitted with `comm.fit_alpha_beta` (a matmul is a "message" of 2mnk FLOPs). The
+ranks of a torchrun share the cores (the launcher gives each cpus // ranks threads, at least one):
+with more ranks than cores each runs at `cores / (ranks x threads)` of a core.
 
-    measure_matmul ──┐
-                     ├── Calibration (cached as JSON in mdist.cache_dir("calibration"))
-    measure_gloo  ───┘        │ .gemm_time  .link  .rank_share  .hardware()  (the planner's Hardware)
-                              ▼
-    predict_ddp_step  predict_tp_mlp  predict_pipeline  predict_cp_attention  predict_moe_all_to_all
-    predict_recompute
+    measure_matmul ──────┐
+    measure_elementwise ─┼── Calibration (cached as JSON in mdist.cache_dir("calibration"))
+    measure_gloo ────────┘        │ .hardware(ranks): step_time's Hardware for one of `ranks` ranks
+                                  ▼
+    predict_ddp_step  predict_traced_step (TP)  predict_pipeline  predict_cp_attention
+    predict_moe_all_to_all  predict_recompute        composed of step_time's pieces: gemm_time,
+                                                     elementwise_time, collective_time, overlapped, bubble
+
+The formulas are the planner's (extras/step_time.py); what is laptop-specific lives here: the
+calibration itself, ranks sharing cores, and the overlap rule (gloo's threads hide nothing when the
+compute threads already take every core: overlap_slowdown 1).
 
 `calibration()` measures once (about 10 s: a few matmuls, two short gloo launches) and reuses the
 cache afterwards; `calibration(refresh=True)`, or `python -m megalab.extras.calibrate`, measures again.
 Not in Megatron-LM: it is the course's way of checking that the step-time model it teaches for
-clusters (`extras/planner.py`) also predicts the runs the reader can make.
+clusters (`extras/step_time.py`, `extras/planner.py`) also predicts the runs the reader can make.
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ from pathlib import Path
 import torch
 
 from megalab.extras import comm
+from megalab.extras import step_time as st
 
 CACHE_NAME = "calibration"
 CACHE_FILE = "laptop.json"
@@ -242,38 +249,35 @@ class Calibration:
         below = max((t for t in self.matmul if t <= threads), default=min(self.matmul))
         return self.matmul[below][1] * min(threads, self.cpus) / min(below, self.cpus)
 
-    def gemm_time(self, m: int, n: int, k: int, ranks: int = 1, threads: int | None = None, batch: int = 1) -> float:
-        """Seconds of `batch` [m, k] @ [k, n] on one of `ranks` ranks running at once (launcher's threads)."""
-        if min(m, n, k, batch) < 0:
-            raise ValueError(f"matmul sizes must be >= 0, got m={m} n={n} k={k} batch={batch}")
-        threads = threads or self.threads_per_rank(ranks)
-        overhead = self.matmul.get(threads, self.matmul[min(self.matmul)])[0]
-        return (overhead + 2 * m * n * k * batch / self.flops(threads)) / self.rank_share(ranks, threads)
-
-    def elementwise_time(self, elements: float, ranks: int = 1, threads: int | None = None) -> float:
-        """Seconds of `elements` fp32 elementwise operations (one op on one element each) on one of `ranks` ranks."""
-        if not self.elementwise > 0:
-            raise CalibrationError("this calibration has no elementwise rate: recalibrate (calibration(refresh=True)) "
-                                   "or pass elementwise= seconds per element")
-        threads = threads or self.threads_per_rank(ranks)
-        return elements * self.elementwise / min(threads, self.cpus) / self.rank_share(ranks, threads)
-
     def link(self, ranks: int) -> Link:
         """The gloo link measured on `ranks` ranks (or on the nearest world size measured)."""
         nearest = min(self.links, key=lambda n: (abs(n - ranks), -n))
         return self.links[nearest]
 
-    def hardware(self, ranks: int = 1):
-        """The planner's Hardware for one of `ranks` ranks on this machine."""
-        from megalab.extras import planner
-
-        if not hasattr(planner, "Hardware"):
-            raise CalibrationError("extras/planner.py has no Hardware dataclass yet: merge the planner branch")
+    def hardware(self, ranks: int = 1, threads: int | None = None) -> st.Hardware:
+        """The step-time model's Hardware for ONE of `ranks` ranks running at once on this machine, each with
+        `threads` threads (default: the launcher's): its "GPU" is that rank's share of the cores (the
+        calibrated rate and overhead, no shape penalty), its links are gloo on `ranks` ranks."""
+        if ranks < 1:
+            raise ValueError(f"ranks must be >= 1, got {ranks}")
+        if not self.elementwise > 0:
+            raise CalibrationError("this calibration has no elementwise rate: recalibrate (calibration(refresh=True)) "
+                                   "or pass elementwise= seconds per element")
+        threads = threads or self.threads_per_rank(ranks)
+        share = self.rank_share(ranks, threads)
+        overhead = self.matmul.get(threads, self.matmul[min(self.matmul)])[0]
+        # elementwise: one fp32 element read and written (8 bytes) per `elementwise` seconds and thread
+        bandwidth = 2 * FP32 / self.elementwise * min(threads, self.cpus) * share
+        memory_gb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9 / ranks
+        cpu = st.GPU(f"{threads} CPU thread(s) at {share:.0%} of their cores", peak_flops=self.flops(threads) * share,
+                     matmul_efficiency=1.0, num_sms=max(1, threads), memory_bandwidth=bandwidth, memory_gb=memory_gb,
+                     memory_efficiency=1.0, sustained=1.0, overlap_slowdown=0.0 if overlap_hides(self, ranks) else 1.0,
+                     kernel_overhead=overhead / share, efficiency_curve=_calibrated_rate,
+                     source=f"calibrated on {self.machine or 'this machine'} {self.measured_at}")
         link = self.link(ranks)
-        return planner.Hardware.from_calibration(self, ranks) if hasattr(planner.Hardware, "from_calibration") else \
-            planner.Hardware(name=f"{self.machine or 'this machine'} ({ranks} gloo ranks)",
-                             peak_flops=self.flops(self.threads_per_rank(ranks)) * self.rank_share(ranks),
-                             alpha=link.alpha, bandwidth=link.bandwidth)
+        gloo = st.Link(f"gloo on {link.n} ranks", bandwidth=link.bandwidth, latency=link.alpha,
+                       source="fitted to dist.all_reduce (comm.fit_alpha_beta)")
+        return st.Hardware(f"{self.machine or 'this machine'}: 1 of {ranks} rank(s)", cpu, gloo, gloo, gpus_per_node=ranks)
 
     def summary(self) -> str:
         lines = [f"calibration of {self.machine or 'this machine'} ({self.cpus} cores), {self.measured_at}, "
@@ -327,29 +331,36 @@ def calibration(refresh: bool = False) -> Calibration:
 
 
 # --------------------------------------------------------------------------------------------- predictions
-# Each returns seconds: {"compute": ..., "communication": ..., "total": ...} (and the parts it adds up).
-# Collective times are chapter 01's alpha-beta counts with the link measured on the same number of ranks.
+# Each composes the step-time model's pieces (extras/step_time.py: gemm_time, elementwise_time,
+# collective_time, overlapped, bubble) on this machine's Hardware, and returns seconds:
+# {"compute", "communication", "exposed communication", "total", ...the parts}.
 
-def collective_time(cal: Calibration, op: str, ranks: int, nbytes: float) -> float:
-    """Seconds of one collective on `ranks` gloo ranks; nbytes = the full payload (comm_tracer's convention:
-    the all-gather's output, the reduce-scatter's input, the all-to-all's input)."""
-    if ranks < 2 or nbytes == 0:
-        return 0.0
-    link = cal.link(ranks)
-    if op == "all_reduce":
-        return comm.all_reduce_time(ranks, nbytes, link.alpha, link.beta, "ring")
-    if op in ("all_gather", "all_gather_single", "all_gather_into_tensor", "reduce_scatter_single",
-              "reduce_scatter_tensor", "all_to_all"):  # n-1 messages of nbytes/n from every rank
-        return (ranks - 1) * (link.alpha + nbytes / ranks * link.beta)
-    if op in ("isend", "send"):  # one message
-        return link.alpha + nbytes * link.beta
-    raise ValueError(f"no cost model for collective {op!r}: use all_reduce, all_gather, reduce_scatter, "
-                     f"all_to_all or isend")
+def overlap_hides(cal: Calibration, ranks: int) -> bool:
+    """Whether gloo's communication threads can run beside the compute: only with more cores than ranks
+    (with one core or less per rank, sending steals the time it would hide behind)."""
+    return ranks < cal.cpus
 
 
-def traced_time(cal: Calibration, records) -> float:
-    """Seconds of the collectives a CollectiveTracer recorded (its records, in order, none overlapped)."""
-    return sum(collective_time(cal, r.op, r.group_size, r.payload_bytes) for r in records)
+def _calibrated_rate(m: int, n: int, k: int) -> float:
+    """The laptop's matmul efficiency curve: its peak is the calibrated rate, whatever the shape (the
+    per-call overhead, step_time's kernel_overhead, is what makes small matmuls slow)."""
+    return 1.0
+
+
+# comm_tracer's names -> step_time's kinds
+_KINDS = {"all_reduce": "all_reduce", "all_gather": "all_gather", "all_gather_single": "all_gather",
+          "all_gather_into_tensor": "all_gather", "reduce_scatter_single": "reduce_scatter",
+          "reduce_scatter_tensor": "reduce_scatter", "all_to_all": "all_to_all", "isend": "send_recv"}
+
+
+def _gemm(hw: st.Hardware, m: int, n: int, k: int, batch: int = 1) -> float:
+    return st.gemm_time(m, n, k, hw.gpu, dtype_bytes=FP32, batch=batch)
+
+
+def _collective(hw: st.Hardware, kind: str, nbytes: float, ranks: int) -> float:
+    if kind not in _KINDS:
+        raise ValueError(f"no cost model for collective {kind!r}: use one of {', '.join(_KINDS)}")
+    return st.collective_time(_KINDS[kind], nbytes, ranks, hw.intra_node) if nbytes else 0.0
 
 
 def _result(compute: float, communication: float, exposed: float | None = None, **parts) -> dict[str, float]:
@@ -358,105 +369,100 @@ def _result(compute: float, communication: float, exposed: float | None = None, 
             "total": compute + exposed, **parts}
 
 
-def overlap_hides(cal: Calibration, ranks: int) -> bool:
-    """Whether gloo's communication threads can run beside the compute: only with more cores than ranks
-    (with one core or less per rank, sending steals the time it would hide behind)."""
-    return ranks < cal.cpus
+def traced_time(cal: Calibration, records, ranks: int) -> float:
+    """Seconds of the collectives a CollectiveTracer recorded on one of `ranks` ranks, one after another."""
+    hw = cal.hardware(ranks)
+    return sum(_collective(hw, r.op, r.payload_bytes, r.group_size) for r in records)
+
+
+def predict_all_reduce(cal: Calibration, ranks: int, nbytes: float) -> float:
+    """01·03: seconds of one dist.all_reduce of `nbytes` on `ranks` gloo ranks (ring: 2(n-1) alpha + 2(n-1)/n M beta)."""
+    return _collective(cal.hardware(ranks), "all_reduce", nbytes, ranks) if ranks > 1 else 0.0
 
 
 def predict_ddp_step(cal: Calibration, layers: int, width: int, batch: int, ranks: int,
                      bucket_size: int | None = None, overlap_grad_reduce: bool = False) -> dict[str, float]:
-    """One step (forward, backward, gradient sync) of 03·01's stack of `layers` Linear(width, width) + tanh,
-    `batch` rows per rank, fp32: bucket_size=None is the naive one all-reduce per parameter."""
+    """03·01: one step (forward, backward, gradient sync) of a stack of `layers` Linear(width, width) + tanh,
+    `batch` rows per rank, fp32; bucket_size=None is the naive one all-reduce per parameter. With overlap,
+    every bucket but the last runs beside the backward (step_time.overlapped)."""
     from megalab.core.distributed.param_and_grad_buffer import build_buckets
 
-    gemm = cal.gemm_time(batch, width, width, ranks)
-    weight_grad = cal.gemm_time(width, width, batch, ranks)
-    forward = layers * gemm
-    backward = layers * weight_grad + (layers - 1) * gemm  # no input gradient for the first layer
+    hw = cal.hardware(ranks)
+    forward = layers * _gemm(hw, batch, width, width)
+    backward = layers * _gemm(hw, width, width, batch) + (layers - 1) * _gemm(hw, batch, width, width)  # no dX for layer 0
     numels = [width * width, width] * layers
     if bucket_size is None:
         messages = [n * FP32 for n in numels]
     else:
         messages = [(end - start) * FP32 for _, start, end in build_buckets(numels, bucket_size, pad_to=ranks)]
-    times = [collective_time(cal, "all_reduce", ranks, m) for m in messages]
+    times = [_collective(hw, "all_reduce", m, ranks) for m in messages]
     communication = sum(times)
     exposed = communication
-    if overlap_grad_reduce and overlap_hides(cal, ranks):  # all but the last bucket can hide behind backward
-        exposed = max(times[-1], communication - backward)
+    if overlap_grad_reduce:
+        exposed = st.overlapped(communication - times[-1], backward, hw.gpu) + times[-1]
     return _result(forward + backward, communication, exposed, forward=forward, backward=backward,
                    messages=len(messages))
 
 
-def predict_all_reduce(cal: Calibration, ranks: int, nbytes: float) -> float:
-    """01·03: seconds of one dist.all_reduce of `nbytes` on `ranks` gloo ranks."""
-    return collective_time(cal, "all_reduce", ranks, nbytes)
-
-
 def predict_pipeline(cal: Calibration, pp: int, num_microbatches: int, num_model_chunks: int = 1,
                      forward_s: float = 0.02, backward_s: float = 0.04, message_bytes: float = 128) -> dict[str, float]:
-    """03·07: one step of 1F1B (or GPipe: the same bubble) / interleaved 1F1B on `pp` ranks whose stages take
-    forward_s + backward_s per micro-batch (all chunks together): compute (1 + bubble), every p2p exposed
-    (one activation forward and one gradient backward per micro-batch and chunk, as the planner counts them)."""
-    from megalab.extras.pipeline_sim import bubble_fraction
-
+    """03·07: one step of 1F1B (GPipe: the same bubble) or interleaved 1F1B on `pp` ranks whose stages take
+    forward_s + backward_s per micro-batch (all chunks together): compute (1 + bubble), and every p2p
+    exposed — one activation forward and one gradient backward per micro-batch and chunk."""
+    hw = cal.hardware(pp)
     m, v = num_microbatches, num_model_chunks
-    compute = m * (forward_s + backward_s)
-    bubble = bubble_fraction(pp, m, v) * compute
+    busy = m * (forward_s + backward_s)
+    bubble = st.bubble(pp, m, v) * busy
     messages = 2 * m * v if pp > 1 else 0
-    communication = messages * collective_time(cal, "isend", pp, message_bytes)
-    out = _result(compute + bubble, communication, busy=compute, bubble=bubble, messages=messages)
-    return out
+    communication = messages * _collective(hw, "isend", message_bytes, 2)
+    return _result(busy + bubble, communication, busy=busy, bubble=bubble, messages=messages)
 
 
 def predict_cp_attention(cal: Calibration, seq_length: int, cp: int, rank: int, zigzag: bool = True,
                          batch: int = 1, heads: int = 4, head_dim: int = 32, ranks: int | None = None) -> dict[str, float]:
-    """03·08: one rank's ring-attention forward (causal, fp32, one thread per rank as in the notebook):
-    the block matmuls it computes (a diagonal block in full, masked) and the softmax's elementwise passes
-    over their scores ("thread time": this thread's CPU time), then, for the wall time, the cores shared
-    with the other `ranks` running (default cp) and cp-1 K/V messages."""
+    """03·08: one rank's ring-attention forward (causal, fp32, one thread per rank as in the notebook): the
+    two matmuls of every block pair it computes (a diagonal block in full, masked) and the softmax's
+    elementwise passes over their scores — "thread time", its CPU time — then, for the wall time, the
+    cores shared with the other `ranks` running (default cp) and cp-1 K/V messages."""
     from megalab.core.utils import rank_chunks
     from megalab.transformer_engine.context_parallel import _block_pairs
 
+    ranks = ranks or cp
+    alone = cal.hardware(1, threads=1)
     c = seq_length // (2 * cp)
     mine = rank_chunks(cp, rank, zigzag)
     pairs = [kind for owner in range(cp) for _, _, kind in _block_pairs(mine, rank_chunks(cp, owner, zigzag), c)]
     scores = batch * heads * c * c  # one block's [b, np, c, c]
-    matmuls = len(pairs) * 2 * cal.gemm_time(c, c, head_dim, ranks=1, threads=1, batch=batch * heads)  # qk^T, pv
+    matmuls = len(pairs) * 2 * _gemm(alone, c, c, head_dim, batch=batch * heads)  # q k^T, p v
     # over the scores: scale, logsumexp (max, exp, sum: 3), subtract, exp = 6 passes; + masked_fill on a diagonal
     passes = sum(6 + (kind == "causal") for kind in pairs)
-    softmax = cal.elementwise_time(passes * scores, ranks=1, threads=1)
-    compute = matmuls + softmax
-    blocks = len(pairs)
+    softmax = st.elementwise_time(passes * scores * 2 * FP32, alone.gpu)  # each pass reads and writes fp32
+    thread_time = matmuls + softmax
+    wall = thread_time / cal.rank_share(ranks, 1)
     kv_bytes = 2 * batch * heads * (seq_length // cp) * head_dim * FP32  # K and V, one message per ring step
-    communication = (cp - 1) * collective_time(cal, "isend", cp, kv_bytes)
-    ranks = ranks or cp
-    exposed = communication if not overlap_hides(cal, ranks) else max(0.0, communication - compute)
-    wall = compute / cal.rank_share(ranks, 1)  # the ranks' threads share the cores
-    return {**_result(wall, communication, exposed, blocks=blocks, matmuls=matmuls, softmax=softmax), "thread time": compute}
+    hw = cal.hardware(ranks, threads=1)
+    communication = (cp - 1) * _collective(hw, "isend", kv_bytes, 2)
+    exposed = st.overlapped(communication, wall, hw.gpu)
+    return {**_result(wall, communication, exposed, blocks=len(pairs), matmuls=matmuls, softmax=softmax),
+            "thread time": thread_time}
 
 
-def predict_moe_all_to_all(cal: Calibration, ep: int, sent_bytes: float, num_experts: int = 8,
-                           experts_gemm: tuple[int, int, int] | None = None) -> dict[str, float]:
-    """03·09: a MoE layer's forward on one of `ep` ranks with the all-to-all dispatcher: the all-gather of
-    tokens_per_expert, then dispatch and combine all-to-alls moving `sent_bytes` (a2a_bytes: both, to other
-    ranks); experts_gemm = (tokens, hidden, ffn) of the local experts' matmuls (fc1 and fc2), if any."""
-    per_direction = sent_bytes / 2 * ep / (ep - 1) if ep > 1 else 0.0  # the all-to-all's whole input
-    counts = ep * num_experts * 8  # every rank's tokens_per_expert, int64
-    communication = collective_time(cal, "all_gather", ep, counts) + 2 * collective_time(
-        cal, "all_to_all", ep, per_direction)
-    compute = 0.0
-    if experts_gemm is not None:
-        tokens, hidden, ffn = experts_gemm
-        compute = cal.gemm_time(tokens, ffn, hidden, ep) + cal.gemm_time(tokens, hidden, ffn, ep)
-    return _result(compute, communication)
+def predict_moe_all_to_all(cal: Calibration, ep: int, sent_bytes: float, num_experts: int = 8) -> dict[str, float]:
+    """03·09: the all-to-all dispatcher's communication in a MoE layer's forward on one of `ep` ranks: the
+    all-gather of every rank's tokens_per_expert, then dispatch and combine all-to-alls that send `sent_bytes`
+    to other ranks in all (a2a_bytes). The experts' matmuls are left to the caller (tiny in 03·09)."""
+    hw = cal.hardware(ep)
+    whole = sent_bytes / 2 * ep / (ep - 1) if ep > 1 else 0.0  # one all-to-all's input, its own rows included
+    counts = _collective(hw, "all_gather", ep * num_experts * 8, ep) if ep > 1 else 0.0  # int64 counts
+    communication = counts + 2 * (_collective(hw, "all_to_all", whole, ep) if ep > 1 else 0.0)
+    return _result(0.0, communication)
 
 
 def predict_traced_step(cal: Calibration, records, flops: float, ranks: int) -> dict[str, float]:
     """03·05: a step that computes `flops` (calc.model_flops / t) and issues the traced collectives, on one of
     `ranks` ranks: matmuls at the calibrated rate, every collective on the critical path (TP's are)."""
-    compute = flops / (cal.flops(cal.threads_per_rank(ranks)) * cal.rank_share(ranks))
-    return _result(compute, traced_time(cal, records), collectives=len(records))
+    compute = flops / cal.hardware(ranks).gpu.peak_flops
+    return _result(compute, traced_time(cal, records, ranks), collectives=len(records))
 
 
 def predict_recompute(cal: Calibration, config, batch: int, seq_length: int) -> dict[str, float]:
@@ -469,7 +475,7 @@ def predict_recompute(cal: Calibration, config, batch: int, seq_length: int) -> 
     attention = 4 * batch * seq_length**2 * config.num_attention_heads * config.kv_channels * config.num_layers
     logits = 2 * batch * seq_length * config.vocab_size * config.hidden_size  # the output layer is not recomputed
     extra = {"none": 0.0, "selective": attention, "full": forward - logits}
-    rate = cal.flops(cal.cpus)
+    rate = cal.hardware(1).gpu.peak_flops
     return {name: (3 * forward + more) / rate for name, more in extra.items()}
 
 
