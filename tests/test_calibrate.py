@@ -42,6 +42,16 @@ def gemm(cal, ranks, size=512, **kw):
     return st.gemm_time(size, size, size, cal.hardware(ranks, **kw).gpu, dtype_bytes=4)
 
 
+def test_noisy_fit_keeps_a_positive_latency_and_rate():
+    sizes = [1e3, 1e4, 1e5, 1e6]
+    seconds = [1e-7, 1e-5, 3e-4, 3e-3]  # faster than linear at the small end: the line would need alpha < 0
+    alpha, beta = calibrate._fit(sizes, seconds, what="gloo")
+    assert comm.fit_alpha_beta(sizes, seconds)[0] < 0 < beta
+    assert alpha == 0.0 and beta == pytest.approx(3e-3 / 1e6)  # the largest size's rate
+    cal = Calibration.from_measurements(fake_matmul(), {2: {"nbytes": sizes, "seconds": seconds}}, cpus=2)
+    assert cal.links[2].alpha == 0.0 and cal.links[2].beta > 0
+
+
 def test_ranks_share_the_cores(cal):
     assert cal.threads_per_rank(1) == 2 and cal.threads_per_rank(4) == 1
     assert cal.rank_share(1) == 1.0 and cal.rank_share(2) == 1.0 and cal.rank_share(4) == 0.5

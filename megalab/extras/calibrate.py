@@ -46,7 +46,7 @@ from megalab.extras import step_time as st
 
 CACHE_NAME = "calibration"
 CACHE_FILE = "laptop.json"
-# (m, n, k): overhead-bound to rate-bound, the shapes of the course's runs; about 0.5 s on one core
+# (m, n, k): overhead-bound to rate-bound, the shapes of the course's runs; a fraction of a second in all
 MATMUL_SHAPES = ((16, 16, 16), (64, 64, 64), (128, 128, 128), (256, 512, 512), (512, 512, 512), (256, 1024, 1024))
 GLOO_NUMELS = tuple(2**k for k in range(8, 21, 2))  # float32: 1 KiB .. 4 MiB
 GLOO_WORLD_SIZES = (2, 4)
@@ -106,6 +106,7 @@ def gloo_rank(numels=GLOO_NUMELS, repeats: int = 5) -> dict[str, list[float]]:
     from megalab.lab import dist as mdist
 
     mdist.init()
+    dist.all_reduce(torch.zeros(1))  # the first collective sets up the connections: not part of any timing
     out: dict[str, list[float]] = {"nbytes": [], "seconds": []}
     for numel in numels:
         tensor = torch.zeros(numel)
@@ -125,15 +126,16 @@ def measure_gloo(world_sizes=GLOO_WORLD_SIZES, numels=GLOO_NUMELS, repeats: int 
 
 # --------------------------------------------------------------------------------------------- the model
 def _fit(sizes, seconds, latency_steps: float = 1.0, size_factor: float = 1.0, what: str = "") -> tuple[float, float]:
-    """(latency, time per unit) by comm.fit_alpha_beta; under noise the latency can come out negative: then 0."""
+    """(latency, time per unit) by comm.fit_alpha_beta. Noise can make the fitted latency (or rate) negative:
+    then no latency, and the rate of the largest size."""
     if len(sizes) < 2:
         raise CalibrationError(f"{what}: need at least two measured sizes to fit a latency and a rate, got {len(sizes)}")
     if any(not s > 0 for s in seconds):
         raise CalibrationError(f"{what}: every measured time must be > 0 (got {list(seconds)}); measure again")
     latency, per_unit = comm.fit_alpha_beta(sizes, seconds, latency_steps=latency_steps, bytes_factor=size_factor)
-    if latency < 0 or per_unit <= 0:  # the small sizes were slower than the line: keep the rate of the big ones
-        latency = max(latency, 0.0)
-        per_unit = max((s - latency_steps * latency) / (size_factor * m) for m, s in zip(sizes, seconds))
+    if latency < 0 or per_unit <= 0:
+        largest, t = max(zip(sizes, seconds))
+        latency, per_unit = 0.0, t / (size_factor * largest)
     return latency, per_unit
 
 
