@@ -82,7 +82,7 @@ def measure_matmul(shapes=MATMUL_SHAPES, threads: tuple[int, ...] | None = None,
             for m, n, k in shapes:
                 g = torch.Generator().manual_seed(0)
                 a, b = torch.randn(m, k, generator=g), torch.randn(k, n, generator=g)
-                points.append({"threads": t, "m": m, "n": n, "k": k, "seconds": _best_seconds(lambda: a @ b, repeats)})
+                points.append({"threads": t, "m": m, "n": n, "k": k, "seconds": _best_seconds(lambda a=a, b=b: a @ b, repeats)})
     finally:
         torch.set_num_threads(before)
     return points
