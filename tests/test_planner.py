@@ -324,4 +324,17 @@ def test_planner_widget_and_bars():
     plans = P.plan(P.MIXTRAL_8X7B, 64)[:5]
     ax = viz.planner_bars(plans, 80.0)
     assert len(ax.patches) == 4 * len(plans)
-    assert viz.parallelism_planner().children
+    ax = viz.step_time_bars(plans)  # one box per non-zero piece of each step, as tall as its seconds
+    pieces = [v for p in plans for v in p.time.parts().values() if v > 0]
+    assert sorted(b.get_height() for b in ax.patches) == pytest.approx(sorted(pieces))
+    widget = viz.parallelism_planner()
+    assert widget.children
+    assert {"hardware", "tp_comm_overlap"} <= set(widget.kwargs)
+
+
+def test_validation_plot_has_a_point_per_published_figure():
+    from megalab.extras import published_runs as R
+
+    rows = R.validation_rows()
+    ax = viz.validation_plot(rows)
+    assert sum(len(c.get_offsets()) for c in ax.collections[:4]) == len(rows)

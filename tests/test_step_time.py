@@ -81,6 +81,7 @@ def test_collective_times_follow_the_ring_formulas():
     assert S.collective_time("all_reduce", nbytes, n, link) == pytest.approx(2 * gather)
     assert S.collective_time("send_recv", nbytes, 2, link) == pytest.approx(nbytes / 50e9 + 1e-5)
     assert S.collective_time("all_reduce", nbytes, 1, link) == 0.0
+    assert S.collective_time("all_to_all", nbytes, n, link) == pytest.approx((n - 1) / n * nbytes / 50e9 + 1e-5)
     with pytest.raises(ValueError, match="all_reduce, all_gather"):
         S.collective_time("broadcast", nbytes, n, link)
 
@@ -145,3 +146,12 @@ def test_mfu_hfu_and_parts_add_up():
     assert sum(t.parts().values()) == pytest.approx(t.total)
     assert t.hfu == pytest.approx(t.mfu * t.hardware_flops / t.model_flops)
     assert t.recompute > 0 and math.isclose(t.hardware_flops / t.model_flops, 4 / 3, rel_tol=0.05)
+
+
+def test_flash_attention_counts_half_the_square_at_the_fused_kernels_rate():
+    b, heads, s, d = 1, 8, 4096, 128
+    flops = 2 * b * heads * s * s * (d + d) / 2  # q kᵀ and probabilities x v, the causal half
+    expected = flops / (A100.peak_flops * A100.attention_efficiency * A100.sustained) + A100.kernel_overhead
+    assert S.attention_time(b, heads, s, s, d, A100, flash=True) == pytest.approx(expected)
+    unfused = S.attention_time(b, heads, s, s, d, A100, flash=False)  # the s x s scores through HBM
+    assert unfused > S.elementwise_time(S.SOFTMAX_DROPOUT_BYTES * b * heads * s * s, A100)

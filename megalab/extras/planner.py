@@ -170,7 +170,7 @@ class Training:
     overlap_grad_reduce: bool = True  # --overlap-grad-reduce
     overlap_param_gather: bool = True  # --overlap-param-gather (with the distributed optimizer)
     tp_comm_overlap: bool = False  # --tp-comm-overlap (Transformer Engine userbuffers)
-    zero_stage: int = 0  # 3: DeepSpeed ZeRO-3 / FSDP (params gathered per micro-batch), for comparison
+    zero_stage: int = 0  # 3: DeepSpeed ZeRO-3 / FSDP (params gathered per micro-batch): step time only, for comparison
 
     @property
     def gpus_per_node(self) -> int:

@@ -33,8 +33,8 @@ planner_validation.py): Narayanan et al. 2021 Tables 1 and 2, Korthikanti et al.
 API (stable; the laptop calibration builds its own Hardware on it):
 
     GPU(name, peak_flops, matmul_efficiency, num_sms, memory_bandwidth, memory_gb, memory_efficiency=0.85,
-        sustained=0.9, overlap_slowdown=0.45, tiles=..., kernel_overhead=4e-6, source="",
-        efficiency_curve=None)                  efficiency_curve: measured (m, n, k) -> fraction of peak
+        sustained=0.9, overlap_slowdown=0.45, attention_efficiency=0.6, tiles=..., kernel_overhead=4e-6,
+        source="", efficiency_curve=None)                  efficiency_curve: measured (m, n, k) -> fraction of peak
     Link(name, bandwidth, latency, efficiency=1.0, source="")   bytes/s each GPU sends, s per message step
     Hardware(name, gpu, intra_node, inter_node, gpus_per_node=8)
     hardware(name_or_Hardware) -> Hardware      known: HARDWARE; unknown -> ValueError naming the fields
@@ -72,10 +72,13 @@ class GPU:
     memory_bandwidth: float  # HBM bytes/s (datasheet)
     memory_gb: float
     memory_efficiency: float = 0.85  # fraction of HBM bandwidth streaming kernels reach
-    sustained: float = 0.9  # fraction of the short benchmark's matmul rate held through a long run
+    sustained: float = 0.9  # fraction of the short benchmark's matmul rate held through a long run (an estimate)
     # compute speed lost while a collective runs beside it: NCCL's thread blocks take SMs (one per
     # channel) and its copies take HBM bandwidth
     overlap_slowdown: float = 0.45
+    # fraction of peak a fused (Flash) attention kernel reaches, forward and backward together:
+    # FlashAttention-2 (Dao 2023) 50-73% on A100, FlashAttention-3 (Shah et al. 2024) up to 75% on H100
+    attention_efficiency: float = 0.6
     tiles: tuple[tuple[int, int], ...] = ((256, 128), (128, 256), (128, 128))  # cuBLAS output tiles
     kernel_overhead: float = 4e-6  # s between two kernels (launch, tail)
     source: str = ""
@@ -209,13 +212,13 @@ def attention_time(b: int, heads: int, s_q: int, s_kv: int, head_dim: int, gpu: 
 
     Unfused (Megatron 2021-22): two batched GEMMs whose [s_q, s_kv] scores go through HBM, and the
     fused softmax + dropout over them; the causal mask is applied, not skipped. FlashAttention keeps
-    the scores on chip: its time is the GEMM FLOPs (half of them with a causal mask) at the GPU's best
-    matmul efficiency.
+    the scores on chip: its time is the GEMM FLOPs (half of them with a causal mask) at the fraction of
+    peak fused attention kernels reach (`attention_efficiency`).
     """
     dv = value_dim or head_dim
     if flash:
         flops = 2 * b * heads * s_q * s_kv * (head_dim + dv) * (0.5 if causal else 1.0)
-        return flops / (gpu.peak_flops * gpu.matmul_efficiency * gpu.sustained) + gpu.kernel_overhead
+        return flops / (gpu.peak_flops * gpu.attention_efficiency * gpu.sustained) + gpu.kernel_overhead
     scores = gemm_time(s_q, s_kv, head_dim, gpu, batch=b * heads)  # [s_q, d] x [d, s_kv] per head
     softmax = elementwise_time(SOFTMAX_DROPOUT_BYTES * b * heads * s_q * s_kv, gpu)
     values = gemm_time(s_q, dv, s_kv, gpu, batch=b * heads)  # [s_q, s_kv] x [s_kv, dv] per head
@@ -229,19 +232,23 @@ def collective_time(kind: str, nbytes: float, group_size: int, link: Link) -> fl
 
         all_reduce        2 (n−1)/n · bytes / bw + 2 (n−1) · latency
         all_gather,       (n−1)/n · bytes / bw + (n−1) · latency
-        reduce_scatter,
-        all_to_all
+        reduce_scatter
+        all_to_all        (n−1)/n · bytes / bw + latency      (every pair exchanges at once, one round)
         send_recv         bytes / bw + latency
     """
     n = group_size
     if kind == "send_recv":
         return nbytes / link.achievable_bandwidth + link.latency
+    kinds = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
+    if kind not in kinds:
+        raise ValueError(f"collective kind must be one of {', '.join([*kinds, 'send_recv'])}, got {kind!r}")
     if n <= 1:
         return 0.0
-    steps = {"all_reduce": 2, "all_gather": 1, "reduce_scatter": 1, "all_to_all": 1}
-    if kind not in steps:
-        raise ValueError(f"collective kind must be one of {', '.join([*steps, 'send_recv'])}, got {kind!r}")
-    return steps[kind] * ((n - 1) / n * nbytes / link.achievable_bandwidth + (n - 1) * link.latency)
+    wire = (n - 1) / n * nbytes / link.achievable_bandwidth
+    if kind == "all_to_all":
+        return wire + link.latency
+    steps = 2 if kind == "all_reduce" else 1
+    return steps * (wire + (n - 1) * link.latency)
 
 
 def overlapped(comm: float, compute: float, gpu: GPU) -> float:
@@ -493,19 +500,18 @@ def step_time(model, layout, train, hw: Hardware | str | None = None) -> StepTim
 ADAM_BYTES_PER_PARAM = 4 * 4 + 3 * 4 + 2  # read fp32 param, grad, m, v; write param, m, v; write the bf16 copy
 
 
-def _params_on_gpu(model, layout) -> float:
-    per_layer = model.layer_params()
-    layers = model.num_layers / layout.pp
-    return (layers * per_layer["dense"] / layout.tp + layers * per_layer["expert"] / (layout.ep * layout.etp)
-            + model.embedding_params() / layout.tp)
+def _params_on_gpu(model, layout) -> tuple[float, float]:
+    """(dense, expert) parameters on a GPU of the first stage: its layers' dense weights / tp, its experts
+    / (ep·etp), the word embedding / tp."""
+    per_layer, layers = model.layer_params(), model.num_layers / layout.pp
+    dense = layers * per_layer["dense"] / layout.tp + model.embedding_params() / layout.tp
+    return dense, layers * per_layer["expert"] / (layout.ep * layout.etp)
 
 
 def _optimizer_params(model, layout, train) -> float:
-    """Parameters this GPU's Adam updates: all it holds, or its 1/d shard with the distributed optimizer
-    (dense parameters over dp·cp, experts over the expert-data-parallel group)."""
-    per_layer, layers = model.layer_params(), model.num_layers / layout.pp
-    dense = layers * per_layer["dense"] / layout.tp + model.embedding_params() / layout.tp
-    expert = layers * per_layer["expert"] / (layout.ep * layout.etp)
+    """Parameters this GPU's Adam updates: all it holds, or its shard with the distributed optimizer
+    (dense parameters over dp·cp, experts over the expert-data-parallel group tp·cp·dp/(ep·etp))."""
+    dense, expert = _params_on_gpu(model, layout)
     if train.use_distributed_optimizer or train.zero_stage == 3:
         dense /= layout.dp * layout.cp
         expert /= layout.tp * layout.cp * layout.dp // (layout.ep * layout.etp)
@@ -525,11 +531,11 @@ def _data_parallel(model, layout, train, hw: Hardware, m: int, mb_forward: float
     if d == 1:
         return 0.0
     link = _link("dp", layout, hw)
-    params = _params_on_gpu(model, layout)
+    params = sum(_params_on_gpu(model, layout))
     if train.zero_stage == 3:
         gathers = 2 + (1 if train.recompute == "full" else 0)
         per_mb = (gathers * collective_time("all_gather", train.param_bytes * params, d, link)
-                  + collective_time("reduce_scatter", train.param_bytes * params, d, link))
+                  + collective_time("reduce_scatter", train.grad_bytes * params, d, link))
         return m * overlapped(per_mb, t_mb, hw.gpu)
     backward = BACKWARD_FACTOR * mb_forward
     if train.use_distributed_optimizer:
