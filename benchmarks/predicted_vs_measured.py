@@ -163,6 +163,7 @@ def main() -> None:
         args.steps, args.cached = 2, True
     cal = calibrate.calibration(refresh=not args.cached)
     print(cal.summary())
+    rec, rec_config = recompute_measured(max(3, args.steps))  # before the launch: its ranks' exit takes the cores
     res = launch.run(CODE.format(steps=args.steps), RANKS, backend="gloo", timeout=300)
     measured = res.results["measured"]
     m0 = measured[0]
@@ -194,7 +195,6 @@ def main() -> None:
     a2a = statistics.mean(measured[r]["moe a2a bytes"] for r in range(RANKS))
     cases.append(("03·09 MoE forward, all-to-all", calibrate.predict_moe_all_to_all(cal, RANKS, a2a)["total"],
                   m0["moe forward"]))
-    rec, rec_config = recompute_measured(max(3, args.steps))
     predicted = calibrate.predict_recompute(cal, rec_config, 4, 128)
     for name in ("none", "selective", "full"):
         cases.append((f"06·04 fwd+bwd, recompute {name}", predicted[name], rec[name]))

@@ -100,7 +100,8 @@ def measure_elementwise(numel: int = 2**18, repeats: int = 5) -> float:
 
 
 def gloo_rank(numels=GLOO_NUMELS, repeats: int = 5) -> dict[str, list[float]]:
-    """Inside every rank (launch.run_function): median seconds of dist.all_reduce per float32 size."""
+    """Inside every rank (launch.run_function): seconds of dist.all_reduce per float32 size, the fastest of
+    `repeats` (each the slowest rank's, comm.time_collective) — like the matmuls, the least disturbed."""
     import torch.distributed as dist
 
     from megalab.lab import dist as mdist
@@ -111,7 +112,8 @@ def gloo_rank(numels=GLOO_NUMELS, repeats: int = 5) -> dict[str, list[float]]:
     for numel in numels:
         tensor = torch.zeros(numel)
         out["nbytes"].append(numel * FP32)
-        out["seconds"].append(comm.time_collective(lambda t: dist.all_reduce(t), tensor, repeats=repeats))
+        out["seconds"].append(min(comm.time_collective(lambda t: dist.all_reduce(t), tensor, repeats=1, warmup=i == 0)
+                                  for i in range(repeats)))
     dist.barrier()
     return out
 
