@@ -99,9 +99,9 @@ def measure_elementwise(numel: int = 2**18, repeats: int = 5) -> float:
         torch.set_num_threads(before)
 
 
-def gloo_rank(numels=GLOO_NUMELS, repeats: int = 5) -> dict[str, list[float]]:
-    """Inside every rank (launch.run_function): seconds of dist.all_reduce per float32 size, the fastest of
-    `repeats` (each the slowest rank's, comm.time_collective) — like the matmuls, the least disturbed."""
+def gloo_rank(numels=GLOO_NUMELS, repeats: int = 7) -> dict[str, list[float]]:
+    """Inside every rank (launch.run_function): median seconds of dist.all_reduce per float32 size (each run
+    the slowest rank's: comm.time_collective), as the notebooks measure their collectives."""
     import torch.distributed as dist
 
     from megalab.lab import dist as mdist
@@ -112,13 +112,12 @@ def gloo_rank(numels=GLOO_NUMELS, repeats: int = 5) -> dict[str, list[float]]:
     for numel in numels:
         tensor = torch.zeros(numel)
         out["nbytes"].append(numel * FP32)
-        out["seconds"].append(min(comm.time_collective(lambda t: dist.all_reduce(t), tensor, repeats=1, warmup=i == 0)
-                                  for i in range(repeats)))
+        out["seconds"].append(comm.time_collective(lambda t: dist.all_reduce(t), tensor, repeats=repeats))
     dist.barrier()
     return out
 
 
-def measure_gloo(world_sizes=GLOO_WORLD_SIZES, numels=GLOO_NUMELS, repeats: int = 5) -> dict[int, dict]:
+def measure_gloo(world_sizes=GLOO_WORLD_SIZES, numels=GLOO_NUMELS, repeats: int = 7) -> dict[int, dict]:
     """dist.all_reduce timings on gloo for each world size: {n: {"nbytes": [...], "seconds": [...]}}."""
     from megalab.lab import launch
 
