@@ -164,3 +164,11 @@ def test_measure_matmul_and_elementwise_are_quick():
     points = calibrate.measure_matmul(shapes=((64, 64, 64), (256, 256, 256)), threads=(1,), repeats=2)
     assert len(points) == 2 and all(p["seconds"] > 0 for p in points)
     assert 0 < calibrate.measure_elementwise(numel=4096, repeats=2) < 1e-6
+
+
+def test_measure_gloo_on_real_ranks():
+    """Two gloo ranks through megalab's launcher: times that grow with the size, and a link fitted from them."""
+    points = calibrate.measure_gloo(world_sizes=(2,), numels=(256, 2**18), repeats=3)
+    assert points[2]["nbytes"] == [1024, 2**20] and all(s > 0 for s in points[2]["seconds"])
+    cal = Calibration.from_measurements(fake_matmul(), points, cpus=2, elementwise=1e-9)
+    assert cal.links[2].beta > 0 and cal.links[2].alpha >= 0
