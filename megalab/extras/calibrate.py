@@ -483,5 +483,7 @@ def predict_recompute(cal: Calibration, config, batch: int, seq_length: int) -> 
 
 
 if __name__ == "__main__":  # python -m megalab.extras.calibrate: measure this machine again and cache it
-    print(calibration(refresh=True).summary())
-    print(f"cached in {cache_path()}")
+    from megalab.extras import calibrate  # the ranks import the module by name, not as __main__
+
+    print(calibrate.calibration(refresh=True).summary())
+    print(f"cached in {calibrate.cache_path()}")
