@@ -137,3 +137,16 @@ def test_the_verdict_of_a_chained_failure_is_the_last_exception():
     text = ("E   megalab.lab.launch.LaunchTimeoutError: ranks stuck\n\nDuring handling of the above exception, another "
             "exception occurred:\n\n    def test_x():\nE   AssertionError: likely mistake: all-reduce on one rank only\n")
     assert failure_line(text) == "AssertionError: likely mistake: all-reduce on one rank only"
+
+
+def test_grading_one_exercise_stops_at_its_first_failing_check(tree):
+    from megalab.lab.grading import run_checks
+
+    (tree / "tests" / "test_toy.py").write_text(
+        "import pytest\nfrom megalab.toy import add\n\n@pytest.mark.exercise('toy.add')\ndef test_a_first_focused_check():\n"
+        "    assert add(2, 2) == 5, 'likely mistake: none, this check is wrong on purpose'\n\n"
+        "@pytest.mark.exercise('toy.add')\ndef test_b_heavy_check():\n    assert add(1, 1) == 2\n")
+    ex = load(tree).exercises["toy.add"]
+    first = run_checks(tree, [ex], first_failure=True)
+    assert [o.outcome for o in first.values()] == ["failed", "not run"]
+    assert [o.outcome for o in run_checks(tree, [ex]).values()] == ["failed", "passed"]
