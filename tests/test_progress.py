@@ -150,3 +150,12 @@ def test_grading_one_exercise_stops_at_its_first_failing_check(tree):
     first = run_checks(tree, [ex], first_failure=True)
     assert [o.outcome for o in first.values()] == ["failed", "not run"]
     assert [o.outcome for o in run_checks(tree, [ex]).values()] == ["failed", "passed"]
+
+
+def test_the_progress_magic_works_in_a_notebook_outside_any_tree(tmp_path, capsys, monkeypatch):
+    import megalab
+
+    monkeypatch.chdir(tmp_path)  # a copied notebook's folder: no megalab/ above it
+    megalab.progress_magic("01")
+    out = capsys.readouterr().out
+    assert out.startswith("chapter") and "01_foundations" in out  # this megalab's own course
