@@ -93,7 +93,7 @@ def quick_fixture(cases: dict):
 
     @pytest.fixture(scope="module")
     def quick(request):
-        wanted = {m.args[0] for item in request.session.items if "quick" in item.fixturenames
+        wanted = {m.args[0] for item in request.session.items if "quick" in getattr(item, "fixturenames", ())
                   for m in item.iter_markers("exercise")}
         return Quick(request.module.__name__, [ex for ex in cases if ex in wanted])
 

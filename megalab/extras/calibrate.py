@@ -107,10 +107,11 @@ def gloo_rank(numels=GLOO_NUMELS, repeats: int = 7) -> dict[str, list[float]]:
     from megalab.lab import dist as mdist
 
     mdist.init()
-    dist.all_reduce(torch.zeros(1))  # the first collective sets up the connections: not part of any timing
+    host = torch.device("cpu")  # gloo on host memory: what this laptop calibration measures (even on a GPU node)
+    dist.all_reduce(torch.zeros(1, device=host))  # the first collective sets up the connections: not timed
     out: dict[str, list[float]] = {"nbytes": [], "seconds": []}
     for numel in numels:
-        tensor = torch.zeros(numel)
+        tensor = torch.zeros(numel, device=host)
         out["nbytes"].append(numel * FP32)
         out["seconds"].append(comm.time_collective(lambda t: dist.all_reduce(t), tensor, repeats=repeats))
     dist.barrier()
@@ -121,7 +122,7 @@ def measure_gloo(world_sizes=GLOO_WORLD_SIZES, numels=GLOO_NUMELS, repeats: int 
     """dist.all_reduce timings on gloo for each world size: {n: {"nbytes": [...], "seconds": [...]}}."""
     from megalab.lab import launch
 
-    return {n: launch.run_function(gloo_rank, n, numels, repeats, launch=dict(timeout=120)).returns[0]
+    return {n: launch.run_function(gloo_rank, n, numels, repeats, launch=dict(timeout=120, backend="gloo")).returns[0]
             for n in world_sizes}
 
 
