@@ -30,10 +30,11 @@ from megalab.core.transformer.transformer_config import TransformerConfig
 from megalab.training.training import TrainingConfig, setup_model_and_optimizer
 
 rank, _ = mdist.init()
-root = mdist.scratch_dir("bench-checkpoint")
+root = mdist.scratch_dir("bench-checkpoint")  # every rank makes it (exist_ok): rank 0 empties it, races none
 if rank == 0:
     shutil.rmtree(root, ignore_errors=True)
-    root.mkdir(parents=True)
+    root.mkdir(parents=True, exist_ok=True)
+dist.barrier()
 model = TransformerConfig(num_layers={layers}, hidden_size={hidden}, num_attention_heads=4, vocab_size=8192,
                           seq_length=64, share_embeddings_and_output_weights=False)
 state = setup_model_and_optimizer(TrainingConfig(model=model, train_iters=10, global_batch_size=8,

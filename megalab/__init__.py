@@ -25,9 +25,8 @@ def load_ipython_extension(ipython):
         _switch_to(root)
         return sys.modules["megalab"].load_ipython_extension(ipython)
 
-    from megalab.lab.magic import TorchrunMagics
-
     from megalab.lab.dist import scratch_root
+    from megalab.lab.magic import TorchrunMagics
 
     ipython.register_magics(TorchrunMagics)
     ipython.register_magic_function(grade_magic, "line", "grade")
@@ -55,9 +54,6 @@ def grade_magic(line: str) -> None:
 
 def hint_magic(line: str) -> None:
     """`%hint ID [LEVEL]`: the next hint for an exercise (the idea, then the approach), or hint LEVEL."""
-    from pathlib import Path
-
-    from megalab.lab.exercises import find_root
     from megalab.lab.progress import HintError, format_hint, hint
 
     args = line.split()
@@ -65,7 +61,7 @@ def hint_magic(line: str) -> None:
         print("usage: %hint EXERCISE_ID [LEVEL] (e.g. %hint dist.shard_bounds, or %hint dist.shard_bounds 2)")
         return
     try:
-        level, levels, text = hint(find_root(Path.cwd()), args[0], int(args[1]) if len(args) == 2 else None)
+        level, levels, text = hint(_course_root(), args[0], int(args[1]) if len(args) == 2 else None)
     except (HintError, ValueError) as exc:
         print(f"%hint: {exc}")
         return
@@ -74,11 +70,20 @@ def hint_magic(line: str) -> None:
 
 def progress_magic(line: str) -> None:
     """`%progress [CHAPTER]`: exercises done per chapter, hints used and last attempts, with a chart."""
-    from pathlib import Path
-
     from megalab.lab.progress import show
 
-    show(line.strip() or None, Path.cwd())
+    try:
+        show(line.strip() or None, _course_root())
+    except ValueError as exc:  # a damaged tree: say so, never stop a "Run All"
+        print(f"%progress: {exc}")
+
+
+def _course_root():
+    """The tree of the notebook's folder (a workspace or the reference), else the one this megalab comes from
+    (a notebook copied outside any tree)."""
+    from pathlib import Path
+
+    return _tree_of(Path.cwd()) or Path(__file__).resolve().parent.parent
 
 
 def _tree_of(folder):

@@ -10,7 +10,13 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+LONGEST_FIRST = ("tests/test_mistakes_dp_tp.py", "tests/test_mistakes.py")  # minutes each: started first, the two
+# pytest workers of `make test` (--dist loadfile hands out files in this order) finish together instead of one
+# worker running a long sweep alone at the end
+
+
 def pytest_collection_modifyitems(config, items):
+    items.sort(key=lambda item: item.nodeid.split("::")[0] not in LONGEST_FIRST)  # stable: the rest keep their order
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")

@@ -199,6 +199,7 @@ def test_make_lab_in_a_workspace_opens_it_on_the_first_notebook(tmp_path):
     both in the file browser), on the first notebook, with a kernel that imports the workspace's megalab."""
     from playwright.sync_api import sync_playwright
 
+    from megalab.lab.exercises import load
     from megalab.lab.workspace import FIRST_NOTEBOOK, create
 
     _need_browser()
@@ -231,7 +232,8 @@ def test_make_lab_in_a_workspace_opens_it_on_the_first_notebook(tmp_path):
             page.keyboard.press("Shift+Enter")
             banner = first_code.locator(".jp-OutputArea-output", has_text="your workspace")
             banner.first.wait_for(timeout=60_000)
-            assert f"{ws}/megalab · 0 of 76 exercises implemented" in banner.first.inner_text()
+            exercises = len(load(REPO).exercises)
+            assert f"{ws}/megalab · 0 of {exercises} exercises implemented" in banner.first.inner_text()
         finally:
             page.screenshot(path=str(tmp_path / "workspace.png"), full_page=True)
             print(f"screenshot {tmp_path / 'workspace.png'}")

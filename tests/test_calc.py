@@ -62,3 +62,10 @@ def test_korthikanti_gpt3_selective_recompute_saving():
     tp_only = calc.activation_memory_per_layer(s, 1, h, a, t)
     assert round(1 - sp_sel / sp, 2) == 0.70
     assert round(tp_only / sp_sel) == 5
+
+
+def test_korthikanti_hardware_flops_add_the_recomputed_attention():
+    B, s, l, h, V = 8, 256, 4, 128, 5000  # noqa: E741 (the paper's symbols)
+    model = calc.flops_per_iteration(B, s, l, h, V, recompute=False)
+    # the paper's HFU counts 12 B s^2 h per layer more: 3x the 4 B s^2 h of the attention core's forward
+    assert calc.korthikanti_hardware_flops(B, s, l, h, V) == pytest.approx(model + 12 * B * s * s * h * l, rel=1e-12)

@@ -6,6 +6,9 @@ Two 2-rank launches (tp2): the first trains 4 iterations saving every 2, and ran
 tries the broken variants.
 """
 
+import builtins
+import io
+import os
 import re
 import shutil
 import tempfile
@@ -15,6 +18,7 @@ import pytest
 import torch
 
 from megalab.lab import launch
+from megalab.lab.checks import mistake, require
 from megalab.training import checkpointing as ckpt
 from tests.test_training import dataset, reference_run, training_config
 
@@ -200,19 +204,85 @@ def test_tracker_and_common_errors(tmp_path):
     assert ckpt.read_common(d)["consumed_samples"] == 8
 
 
+class _CommitWatch:
+    """Watches the file-system steps of one commit_checkpoint call (os.rename/os.replace, shutil.rmtree, open for
+    writing): `problem` is the first moment the tracker newly names an iteration whose directory is not complete
+    yet, or the tracker opened for writing under its own name (a crash mid-write leaves it empty)."""
+
+    def __init__(self, save_dir: Path, monkeypatch):
+        self.save_dir, self.tracker, self.problem = save_dir, save_dir / ckpt.TRACKER, None
+        real = {"rename": os.rename, "replace": os.replace, "rmtree": shutil.rmtree, "open": builtins.open,
+                "io.open": io.open}
+        self._read = lambda: real["open"](self.tracker).read() if self.tracker.exists() else None
+        self.before = self._read()  # re-saving the iteration the tracker already names is not a new claim
+
+        def step(name):
+            def watched(*args, **kwargs):
+                self.check(f"before {name}{tuple(Path(a).name for a in args[:2])}")
+                out = real[name](*args, **kwargs)
+                self.check(f"after {name}{tuple(Path(a).name for a in args[:2])}")
+                return out
+            return watched
+
+        def opened(name):
+            def watched(file, mode="r", *args, **kwargs):
+                if (isinstance(file, (str, os.PathLike)) and any(c in mode for c in "wax+")
+                        and Path(file).resolve() == self.tracker.resolve() and self.problem is None):
+                    self.problem = mistake(
+                        "the tracker is written in place, not atomic: a crash mid-write leaves it empty or half "
+                        "written (write a temporary file beside it, then os.replace it onto the tracker)",
+                        f"{ckpt.TRACKER} was opened with mode {mode!r}")
+                self.check(f"opening {Path(file).name if isinstance(file, (str, os.PathLike)) else file}")
+                return real[name](file, mode, *args, **kwargs)
+            return watched
+
+        for name in ("rename", "replace"):
+            monkeypatch.setattr(os, name, step(name))
+        monkeypatch.setattr(shutil, "rmtree", step("rmtree"))
+        monkeypatch.setattr(builtins, "open", opened("open"))
+        monkeypatch.setattr(io, "open", opened("io.open"))
+
+    def check(self, when: str) -> None:
+        text = self._read()
+        if self.problem is not None or text is None or text == self.before or not text.strip().isdigit():
+            return
+        final = ckpt.checkpoint_dir(self.save_dir, int(text))
+        if not (final / "common.pt").exists():
+            self.problem = mistake(
+                "the tracker before the data: it named a checkpoint not yet in place (rename tmp to its final name "
+                "first, then replace the tracker)", f"{when}: the tracker says {text.strip()} but {final.name}/"
+                "common.pt does not exist")
+
+
 @pytest.mark.exercise("checkpoint.commit")
-def test_commit_is_rename_then_tracker(tmp_path):
-    for iteration in (2, 4, 4):  # a new checkpoint, a later one, the same iteration saved again
+def test_commit_is_rename_then_tracker(tmp_path, monkeypatch):
+    for commit, iteration in enumerate((2, 4, 4)):  # a new checkpoint, a later one, the same iteration saved again
         tmp = tmp_path / f"iter_{iteration:07d}.tmp"
         tmp.mkdir()
-        (tmp / "common.pt").write_text(str(iteration))
-        final = ckpt.commit_checkpoint(tmp, tmp_path, iteration)
+        content = f"iteration {iteration}, commit {commit}"
+        (tmp / "common.pt").write_text(content)
         where = f"commit_checkpoint({tmp.name}, iteration {iteration})"
+        with monkeypatch.context() as patch:
+            watch = _CommitWatch(tmp_path, patch)
+            try:
+                final, error = ckpt.commit_checkpoint(tmp, tmp_path, iteration), None
+            except OSError as e:
+                error = f"{type(e).__name__}: {e}"  # named below, outside the handler (the grader shows the first error)
+        if error is not None:
+            require(mistake("renamed onto an existing checkpoint directory without removing it first (remove the old "
+                            "final directory, then rename tmp)", f"{where}: {error}"))
+        if watch.problem is not None:
+            require(watch.problem)
+        nested = ckpt.checkpoint_dir(tmp_path, iteration) / tmp.name
+        if nested.exists():
+            require(mistake("tmp nested inside the existing checkpoint directory (shutil.move into a directory moves "
+                            "INTO it): remove the old final directory, then rename tmp",
+                            f"{where}: {nested.relative_to(tmp_path)} exists"))
         assert final == ckpt.checkpoint_dir(tmp_path, iteration), (
             f"{where} returned {final}, expected {ckpt.checkpoint_dir(tmp_path, iteration)} (the final directory)")
-        content = (final / "common.pt").read_text() if (final / "common.pt").exists() else "(missing)"
-        assert content == str(iteration), (
-            f"{where}: {final.name}/common.pt holds {content!r}, expected {str(iteration)!r} (the new checkpoint "
+        got = (final / "common.pt").read_text() if (final / "common.pt").exists() else "(missing)"
+        assert got == content, (
+            f"{where}: {final.name}/common.pt holds {got!r}, expected {content!r} (the new checkpoint "
             "should replace an older one of the same iteration)")
         assert not tmp.exists(), f"{where}: {tmp.name} still exists; rename it to {final.name}"
         tracker = ckpt.read_tracker(tmp_path)

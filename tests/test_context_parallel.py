@@ -24,6 +24,13 @@ from megalab.extras.profiling import SavedTensorsMeter
 from megalab.lab import dist as mdist
 from megalab.lab import launch
 from megalab.transformer_engine import context_parallel as cpm
+from tests.ch03_checks import (
+    check_backward_ring,
+    check_causal_block_mask,
+    check_lse_merge,
+    check_rank_chunks,
+    check_ring_step,
+)
 from tests.feedback import close, equal, max_error, require, require_no_error, require_within
 
 TOL = 1e-5  # fp32, every output and gradient
@@ -52,6 +59,7 @@ def _qkv(s, seed=0):
 # ------------------------------------------------------------------ single process
 @pytest.mark.exercise("cp.zigzag_split")
 def test_zigzag_split_balances_causal_work():
+    require(check_rank_chunks())  # names the likely mistake (neighbour instead of mirror, off by one, plain pairs)
     require(equal(cp_rank_positions(8, 2, 0).tolist(), [0, 1, 6, 7],
                   "cp_rank_positions(s=8, cp=2, rank 0) (zigzag: chunks 0 and 3 of 4)"))
     require(equal(cp_rank_positions(8, 2, 1).tolist(), [2, 3, 4, 5],
@@ -95,6 +103,7 @@ def test_get_batch_on_this_cp_rank_slices_every_tensor():
 
 @pytest.mark.exercise("cp.causal_block_mask")
 def test_causal_block_mask_matches_dense_causal_mask():
+    require(check_causal_block_mask())  # names the likely mistake (reversed comparison, the diagonal block)
     c, chunks = 3, 6
     dense = torch.ones(c * chunks, c * chunks, dtype=torch.bool).triu(1)  # True: key after query
     for i in range(chunks):
@@ -109,6 +118,7 @@ def test_causal_block_mask_matches_dense_causal_mask():
 
 @pytest.mark.exercise("cp.lse_merge")
 def test_lse_merge_equals_attention_over_all_keys():
+    require(check_lse_merge())  # names the likely mistake (sign, no rescale, lse not updated, overflow)
     q, k, v, _ = _qkv(12)
     visible = torch.ones(12, 12, dtype=torch.bool).tril()[8:]  # queries 8..11 vs keys 0..11
     kk, vv = k.repeat_interleave(2, 1), v.repeat_interleave(2, 1)
@@ -122,6 +132,19 @@ def test_lse_merge_equals_attention_over_all_keys():
     where = "merging block_attention over key blocks 0..4, 5..7 and 8..11 (causal) with merge_attention"
     require(close(out, full, f"{where}: the output vs SDPA over all 12 keys", rtol=0, atol=TOL))
     require(close(lse, ref_lse, f"{where}: the log-sum-exp vs logsumexp of the masked scores", rtol=0, atol=TOL))
+
+
+@pytest.mark.exercise("cp.ring_step")
+def test_ring_step_is_one_batch_to_the_next_rank():
+    """First, in one process (recorded streams, then a threaded world): one batch, the right neighbours, a fresh
+    buffer that ends up with the previous rank's tensor; a wrong ring_step is named."""
+    require(check_ring_step())
+
+
+@pytest.mark.exercise("cp.backward_ring")
+def test_backward_ring_gradients_on_a_threaded_world():
+    """First, in one process (cp = 2 and 3 as threads): dq, dk, dv equal SDPA's; a wrong backward ring is named."""
+    require(check_backward_ring())
 
 
 def test_block_backward_equals_autograd():

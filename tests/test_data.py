@@ -28,7 +28,7 @@ from megalab.core.datasets.indexed_dataset import DataFormatError, DType, Indexe
 from megalab.tools.preprocess_data import main as preprocess_main
 from megalab.tools.preprocess_data import prepare_corpus, preprocess
 from megalab.training.tokenizer.tokenizer import Tokenizer, train_tokenizer
-from tests.feedback import equal, equal_lists, require
+from tests.feedback import close, equal, equal_lists, require
 
 # numpy dtype of each code, from the format description (Megatron's DType enum)
 FORMAT_DTYPES = {1: "<u1", 2: "<i1", 3: "<i2", 4: "<i4", 5: "<i8", 6: "<f8", 7: "<f4", 8: "<u2"}
@@ -223,6 +223,30 @@ def reference_sample_index(sizes, document_index, seq_length, num_samples):
 
 
 @pytest.mark.exercise("data.build_sample_index")
+def test_sample_index_worked_example():
+    # documents of 5, 2 and 6 tokens visited in order 0, 1, 2; seq_length 3 (each sample reads 4 tokens):
+    # stream a0 a1 a2 a3 a4 | b0 b1 | c0 .. c5 ; samples start at stream tokens 0, 3, 6, 9: a0, a3, b1, c2
+    got = build_sample_index(np.array([5, 2, 6]), np.array([0, 1, 2]), seq_length=3, num_samples=3)
+    require(close(got, [[0, 0], [0, 3], [1, 1], [2, 2]],
+                  "build_sample_index(document sizes [5, 2, 6], order [0, 1, 2], seq_length=3, num_samples=3) "
+                  "(rows (index into document_index, offset): each sample reads seq_length + 1 tokens, the next "
+                  "starts at its last one)", rtol=0, atol=0, mistakes={
+                      "each sample reads seq_length tokens instead of seq_length + 1 (inputs plus one more label: "
+                      "the next sample starts at stream token j * seq_length)": [[0, 0], [0, 2], [0, 4], [1, 1]],
+                      "the next sample starts after the sample's last token; it starts AT it (the last label of "
+                      "sample j is the first input of sample j + 1)": [[0, 0], [0, 4], [2, 1], [2, 5]],
+                      "counted the whole document instead of what is left of it after the offset (its size minus "
+                      "doc_offset)": [[0, 0], [0, 3], [0, 6], [0, 9]],
+                  }))
+    # documents of 3, 2 and 4 tokens visited in order 0, 1, 2; seq_length 3 (each sample reads 4 tokens):
+    # stream a0 a1 a2 | b0 b1 | c0 c1 c2 c3 ; sample 0 = a0 a1 a2 b0, sample 1 = b0 b1 c0 c1, sample 2 = c1 c2 c3 + ?
+    got = build_sample_index(np.array([3, 2, 4]), np.array([0, 1, 2]), seq_length=3, num_samples=2)
+    require(equal(got.tolist(), [[0, 0], [1, 0], [2, 1]],
+                  "build_sample_index(document sizes [3, 2, 4], order [0, 1, 2], seq_length=3, num_samples=2) "
+                  "(each sample reads seq_length + 1 tokens; the next starts at its last token)"))
+
+
+@pytest.mark.exercise("data.build_sample_index")
 @pytest.mark.parametrize("seq_length", [1, 5, 16])
 def test_sample_index_matches_the_stream(seq_length):
     rng = np.random.default_rng(seq_length)
@@ -238,16 +262,6 @@ def test_sample_index_matches_the_stream(seq_length):
                         [tuple(map(int, row)) for row in reference_sample_index(sizes, document_index, seq_length,
                                                                                 num_samples)],
                         f"{where}, rows (index into document_index, offset) where each sample starts", "row"))
-
-
-@pytest.mark.exercise("data.build_sample_index")
-def test_sample_index_worked_example():
-    # documents of 3, 2 and 4 tokens visited in order 0, 1, 2; seq_length 3 (each sample reads 4 tokens):
-    # stream a0 a1 a2 | b0 b1 | c0 c1 c2 c3 ; sample 0 = a0 a1 a2 b0, sample 1 = b0 b1 c0 c1, sample 2 = c1 c2 c3 + ?
-    got = build_sample_index(np.array([3, 2, 4]), np.array([0, 1, 2]), seq_length=3, num_samples=2)
-    require(equal(got.tolist(), [[0, 0], [1, 0], [2, 1]],
-                  "build_sample_index(document sizes [3, 2, 4], order [0, 1, 2], seq_length=3, num_samples=2) "
-                  "(each sample reads seq_length + 1 tokens; the next starts at its last token)"))
 
 
 def _write_docs(tmp_path, sizes, seed=0):
@@ -314,18 +328,49 @@ def test_split_ranges_are_megatrons():
 
 
 # ------------------------------------------------------------------ blending
+def _blending_mistakes(weights, size):
+    """(dataset_index, dataset_sample_index) that the typical wrong build_blending_indices give, by name."""
+    w, found = np.asarray(weights), {}
+
+    def greedy(at):  # Megatron's rule with the target weights * at(i)
+        taken, index, sample = np.zeros(len(w), dtype=np.int64), [], []
+        for i in range(size):
+            d = int(np.argmax(w * at(i) - taken))
+            index.append(d)
+            sample.append(int(taken[d]))
+            taken[d] += 1
+        return index, sample
+
+    found["the error uses weights * i, without Megatron's max(i, 1): sample 0 then goes to the first dataset by "
+          "the tie, not to the heaviest"] = greedy(lambda i: i)
+    index, _ = greedy(lambda i: max(i, 1))
+    found["dataset_sample_index holds the position in the blend instead of the count of samples taken from that "
+          "dataset"] = index, list(range(size))
+    counts = np.round(w * size).astype(np.int64)
+    counts[-1] = size - counts[:-1].sum()
+    found["rounding instead of Megatron's greedy error rule: round(weight * size) samples per dataset, in blocks "
+          "(give sample i to the dataset with the largest weight * max(i, 1) - taken)"] = (
+        np.repeat(np.arange(len(w)), counts).tolist(), [k for c in counts for k in range(c)])
+    return found
+
+
+def _require_blend(weights, size, expected_index, expected_sample=None):
+    index, sample = build_blending_indices(np.array(weights), size)
+    mistakes = _blending_mistakes(weights, size)
+    rule = "(sample i goes to the dataset with the largest weight * max(i, 1) - taken; ties to the first)"
+    require(close(index, expected_index, f"build_blending_indices({weights}, {size})'s dataset index {rule}",
+                  rtol=0, atol=0, mistakes={name: got[0] for name, got in mistakes.items()}))
+    if expected_sample is not None:
+        require(close(sample, expected_sample, f"build_blending_indices({weights}, {size})'s dataset sample index "
+                                               "(each dataset's samples 0, 1, 2, ...)",
+                      rtol=0, atol=0, mistakes={name: got[1] for name, got in mistakes.items()}))
+
+
 @pytest.mark.exercise("data.build_blending_indices")
 def test_blending_worked_examples():
-    index, sample = build_blending_indices(np.array([0.7, 0.3]), 10)
-    rule = "(sample i goes to the dataset with the largest weight * max(i, 1) - taken; ties to the first)"
-    require(equal(index.tolist(), [0, 1, 0, 0, 1, 0, 0, 1, 0, 0],
-                  f"build_blending_indices([0.7, 0.3], 10)'s dataset index {rule}"))
-    require(equal(sample.tolist(), [0, 0, 1, 2, 1, 3, 4, 2, 5, 6],
-                  "build_blending_indices([0.7, 0.3], 10)'s dataset sample index (each dataset's samples 0, 1, 2, ...)"))
-    index, _ = build_blending_indices(np.array([0.5, 0.5]), 6)
-    require(equal(index.tolist(), [0, 1, 0, 1, 0, 1], f"build_blending_indices([0.5, 0.5], 6)'s dataset index {rule}"))
-    index, _ = build_blending_indices(np.array([0.3, 0.7]), 4)
-    require(equal(index.tolist(), [1, 0, 1, 1], f"build_blending_indices([0.3, 0.7], 4)'s dataset index {rule}"))
+    _require_blend([0.7, 0.3], 10, [0, 1, 0, 0, 1, 0, 0, 1, 0, 0], [0, 0, 1, 2, 1, 3, 4, 2, 5, 6])
+    _require_blend([0.5, 0.5], 6, [0, 1, 0, 1, 0, 1])
+    _require_blend([0.3, 0.7], 4, [1, 0, 1, 1])
 
 
 @pytest.mark.exercise("data.build_blending_indices")

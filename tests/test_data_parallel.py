@@ -7,6 +7,7 @@ hide the others); each test reads its own part of the report.
 
 import time
 import traceback
+from contextlib import contextmanager
 
 import pytest
 import torch
@@ -19,7 +20,10 @@ from megalab.core.distributed.param_and_grad_buffer import build_buckets
 from megalab.core.optimizer.distrib_optimizer import DistributedOptimizer, optimizer_state_bytes
 from megalab.extras import calc, toy
 from megalab.lab import launch
+from megalab.lab.checks import close, mistake
 from tests.feedback import equal, require, require_no_error, require_within
+from tests.quick_launch import quick_fixture
+from tests.quick_launch import results as quick_results
 
 STEPS, MICRO_BATCH = 10, 4
 OPTIMIZERS = {"adam": (torch.optim.Adam, dict(lr=1e-2)), "sgd": (torch.optim.SGD, dict(lr=0.1, momentum=0.9))}
@@ -188,9 +192,31 @@ def _params_close(diffs: dict, tol: float, where: str, against: str):
     require_within({f"parameter {n}": d for n, d in diffs.items()}, tol, where=where, against=against)
 
 
+FORWARD = "filled the buckets in forward order (backward produces the last parameter's gradient first: reverse them)"
+STRICT = "closed a bucket only when it exceeds bucket_size (> instead of >=)"
+UNPADDED = "bucket length not padded to a multiple of pad_to (_round_up)"
+NEXT_UNPADDED = "the next bucket starts at the previous one's unpadded end (start at the padded end)"
+# build_buckets(numels, bucket_size=5, pad_to=2): the right buckets, and what each typical mistake gives
+BUCKET_CASES = {
+    (4, 2, 6, 3): ([([3, 2], 0, 10), ([1, 0], 10, 16)], {
+        FORWARD: [([0, 1], 0, 6), ([2], 6, 12), ([3], 12, 16)], UNPADDED: [([3, 2], 0, 9), ([1, 0], 9, 15)],
+        NEXT_UNPADDED: [([3, 2], 0, 10), ([1, 0], 9, 15)]}),
+    (3, 2, 5): ([([2], 0, 6), ([1, 0], 6, 12)], {  # 5 elements exactly: the bucket closes
+        FORWARD: [([0, 1], 0, 6), ([2], 6, 12)], STRICT: [([2, 1], 0, 8), ([0], 8, 12)],
+        UNPADDED: [([2], 0, 5), ([1, 0], 5, 10)], NEXT_UNPADDED: [([2], 0, 6), ([1, 0], 5, 11)]}),
+}
+
+
 @pytest.mark.exercise("data_parallel.build_buckets")
 def test_build_buckets_reverse_order_and_padding():
     rule = "(ids, start, end) per bucket: parameters in reverse order, a bucket closes at >= bucket_size elements"
+    for numels, (expected, mistakes) in BUCKET_CASES.items():
+        got = build_buckets(list(numels), 5, pad_to=2)
+        what = f"build_buckets({list(numels)}, bucket_size=5, pad_to=2) {rule}, its length padded to a multiple of 2"
+        for name, wrong in mistakes.items():
+            if got == wrong and got != expected:
+                require(mistake(name, f"{what}: got {got}, expected {expected}"))
+        require(equal(got, expected, what))
     require(equal(build_buckets([4, 2, 6, 3], 5, pad_to=2), [([3, 2], 0, 10), ([1, 0], 10, 16)],
                   f"build_buckets([4, 2, 6, 3], bucket_size=5, pad_to=2) {rule}, its length padded to a multiple of 2"))
     require(equal(build_buckets([4, 2, 6, 3], 100), [([3, 2, 1, 0], 0, 15)],
@@ -200,6 +226,323 @@ def test_build_buckets_reverse_order_and_padding():
     require(equal(build_buckets([], 10), [], "build_buckets([], 10) (no parameters: no buckets)"))
     with pytest.raises(ValueError, match="bucket_size"):
         build_buckets([3], 0)
+
+
+# ------------------------------------------------------------------ quick checks (issue 27): one 2-rank launch,
+# a 4 -> 4 -> 2 model in 2 buckets; each exercise's first test, fast, naming the typical mistakes
+
+
+def _tiny() -> nn.Sequential:
+    """4 -> 4 -> 2 with tanh, seeded: 4 parameters, 30 elements; bucket_size 10 makes 2 buckets."""
+    with torch.random.fork_rng():
+        torch.manual_seed(1)
+        return nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2))
+
+
+def _tiny_data():
+    g = torch.Generator().manual_seed(2)
+    return torch.randn(8, 4, generator=g), torch.randn(8, 2, generator=g)
+
+
+def _tiny_rows(rank, world, micro=1, j=0):
+    """Rows of `rank`'s micro-batch j (of `micro`): together the ranks' micro-batches cover the 8 rows."""
+    n = 8 // (world * micro)
+    start = (j * world + rank) * n
+    return slice(start, start + n)
+
+
+def _tiny_grads(rows=slice(None)) -> list[torch.Tensor]:
+    """The single-process gradient of the mean loss over `rows` (all 8 rows: what DP must give)."""
+    model, (x, y) = _tiny(), _tiny_data()
+    F.mse_loss(model(x[rows]), y[rows]).backward()
+    return [p.grad.clone() for p in model.parameters()]
+
+
+class _LazyWork:
+    """An async collective that runs when waited for (a slow network): forgetting wait() then shows."""
+
+    def __init__(self, fn, args, kwargs, log):
+        self.fn, self.args, self.kwargs, self.done = fn, args, kwargs, False
+        log.append(self)
+
+    def wait(self, *args, **kwargs):
+        if not self.done:
+            self.fn(*self.args, **self.kwargs)
+            self.done = True
+        return True
+
+    def is_completed(self):
+        return self.done
+
+
+@contextmanager
+def _lazy_collectives():
+    """Inside, async all_reduce / broadcast are _LazyWork; yields the list of works launched."""
+    log, saved = [], (dist.all_reduce, dist.broadcast)
+
+    def lazy(fn):
+        def call(*args, async_op=False, **kwargs):
+            return _LazyWork(fn, args, kwargs, log) if async_op else fn(*args, **kwargs)
+        return call
+
+    dist.all_reduce, dist.broadcast = lazy(saved[0]), lazy(saved[1])
+    try:
+        yield log
+    finally:
+        dist.all_reduce, dist.broadcast = saved
+
+
+def _step_grads(ddp, rank, world, micro=1):
+    """One backward (micro micro-batches, the first ones under no_sync) and finish_grad_sync; p.grad per parameter."""
+    x, y = _tiny_data()
+    ddp.zero_grad_buffer()
+    for j in range(micro):
+        rows = _tiny_rows(rank, world, micro, j)
+        loss = F.mse_loss(ddp(x[rows]), y[rows]) / micro
+        if j < micro - 1:
+            with ddp.no_sync():
+                loss.backward()
+        else:
+            loss.backward()
+    backward_end = time.perf_counter()
+    ddp.finish_grad_sync()
+    grads = [None if p.grad is None else p.grad.detach().clone() for p in ddp.module.parameters()]
+    return grads, backward_end
+
+
+def _attempt(fn):
+    try:
+        return fn()
+    except Exception:  # noqa: BLE001 (the test names the mistake from the error)
+        return {"error": traceback.format_exc(limit=-4)}
+
+
+def _quick_grad_hook(rank, world, group):
+    out = {"expected": _tiny_grads()}
+
+    def one_step():
+        ddp = DistributedDataParallel(_tiny(), group=group, bucket_size=10)
+        grads, backward_end = _step_grads(ddp, rank, world)
+        launches = [t for t, event, _ in ddp.timeline if event == "launch"]
+        return {"grads": grads, "buckets": len(ddp.buckets), "launched_in_backward": sum(t < backward_end for t in launches)}
+
+    def accumulate():
+        ddp = DistributedDataParallel(_tiny(), group=group, bucket_size=10)
+        return {"grads": _step_grads(ddp, rank, world, micro=2)[0]}
+
+    out["one step"], out["accumulate"] = _attempt(one_step), _attempt(accumulate)
+    # what "copied instead of added" gives: only the last micro-batch, averaged over the ranks (/ 2 micro-batches)
+    last = [sum(gs) / (2 * world) for gs in zip(*[_tiny_grads(_tiny_rows(r, world, 2, 1)) for r in range(world)])]
+    out["last micro-batch only"] = last
+    return out
+
+
+def _quick_finish_grad_sync(rank, world, group):
+    out = {"expected": _tiny_grads(), "local": _tiny_grads(_tiny_rows(rank, world))}
+
+    def overlap():
+        with _lazy_collectives() as log:
+            ddp = DistributedDataParallel(_tiny(), group=group, bucket_size=10)
+            first = _step_grads(ddp, rank, world)[0]
+            unwaited = sum(not w.done for w in log)
+            second = _step_grads(ddp, rank, world)[0]
+        return {"grads": first, "unwaited": unwaited, "second step": second}
+
+    def no_overlap():
+        ddp = DistributedDataParallel(_tiny(), group=group, bucket_size=10, overlap_grad_reduce=False)
+        return {"grads": _step_grads(ddp, rank, world)[0]}
+
+    out["overlap"], out["no overlap"] = _attempt(overlap), _attempt(no_overlap)
+    return out
+
+
+def _flat(ddp, bucket, grads) -> torch.Tensor:
+    """The bucket's flat gradient buffer [numel] built from per-parameter gradients."""
+    flat = torch.zeros(bucket.numel)
+    index = {p: i for i, p in enumerate(ddp.module.parameters())}
+    for p, (start, end) in bucket.ranges.items():
+        flat[start:end] = grads[index[p]].reshape(-1)
+    return flat
+
+
+def _quick_reduce_scatter(rank, world, group):
+    expected = _tiny_grads()
+    out = {}
+    for stage in (1, 2):
+        def shards(stage=stage):
+            ddp = DistributedDataParallel(_tiny(), group=group, bucket_size=10, zero_stage=stage)
+            _step_grads(ddp, rank, world)
+            got = [(b.grad_data[b.shard] if stage == 1 else b.grad_shard).detach().clone() for b in ddp.buckets]
+            return {"shards": got, "expected": [_flat(ddp, b, expected)[b.shard] for b in ddp.buckets]}
+        out[stage] = _attempt(shards)
+    return out
+
+
+def _sgd_expected(lr=0.1) -> list[torch.Tensor]:
+    """The parameters after one SGD step on the full batch."""
+    model = _tiny()
+    return [(p.detach() - lr * g) for p, g in zip(model.parameters(), _tiny_grads())]
+
+
+def _quick_zero_step(rank, world, group):
+    out = {}
+    for stage in (1, 2):
+        def step(stage=stage):
+            with _lazy_collectives() as log:
+                ddp = DistributedDataParallel(_tiny(), group=group, bucket_size=10, zero_stage=stage)
+                optimizer = DistributedOptimizer(ddp, torch.optim.SGD, lr=0.1)
+                before = [b.param_data.clone() for b in ddp.buckets]
+                _step_grads(ddp, rank, world)
+                launched = len(log)
+                optimizer.step()
+                gathers = len(log) - launched
+                unwaited = sum(not w.done for w in log)
+            new = [_flat(ddp, b, _sgd_expected()) for b in ddp.buckets]
+            stale = []  # what "no all-gather" leaves: this rank's shard new, the rest as before the step
+            for b, old, full in zip(ddp.buckets, before, new):
+                s = old.clone()
+                s[b.shard] = full[b.shard]
+                stale.append(s)
+            return {"params": [b.param_data.detach().clone() for b in ddp.buckets], "expected": new,
+                    "own shard only": stale, "gathers": gathers, "unwaited": unwaited}
+        out[stage] = _attempt(step)
+    return out
+
+
+def _quick_zero3_gather(rank, world, group):
+    def shards_changed():  # every rank adds 1 to its shards: the gathered parameters must all be 1 larger
+        ddp = DistributedDataParallel(_tiny(), group=group, bucket_size=10, zero_stage=3)
+        for b in ddp.buckets:
+            b.param_shard.add_(1.0)
+        got = ddp.full_parameters()
+        return {"params": [got[n] for n, _ in ddp.module.named_parameters()],
+                "expected": [p.detach() + 1.0 for p in _tiny().parameters()],
+                "own": {n: _own_mask(ddp, p, rank) for n, p in ddp.module.named_parameters()}}
+
+    def gather():
+        ddp = DistributedDataParallel(_tiny(), group=group, bucket_size=10, zero_stage=3)
+        optimizer = DistributedOptimizer(ddp, torch.optim.SGD, lr=0.1)
+        _step_grads(ddp, rank, world)
+        optimizer.step()
+        got = ddp.full_parameters()
+        return {"params": [got[n] for n, _ in ddp.module.named_parameters()], "expected": _sgd_expected(),
+                "shard elements": sum(b.param_shard.numel() for b in ddp.buckets)}
+    return {"shards changed": _attempt(shards_changed), "one step": _attempt(gather)}
+
+
+def _own_mask(ddp, param, rank) -> torch.Tensor:
+    """Which elements of `param` lie in this rank's shard of its bucket."""
+    for b in ddp.buckets:
+        if param in b.ranges:
+            start, end = b.ranges[param]
+            idx = torch.arange(start, end)
+            return ((idx >= b.shard.start) & (idx < b.shard.stop)).reshape(param.shape)
+    raise KeyError("parameter in no bucket")
+
+
+QUICK = {"data_parallel.grad_hook": _quick_grad_hook, "data_parallel.finish_grad_sync": _quick_finish_grad_sync,
+         "data_parallel.reduce_scatter": _quick_reduce_scatter, "data_parallel.zero3_gather": _quick_zero3_gather,
+         "data_parallel.zero_step": _quick_zero_step}
+quick = quick_fixture(QUICK)
+NAMES = ["0.weight", "0.bias", "2.weight", "2.bias"]
+
+
+def _grads_close(got, expected, where, mistakes=None):
+    for name, g, e in zip(NAMES, got, expected):
+        if g is None:
+            require(mistake("p.grad was not set from the bucket buffer after the wait (stage 0)",
+                            f"{where}: parameter {name}.grad is None"))
+        require(close(g, e, f"{where}: the gradient of {name}", mistakes={k: v[NAMES.index(name)]
+                                                                        for k, v in (mistakes or {}).items()}))
+
+
+@pytest.mark.exercise("data_parallel.grad_hook")
+def test_quick_grad_hook_accumulates_and_launches_full_buckets(quick):
+    results = quick_results(quick, "data_parallel.grad_hook", "one step")
+    for rank, r in results.items():
+        one = r["one step"]
+        _grads_close(one["grads"], r["expected"], f"rank {rank}, one DDP step (2 buckets)")
+        if one["launched_in_backward"] == 0:
+            require(mistake("the hook never launches a full bucket (no overlap: every bucket waits for "
+                            "finish_grad_sync)", f"rank {rank}: 0 of {one['buckets']} buckets launched during backward"))
+        require(equal(one["launched_in_backward"], one["buckets"], f"rank {rank}: buckets launched during backward"))
+    results = quick_results(quick, "data_parallel.grad_hook", "accumulate", known={
+        "reduced twice": "launched the bucket inside no_sync() (the hook must not start_grad_sync when self._sync "
+                         "is False)"})
+    for rank, r in results.items():
+        _grads_close(r["accumulate"]["grads"], r["expected"], f"rank {rank}, 2 micro-batches accumulated (no_sync)",
+                     mistakes={"copied param.grad into the buffer instead of adding it (accumulation lost)":
+                               r["last micro-batch only"]})
+
+
+@pytest.mark.exercise("data_parallel.finish_grad_sync")
+def test_quick_finish_grad_sync_waits_and_launches_the_rest(quick):
+    results = quick_results(quick, "data_parallel.finish_grad_sync", "overlap", known={
+        "reduced twice": "bucket.handle not reset to None after the wait (the next step sees a stale handle)"})
+    for rank, r in results.items():
+        ov = r["overlap"]
+        if ov["unwaited"]:
+            require(mistake("forgot to wait() on the buckets' handles (the async all-reduce never lands)",
+                            f"rank {rank}: {ov['unwaited']} reduction(s) launched and never waited for"))
+        _grads_close(ov["grads"], r["expected"], f"rank {rank}, one DDP step (2 buckets, overlap on)")
+        _grads_close(ov["second step"], r["expected"], f"rank {rank}, a second DDP step")
+    results = quick_results(quick, "data_parallel.finish_grad_sync", "no overlap", known={
+        "'NoneType' object has no attribute 'wait'": "did not launch the buckets the hooks did not launch "
+                                                     "(start_grad_sync for each bucket without a handle)"})
+    for rank, r in results.items():
+        _grads_close(r["no overlap"]["grads"], r["expected"], f"rank {rank}, overlap_grad_reduce=False",
+                     mistakes={"did not launch the buckets the hooks did not launch (start_grad_sync for each bucket "
+                               "without a handle)": r["local"]})
+
+
+@pytest.mark.exercise("data_parallel.reduce_scatter")
+def test_quick_reduce_scatter_keeps_each_ranks_shard(quick):
+    known = {"'bool' object has no attribute": "called reduce_scatter without async_op=True (bucket.handle "
+                                                      "must be the work to wait for)",
+             "'NoneType' object has no attribute": "stage 1 has no grad_shard: its shard is the view "
+                                                   "grad_data[bucket.shard] of the full buffer"}
+    for stage in (1, 2):
+        results = quick_results(quick, "data_parallel.reduce_scatter", stage, known)
+        for rank, r in results.items():
+            for k, (got, exp) in enumerate(zip(r[stage]["shards"], r[stage]["expected"])):
+                require(close(got, exp, f"rank {rank}, ZeRO-{stage}, bucket {k}: the reduced gradient shard",
+                              mistakes={"stage 2's reduced shard not written into bucket.grad_shard (it stayed in "
+                                        "grad_data, which stage 2 frees)": torch.zeros_like(exp)}))
+
+
+@pytest.mark.exercise("data_parallel.zero_step")
+def test_quick_zero_step_updates_and_gathers(quick):
+    for stage in (1, 2):
+        results = quick_results(quick, "data_parallel.zero_step", stage)
+        for rank, r in results.items():
+            s = r[stage]
+            if s["unwaited"]:
+                require(mistake("forgot to wait() for the all-gathers of the updated parameters",
+                                f"rank {rank}, ZeRO-{stage}: {s['unwaited']} collective(s) launched, never waited"))
+            for k, (got, exp, stale) in enumerate(zip(s["params"], s["expected"], s["own shard only"])):
+                require(close(got, exp, f"rank {rank}, ZeRO-{stage}, bucket {k}: the parameters after one SGD step",
+                              mistakes={"forgot the all-gather after the step (only this rank's shard is updated)":
+                                        stale}))
+
+
+@pytest.mark.exercise("data_parallel.zero3_gather")
+def test_quick_zero3_gather_rebuilds_full_parameters(quick):
+    known = {"storage of size 0": "all-gathered into param_data without re-allocating its storage first "
+                                  "(untyped_storage().resize_)"}
+    results = quick_results(quick, "data_parallel.zero3_gather", "shards changed", known)
+    for rank, r in results.items():
+        c = r["shards changed"]
+        for name, got, exp in zip(NAMES, c["params"], c["expected"]):
+            own = c["own"][name]
+            if not close(got, exp, "").ok and close(got[own], exp[own], "").ok:
+                require(mistake("copied only this rank's shard into param_data (no all-gather of the other ranks' "
+                                "shards)", f"rank {rank}: parameter {name} is right only in this rank's shard"))
+            require(close(got, exp, f"rank {rank}, ZeRO-3: parameter {name} gathered after every rank added 1 to its "
+                                    "shard"))
+    results = quick_results(quick, "data_parallel.zero3_gather", "one step", known)
+    for rank, r in results.items():
+        for name, got, exp in zip(NAMES, r["one step"]["params"], r["one step"]["expected"]):
+            require(close(got, exp, f"rank {rank}, ZeRO-3: parameter {name} gathered after one SGD step"))
 
 
 @pytest.mark.exercise("data_parallel.build_buckets")

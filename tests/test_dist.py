@@ -4,9 +4,47 @@ import pytest
 import torch
 
 from megalab.lab import launch
+from megalab.lab.checks import mistake, require
 from megalab.lab.dist import shard_bounds
 
 LENGTHS = [0, 1, 2, 3, 7, 10, 16, 31, 100]
+
+
+def _bounds_from_sizes(sizes):
+    starts = [sum(sizes[:r]) for r in range(len(sizes))]
+    return [(a, a + n) for a, n in zip(starts, sizes)]
+
+
+def _ceil_bounds(length, world):
+    size = -(-length // world)
+    return [(min(r * size, length), min(r * size + size, length)) for r in range(world)]
+
+
+# What the typical wrong splits give (sizes of ranks 0..world-1), to name the mistake a wrong answer looks like.
+SHARD_MISTAKES = {
+    "gave the extra items to the last ranks, not the first": lambda length, world: _bounds_from_sizes(
+        [length // world] * (world - length % world) + [length // world + 1] * (length % world)),
+    "put the whole remainder on the last rank (sizes then differ by more than 1)": lambda length, world:
+        _bounds_from_sizes([length // world] * (world - 1) + [length - (world - 1) * (length // world)]),
+    "ceil-sized shards, as torch.chunk cuts them (the last ranks run short or empty)": _ceil_bounds,
+}
+
+
+@pytest.mark.exercise("dist.shard_bounds")
+def test_shard_bounds_names_typical_mistakes():
+    """Every (length, world): if the split is wrong everywhere it is wrong in the way one typical mistake is,
+    the verdict names that mistake."""
+    cases = [(length, world) for length in LENGTHS for world in range(1, 9)]
+    got = {case: [shard_bounds(*case, rank) for rank in range(case[1])] for case in cases}
+    wrong = [case for case in cases if got[case] != _bounds_from_sizes(
+        [case[0] // case[1] + 1] * (case[0] % case[1]) + [case[0] // case[1]] * (case[1] - case[0] % case[1]))]
+    if not wrong:
+        return
+    length, world = wrong[0]
+    for name, model in SHARD_MISTAKES.items():
+        if all(got[case] == model(*case) for case in wrong):
+            require(mistake(name, f"shard_bounds({length}, {world}, rank) for ranks 0..{world - 1} gives "
+                                  f"{got[wrong[0]]}; the first length % world_size ranks get one extra item"))
 
 
 @pytest.mark.exercise("dist.shard_bounds")
@@ -58,7 +96,7 @@ def _sum_of_shards(lengths):
 
 @pytest.mark.exercise("dist.shard_bounds")
 def test_shard_sums_all_reduce_to_full_sum():
-    res = launch.run_function(_sum_of_shards, 3, LENGTHS, launch=dict(timeout=120))
+    res = launch.run_function(_sum_of_shards, 3, LENGTHS, launch=dict(timeout=60, hard_timeout=360))
     for rank, pairs in res.returns.items():
         for length, (total, expected) in zip(LENGTHS, pairs):
             assert total == expected, (

@@ -20,6 +20,7 @@ import pytest
 
 from megalab.lab import cli
 from megalab.lab.exercises import (
+    NOT_FOR_STUDENTS,
     ExerciseError,
     blank,
     find_root,
@@ -298,8 +299,9 @@ def test_student_workspace_differs_only_in_the_regions(student):
     regions = {}
     for ex in registry.exercises.values():
         regions.setdefault(ex.path, []).append(ex)
-    files = repository_files(REPO)
+    files = [f for f in repository_files(REPO) if not f.startswith(NOT_FOR_STUDENTS)]
     assert student.files == len(files) and "megalab/lab/dist.py" in files
+    assert not (student.dest / "tests" / "mistakes").exists()  # near-solutions: the grader keeps them
     checked = 0
     for rel in files:
         ours, theirs = (REPO / rel).read_bytes(), (student.dest / rel).read_bytes()

@@ -46,6 +46,45 @@ def test_causal_is_not_full_attention():
     assert not torch.allclose(flash_attention(q, k, v, causal=True), flash_attention(q, k, v, causal=False), atol=1e-3)
 
 
+def _tiled_softmax_attention(q, k, v, block_n, *, rescale_sum=True, rescale_output=True, hide_diagonal=False):
+    """Causal attention over key tiles in float64, right or with one typical online-softmax mistake (the flags)."""
+    s = q.shape[-2]
+    rows = torch.arange(s)[:, None]
+    q, k, v = q.double(), k.double(), v.double()
+    m = torch.full(q.shape[:-1], float("-inf"), dtype=torch.float64)
+    total, acc = torch.zeros_like(m), torch.zeros_like(q)
+    for start in range(0, s, block_n):
+        cols = torch.arange(start, min(start + block_n, s))[None, :]
+        scores = q @ k[..., start:start + block_n, :].transpose(-1, -2) / q.shape[-1] ** 0.5
+        scores = scores.masked_fill(cols >= rows if hide_diagonal else cols > rows, float("-inf"))
+        m_new = torch.maximum(m, scores.amax(-1))
+        alpha = torch.exp(m - m_new)
+        p = torch.exp(scores - m_new[..., None])
+        total = (total * alpha if rescale_sum else total) + p.sum(-1)
+        acc = (acc * alpha[..., None] if rescale_output else acc) + p @ v[..., start:start + block_n, :]
+        m = m_new
+    return acc / total[..., None]
+
+
+@pytest.mark.exercise("kernels.online_softmax")
+def test_online_softmax_rescales_across_tiles_and_names_the_mistake():
+    q, k, v = (t.detach().cpu() for t in _qkv((1, 2, 13, 8), seed=5))
+    q = q * 3  # the running max moves from tile to tile
+    ref = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    require(close(online_softmax_attention(q, k, v, True, block_n=4), ref,
+                  "online_softmax_attention's output (causal, 13 keys in tiles of block_n=4) vs SDPA", atol=1e-5, rtol=1e-5,
+                  mistakes={
+                      "forgot to rescale the running sum l by exp(m_old - m_new) when the max grows":
+                          lambda: _tiled_softmax_attention(q, k, v, 4, rescale_sum=False),
+                      "forgot to rescale the accumulator acc by exp(m_old - m_new) when the max grows":
+                          lambda: _tiled_softmax_attention(q, k, v, 4, rescale_output=False),
+                      "the causal mask hides the diagonal (key j is visible to query i when j <= i)":
+                          lambda: _tiled_softmax_attention(q, k, v, 4, hide_diagonal=True),
+                      "no causal mask (every query sees every key)":
+                          lambda: F.scaled_dot_product_attention(q, k, v),
+                  }))
+
+
 @pytest.mark.exercise("kernels.online_softmax")
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_online_softmax_attention_matches_sdpa(causal):

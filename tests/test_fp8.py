@@ -28,6 +28,41 @@ def test_format_table_from_bits_matches_every_fp8_bit_pattern():
         assert ones[ones > 1].min().item() - 1 == rows[name]["eps"]
 
 
+def _scales(amax, old, fp8_max, margin, *, margin_divides=True, keep_for_zero=True, keep_for_nonfinite=True,
+            clamp_overflow=True):
+    """Delayed scaling's new scale (TE's _default_sf_compute), or what one typical mistake (the flags) gives."""
+    new = torch.full_like(amax, fp8_max) / amax
+    new = new / 2.0**margin if margin_divides else new * 2.0**margin
+    if keep_for_zero:
+        new = torch.where(amax > 0, new, old)
+    if keep_for_nonfinite:
+        new = torch.where(torch.isfinite(amax), new, old)
+    return torch.where(torch.isinf(new), torch.full_like(new, FP32_MAX), new) if clamp_overflow else new
+
+
+@pytest.mark.exercise("fp8.compute_scale")
+def test_compute_scale_follows_the_formula_for_both_formats_and_names_the_mistake():
+    amax = torch.tensor([2.0, 448.0, 0.5, 0.0, float("inf"), float("nan"), 448.0 / FP32_MAX / 4])  # the last: overflows
+    old = torch.full_like(amax, 3.0)
+    got = torch.stack([fp8.compute_scale(amax, old, fp8_max, 1) for fp8_max in (448.0, 57344.0)])
+    expected = torch.stack([_scales(amax, old, fp8_max, 1) for fp8_max in (448.0, 57344.0)])
+    require(close(got, expected, "compute_scale(amax [2, 448, 0.5, 0, inf, nan, tiny], old scale 3, margin 1), row 0 "
+                                 "E4M3 (fp8_max 448), row 1 E5M2 (fp8_max 57344)", rtol=0, atol=0, mistakes={
+        "forgot the margin (scale = fp8_max / amax, not / 2^margin)":
+            torch.stack([_scales(amax, old, m, 0) for m in (448.0, 57344.0)]),
+        "multiplied by 2^margin instead of dividing (the margin must shrink the scale)":
+            torch.stack([_scales(amax, old, m, 1, margin_divides=False) for m in (448.0, 57344.0)]),
+        "hard-coded E4M3's max 448 for every format (use fp8_max: 57344 for E5M2)":
+            torch.stack([_scales(amax, old, 448.0, 1) for _ in range(2)]),
+        "did not keep the old scale where amax is 0 (fp8_max / 0 = inf)":
+            torch.stack([_scales(amax, old, m, 1, keep_for_zero=False) for m in (448.0, 57344.0)]),
+        "did not keep the old scale where amax is inf or NaN":
+            torch.stack([_scales(amax, old, m, 1, keep_for_nonfinite=False) for m in (448.0, 57344.0)]),
+        "did not clamp an overflowing scale (a tiny amax) to FP32 max":
+            torch.stack([_scales(amax, old, m, 1, clamp_overflow=False) for m in (448.0, 57344.0)]),
+    }))
+
+
 @pytest.mark.exercise("fp8.compute_scale")
 def test_compute_scale_follows_transformer_engine_formula():
     old = torch.tensor([3.0, 3.0, 3.0, 3.0, 3.0])
@@ -111,6 +146,25 @@ def test_current_scaling_matches_transformer_engine(amax, epsilon, pow2, expecte
     meta = fp8.ScalingMeta(fp8.CurrentScaling(use_power_2_scales=pow2, amax_epsilon=epsilon), "E4M3")
     q, scale_inv = meta.quantize(torch.tensor([amax, 0.0]))
     assert meta.scale.item() == float(expected) and scale_inv.item() == meta.scale.reciprocal().item()
+
+
+@pytest.mark.exercise("fp8.quantize")
+def test_quantize_saturates_in_both_formats_and_names_the_mistake():
+    x = torch.tensor([0.01, -0.3, 1.7, 100.0, -1000.0, 30000.0], dtype=torch.bfloat16)
+
+    def rows(fn):  # [2, 6]: E4M3 then E5M2, as floats
+        return torch.stack([fn(torch.finfo(dtype).max).to(dtype).float() for dtype in (E4M3, E5M2)])
+
+    got = torch.stack([fp8.quantize(x, torch.tensor(4.0), dtype).float() for dtype in (E4M3, E5M2)])
+    require(close(got, rows(lambda m: (x.float() * 4).clamp(-m, m)),
+                  "quantize(bf16 [0.01, -0.3, 1.7, 100, -1000, 30000], scale 4) as floats, row 0 E4M3, row 1 E5M2",
+                  rtol=0, atol=0, mistakes={
+                      "cast without clamping to +-fp8 max (out-of-range values overflow to inf in E5M2)":
+                          rows(lambda m: x.float() * 4),
+                      "divided by the scale instead of multiplying": rows(lambda m: (x.float() / 4).clamp(-m, m)),
+                      "clamped to E4M3's 448 for every format (take the max from torch.finfo(dtype))":
+                          rows(lambda m: (x.float() * 4).clamp(-448.0, 448.0)),
+                  }))
 
 
 @pytest.mark.exercise("fp8.quantize")

@@ -55,9 +55,18 @@ def ids(b=2, s=16, seed=1):
 def test_fuse_qkv_groups_queries_with_their_key_and_value():
     # 4 query heads, 2 groups, head dim 1: rows q0 q1 k0 v0 | q2 q3 k1 v1
     q, k, v = torch.arange(4.0)[:, None], 10 + torch.arange(2.0)[:, None], 20 + torch.arange(2.0)[:, None]
-    require(equal(fuse_qkv(q, k, v, 2).flatten().tolist(), [0, 1, 10, 20, 2, 3, 11, 21],
+    require(close(fuse_qkv(q, k, v, 2).flatten(), [0.0, 1, 10, 20, 2, 3, 11, 21],
                   "fuse_qkv(q rows 0..3, k rows 10, 11, v rows 20, 21, 2 groups) (per group: its query heads, then "
-                  "its key, then its value)"))
+                  "its key, then its value)", rtol=0, atol=0, mistakes={
+                      "all q rows, then all k, then all v: fused without the per-group interleave (group g's query "
+                      "heads, its key, its value, for each g)": [0.0, 1, 2, 3, 10, 11, 20, 21],
+                      "wrong order inside each group: key and value before the query heads (q, then k, then v)":
+                          [10.0, 20, 0, 1, 11, 21, 2, 3],
+                      "wrong order inside each group: the value before the key (q, then k, then v)":
+                          [0.0, 1, 20, 10, 2, 3, 21, 11],
+                      "grouped every ng-th query head (heads g, g + ng, ...) instead of consecutive ones (heads "
+                      "g * np/ng ... (g + 1) * np/ng - 1)": [0.0, 2, 10, 20, 1, 3, 11, 21],
+                  }))
 
 
 @pytest.mark.exercise("model.hf_qkv")

@@ -2,6 +2,8 @@
 the model's own full forward (recompute, no cache), brute-force sorting for top-k/top-p, the
 softmax for sampled frequencies, and the single-process model for tensor-parallel inference."""
 
+from functools import partial
+
 import pytest
 import torch
 
@@ -16,9 +18,11 @@ from megalab.core.inference import (
     generate_by_recompute,
     sample,
 )
+from megalab.core.inference.text_generation_controllers.text_generation_controller import attend
 from megalab.core.models.gpt.gpt_model import GPTModel
 from megalab.core.transformer.transformer_config import TransformerConfig
 from megalab.lab import launch
+from megalab.lab.checks import mistake
 from tests.feedback import close, equal, require
 
 BASE = dict(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=256, seq_length=64,
@@ -43,12 +47,42 @@ def _prompts():
     return [torch.randint(0, 256, (n,), generator=g).tolist() for n, _ in LENGTHS]
 
 
+def _equal_naming(got, expected, what, mistakes):
+    """equal(got, expected, what); when they differ and `got` is what a typical mistake gives ({name: its result}),
+    the verdict names that mistake first."""
+    if got != expected:
+        for name, result in mistakes.items():
+            if got == result:
+                return mistake(name, f"{what} is {got!r}, expected {expected!r}")
+    return equal(got, expected, what)
+
+
 def _caches(config):
     return {"contiguous": ContiguousKVCache(config, max_batch_size=4),
             "paged": PagedKVCache(config, num_blocks=40, block_size=4)}
 
 
 # ------------------------------------------------------------------ KV caches
+@pytest.mark.exercise("inference.paged_slots")
+def test_paged_slots_go_through_the_block_table_and_name_the_mistake():
+    cache = PagedKVCache(TransformerConfig(**BASE), num_blocks=8, block_size=4)
+    for length in (4, 8, 12):  # two sequences growing in turns: sequence 0 holds every other block
+        cache.reserve(0, length)
+        cache.reserve(1, length)
+    table, positions = torch.tensor(cache.block_tables[0]), torch.arange(3, 9)
+    got = torch.stack(cache.slots(0, 3, 6))
+    require(close(got, torch.stack([table[positions // 4], positions % 4]),
+                  f"PagedKVCache(block_size=4).slots(sequence 0, start 3, 6 positions) with block table "
+                  f"{table.tolist()}: row 0 the blocks, row 1 the offsets", rtol=0, atol=0, mistakes={
+                      "used position // block_size as the block id itself, not as an index into the block table":
+                          torch.stack([positions // 4, positions % 4]),
+                      "rounded the block index up (ceil, as in blocks_needed): off by one page":
+                          torch.stack([table[-(-positions // 4)], positions % 4]),
+                      "counted the positions from 0, not from start":
+                          torch.stack([table[torch.arange(6) // 4], torch.arange(6) % 4]),
+                  }))
+
+
 @pytest.mark.exercise("inference.paged_slots")
 def test_paged_cache_follows_the_block_table():
     config = TransformerConfig(**BASE)
@@ -91,6 +125,34 @@ def test_paged_cache_holds_only_the_blocks_it_uses():
 
 
 # ------------------------------------------------------------------ the cached forward
+def _attend_by_loops(query, keys, values, last_key, group_of):
+    """[n, np * hn]: query i, head h, softmax over keys 0..last_key(i) of key/value group group_of(h)."""
+    n, np_, hn = query.shape
+    out = torch.zeros(n, np_, hn)
+    for i in range(n):
+        for h in range(np_):
+            k, v = keys[: last_key(i) + 1, group_of(h)], values[: last_key(i) + 1, group_of(h)]
+            out[i, h] = torch.softmax(query[i, h] @ k.T / hn**0.5, -1) @ v
+    return out.reshape(n, np_ * hn)
+
+
+@pytest.mark.exercise("inference.cached_attention")
+def test_attend_sees_the_cache_up_to_its_own_position_and_names_the_mistake():
+    g = torch.Generator().manual_seed(3)
+    n, np_, ng, hn, start = 3, 4, 2, 8, 5  # 3 new queries at positions 5, 6, 7; GQA: 2 heads per key/value group
+    query, keys, values = torch.randn(n, np_, hn, generator=g), *torch.randn(2, start + n, ng, hn, generator=g)
+    by_loops = partial(_attend_by_loops, query, keys, values)
+    require(close(attend(query, keys, values, start), by_loops(lambda i: start + i, lambda h: h // 2),
+                  "attend(3 new queries at positions 5..7, 8 cached keys, 4 heads, 2 key/value groups)", mistakes={
+                      "causal mask without the cache offset: query i sees keys 0..i, not 0..start+i":
+                          lambda: by_loops(lambda i: i, lambda h: h // 2),
+                      "no causal mask: the new queries see later keys of the same step":
+                          lambda: by_loops(lambda i: start + n - 1, lambda h: h // 2),
+                      "GQA heads mapped with repeat (h % ng), not repeat_interleave (h // (np / ng))":
+                          lambda: by_loops(lambda i: start + i, lambda h: h % 2),
+                  }))
+
+
 @pytest.mark.exercise("inference.cached_attention")
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_cached_forward_equals_the_full_forward(variant):
@@ -143,6 +205,30 @@ def _filter_reference(logits, top_k, top_p):
 
 
 @pytest.mark.exercise("inference.filter_logits")
+def test_filter_logits_keeps_ties_and_the_crossing_token_and_names_the_mistake():
+    def kept(logits, top_k, top_p):
+        return sorted(torch.nonzero(filter_logits(logits, top_k, top_p) > float("-inf")).flatten().tolist())
+
+    ties = torch.tensor([3.0, 1.0, 2.0, 2.0, 0.0, 2.0, -1.0], dtype=torch.float64)  # three logits tie at the 2nd place
+    nucleus = torch.tensor([0.15, 0.5, 0.05, 0.3], dtype=torch.float64).log()  # probabilities, in vocabulary order
+    then = torch.tensor([0.4, 0.3, 0.2, 0.1], dtype=torch.float64).log()
+    got = {"top_k=2 with ties": kept(ties, 2, 0.0), "top_p=0.6": kept(nucleus, 0, 0.6),
+           "top_k=2 then top_p=0.5": kept(then, 2, 0.5)}
+    expected = {"top_k=2 with ties": [0, 2, 3, 5], "top_p=0.6": [1, 3], "top_k=2 then top_p=0.5": [0]}
+    what = ("the tokens filter_logits keeps (top_k=2 of [3, 1, 2, 2, 0, 2, -1]; top_p=0.6 of probabilities "
+            "[0.15, 0.5, 0.05, 0.3]; top_k=2 then top_p=0.5 of probabilities [0.4, 0.3, 0.2, 0.1])")
+    require(_equal_naming(got, expected, what, {
+        "top-k kept exactly k indices and dropped the ties of the k-th largest logit (compare with its value)":
+            {**expected, "top_k=2 with ties": sorted(torch.topk(ties, 2).indices.tolist())},
+        "top-p dropped the token that crosses top_p (the nucleus must reach top_p: drop only when the mass "
+        "before a token reached it)": {**expected, "top_p=0.6": [1]},
+        "top-p summed the probabilities in vocabulary order, not sorted by probability":
+            {**expected, "top_p=0.6": [0, 1]},
+        "top-p ran on the logits before top-k (top-k's -inf ignored)": {**expected, "top_k=2 then top_p=0.5": [0, 1]},
+    }))
+
+
+@pytest.mark.exercise("inference.filter_logits")
 @pytest.mark.parametrize("top_k,top_p", [(0, 0.0), (5, 0.0), (0, 0.5), (0, 0.9), (10, 0.8), (1, 0.0), (0, 1e-6)])
 def test_filter_logits_keeps_the_top_k_and_the_nucleus(top_k, top_p):
     logits = torch.randn(50, generator=torch.Generator().manual_seed(top_k + int(100 * top_p)), dtype=torch.float64)
@@ -186,6 +272,63 @@ def test_sampling_params_reject_bad_values(bad, message):
 
 
 # ------------------------------------------------------------------ the engine
+def _admissions(waiting, running=(), max_batch_size=8, max_tokens=16, num_blocks=40, block_size=4, *, fifo=True,
+                count_decode_tokens=True, budget_with_the_prompt=True, check_cache=True, batch_counts_running=True):
+    """The indices of `waiting` ((prompt length, final length) pairs) schedule() admits beside `running` (final
+    lengths), by the rule, or under one typical mistake (the keyword flags)."""
+    admitted, tokens = [], len(running) if count_decode_tokens else 0
+    for i, (prompt, final) in enumerate(waiting):
+        if (len(running) if batch_counts_running else 0) + len(admitted) >= max_batch_size:
+            break
+        over_budget = tokens + prompt > max_tokens if budget_with_the_prompt else tokens > max_tokens
+        blocks = sum(-(-length // block_size) for length in [*running, *(waiting[j][1] for j in admitted), final])
+        if over_budget or (check_cache and blocks > num_blocks):
+            if fifo:
+                break
+            continue
+        admitted.append(i)
+        tokens += prompt
+    return admitted
+
+
+@pytest.mark.exercise("inference.schedule")
+def test_schedule_keeps_every_budget_and_names_the_mistake():
+    model = _model()
+    scenarios = {  # name: (prompts of the running requests, prompts waiting, engine settings); 4 tokens to generate
+        "prompts 5, 9, 6, 1 and max_tokens=16": ((), (5, 9, 6, 1), dict(max_tokens=16)),
+        "2 running and prompts 6, 9 (max_tokens=16)": ((3, 3), (6, 9), dict(max_tokens=16)),
+        "2 running, 3 waiting, max_batch_size=3": ((3, 3), (3, 3, 3), dict(max_batch_size=3, max_tokens=64)),
+        "3 waiting needing 4 KV blocks each, 10 blocks": ((), (4, 4, 4), dict(max_tokens=64, num_blocks=10)),
+    }
+    got, rules = {}, {}
+    for name, (running, waiting, settings) in scenarios.items():
+        settings = {"max_batch_size": 8, "num_blocks": 40, **settings}
+        generate = 12 if "KV" in name else 4
+        engine = InferenceEngine(model, PagedKVCache(model.config, settings["num_blocks"], 4),
+                                 max_batch_size=settings["max_batch_size"], max_tokens=settings["max_tokens"])
+        requests = [engine.add_request([1] * n, SamplingParams(num_tokens_to_generate=generate))
+                    for n in (*running, *waiting)]
+        for _ in running:
+            engine.waiting.popleft()
+        engine.active = requests[:len(running)]
+        got[name] = [requests.index(r) - len(running) for r in engine.schedule()]
+        rules[name] = partial(_admissions, [(n, n + generate) for n in waiting], [n + generate for n in running],
+                              **settings)
+    expected = {name: rule() for name, rule in rules.items()}
+    require(_equal_naming(got, expected, "the waiting requests schedule() admits, by scenario", {
+        "admitted past the token budget: check tokens + the prompt against max_tokens BEFORE admitting":
+            {name: rule(budget_with_the_prompt=False) for name, rule in rules.items()},
+        "skipped a request that does not fit and admitted later ones (first come, first served: stop there)":
+            {name: rule(fifo=False) for name, rule in rules.items()},
+        "forgot the decode tokens of the running requests in the token budget":
+            {name: rule(count_decode_tokens=False) for name, rule in rules.items()},
+        "max_batch_size counted only the new requests, not the running ones":
+            {name: rule(batch_counts_running=False) for name, rule in rules.items()},
+        "did not check that the KV cache fits every admitted request (cache.fits)":
+            {name: rule(check_cache=False) for name, rule in rules.items()},
+    }))
+
+
 @pytest.mark.exercise("inference.schedule")
 def test_scheduler_admits_in_order_within_every_budget():
     model = _model()

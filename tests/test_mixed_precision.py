@@ -9,6 +9,7 @@ from megalab.core.optimizer.grad_scaler import ConstantGradScaler, DynamicGradSc
 from megalab.extras import calc
 from megalab.extras.toy import mlp, regression_data
 from megalab.lab import launch
+from megalab.lab.checks import mistake
 from tests.feedback import close, equal, require
 
 INF, NAN = float("inf"), float("nan")
@@ -21,6 +22,81 @@ def _grad_sequence(steps=14, n=6):
     for step, bad in ((2, INF), (3, NAN), (4, -INF), (9, INF)):
         grads[step][step % n] = bad
     return grads
+
+
+def _megatron_scales(overflows, initial=1024.0, min_scale=128.0, growth_interval=3, hysteresis=2, *,
+                     grow_every_clean_step=False, restart_growth=True, use_hysteresis=True, refill_hysteresis=True):
+    """The scale after each update under Megatron's rule, or under one typical mistake (the keyword flags)."""
+    scale, growth, left, scales = initial, 0, hysteresis, []
+    for overflow in overflows:
+        if overflow:
+            growth = 0 if restart_growth else growth
+            left -= 1
+            if left <= 0 or not use_hysteresis:
+                scale = max(scale * 0.5, min_scale)
+        elif grow_every_clean_step:
+            scale *= 2
+        else:
+            growth += 1
+            if growth == growth_interval:
+                growth, scale = 0, scale * 2
+                left = hysteresis if refill_hysteresis else left
+        scales.append(scale)
+    return scales
+
+
+@pytest.mark.exercise("mixed_precision.dynamic_update")
+def test_dynamic_update_follows_megatron_rule_and_names_the_mistake():
+    overflows = [False, False, True, False, False, False, True, True, False, False, True, False, False, False, True]
+    scaler = DynamicGradScaler(1024.0, min_scale=128.0, growth_interval=3, hysteresis=2)
+    scales = []
+    for overflow in overflows:
+        scaler.update(overflow)
+        scales.append(scaler.scale.item())
+    require(close(scales, _megatron_scales(overflows),
+                  f"DynamicGradScaler(1024, min_scale=128, growth_interval=3, hysteresis=2): the scale after each "
+                  f"update (overflows {[int(o) for o in overflows]})", rtol=0, atol=0, mistakes={
+                      "grew the scale on every clean step, not after growth_interval clean steps in a row":
+                          _megatron_scales(overflows, grow_every_clean_step=True),
+                      "did not restart the growth count after an overflow (growth needs clean steps in a row)":
+                          _megatron_scales(overflows, restart_growth=False),
+                      "backed off on every overflow, ignoring the hysteresis":
+                          _megatron_scales(overflows, use_hysteresis=False),
+                      "did not refill the hysteresis when the scale grew":
+                          _megatron_scales(overflows, refill_hysteresis=False),
+                  }))
+
+
+@pytest.mark.exercise("mixed_precision.unscale")
+def test_unscale_is_in_place_by_inv_scale_and_finds_every_inf_and_nan():
+    scaled = [torch.tensor([8.0, -4.0, 2.0]), torch.tensor([16.0, 0.5, -1.0])]  # exact in fp32 at every step
+    grads = [g.clone() for g in scaled]
+    found = mp.unscale_and_check_for_nan(grads, torch.tensor(1 / 8))
+    where = "unscale_and_check_for_nan(2 finite gradients, inv_scale=1/8)"
+    require(close(torch.cat(grads), torch.cat(scaled) / 8, f"{where}: the gradients afterwards (unscaled in place)",
+                  rtol=0, atol=0, mistakes={
+                      "divided by inv_scale (multiplied by the loss scale) instead of multiplying by inv_scale":
+                          torch.cat(scaled) * 8,
+                      "unscaled copies, not the gradients in place (`g = g * inv_scale` only rebinds a name)":
+                          torch.cat(scaled),
+                  }))
+    require(equal(found, False, f"what {where} returns (True only for an inf or NaN)"))
+    reported = {}
+    for position in (0, 1):
+        for bad in (INF, NAN):
+            grads = [g.clone() for g in scaled]
+            grads[position][1] = bad
+            reported[position, str(bad)] = bool(mp.unscale_and_check_for_nan(grads, torch.tensor(1 / 8)))
+    missed = [f"{bad} in gradient {position}" for (position, bad), found in reported.items() if not found]
+    if missed == [f"{bad} in gradient {position}" for position in (0, 1) for bad in ("inf", "nan")]:
+        require(mistake("never reported an inf/NaN (found_inf stays False)", "no inf or NaN in 2 gradients was found"))
+    if missed == ["nan in gradient 0", "nan in gradient 1"]:
+        require(mistake("checked for inf only: a NaN is not an inf (ask torch.isfinite)", "a NaN was not reported"))
+    if missed == ["inf in gradient 0", "nan in gradient 0"]:
+        require(mistake("overwrote found_inf for every gradient, so only the last gradient counts (use |=)",
+                        "an inf/NaN in gradient 0 of 2 was not reported"))
+    require(equal(missed, [], "the inf/NaN values unscale_and_check_for_nan(2 gradients, one holding an inf or a NaN) "
+                              "did not report"))
 
 
 @pytest.mark.exercise("mixed_precision.dynamic_update")

@@ -17,6 +17,7 @@ from megalab.core.transformer.transformer_config import TransformerConfig
 from megalab.core.transformer.transformer_layer import TransformerLayer
 from megalab.extras import calc
 from megalab.extras.profiling import SavedTensorsMeter
+from megalab.lab.checks import mistake
 from tests.feedback import close, equal, require
 
 TINY = dict(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=61, seq_length=12,
@@ -50,25 +51,52 @@ def ref_rope(x, c):
     return torch.cat([z.real.float(), z.imag.float(), x[..., d:]], dim=-1)
 
 
-def ref_attention(q, k, v):
-    """q [b, s, np, hn], k/v [b, s, np, hn] -> [b, s, np*hn], causal."""
+def ref_attention(q, k, v, *, causal=True, scale=True, softmax_dim=-1, diagonal=0):
+    """q [b, s, np, hn], k/v [b, s, np, hn] -> [b, s, np*hn], causal. The keywords build typical wrong answers:
+    no causal mask, no 1/sqrt(hn), the softmax over another dim, the mask's diagonal (-1: a token can't see itself)."""
     b, s, n, hn = q.shape
-    scores = torch.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(hn)
-    scores = scores.masked_fill(~torch.tril(torch.ones(s, s, dtype=torch.bool)), float("-inf"))
-    return torch.einsum("bhqk,bkhd->bqhd", scores.softmax(-1), v).reshape(b, s, n * hn)
+    scores = torch.einsum("bqhd,bkhd->bhqk", q, k) / (math.sqrt(hn) if scale else 1.0)
+    if causal:
+        scores = scores.masked_fill(~torch.tril(torch.ones(s, s, dtype=torch.bool), diagonal), float("-inf"))
+    return torch.einsum("bhqk,bkhd->bqhd", scores.softmax(softmax_dim), v).reshape(b, s, n * hn)
 
 
-def ref_mlp(x, sd, prefix, c):
+ATTENTION_MISTAKES = {  # name -> the keywords of ref_attention that give what the mistake gives
+    "forgot the causal mask (a query must not see later keys)": dict(causal=False),
+    "softmax over the wrong dim (it normalises over the keys, the last dim)": dict(softmax_dim=-2),
+    "forgot the 1/sqrt(hn) scale of the scores": dict(scale=False),
+    "the mask hides the diagonal too (triu(1), not triu(0): a token sees itself)": dict(diagonal=-1),
+}
+
+
+def ref_mlp(x, sd, prefix, c, mistake=None):
+    """fc2(act(fc1(x))), gated: fc2(act(gate) * up); `mistake` gives a typical wrong answer instead:
+    "swapped" (act(up) * gate), "after" (the activation after fc2), "both" (the activation on both halves)."""
     act = {"gelu": F.gelu, "silu": F.silu, "relu": F.relu, "squared_relu": lambda t: F.relu(t) ** 2}[c.activation_func]
     y = F.linear(x, sd[prefix + ".linear_fc1.weight"], sd.get(prefix + ".linear_fc1.bias"))
-    if c.gated_linear_unit:
-        y = act(y[..., : c.ffn_hidden_size]) * y[..., c.ffn_hidden_size:]
-    else:
-        y = act(y)
-    return F.linear(y, sd[prefix + ".linear_fc2.weight"], sd.get(prefix + ".linear_fc2.bias"))
+    first, second = (y[..., : c.ffn_hidden_size], y[..., c.ffn_hidden_size:]) if c.gated_linear_unit else (y, None)
+    if mistake == "swapped":
+        first, second = second, first
+    if mistake == "both":
+        first, second = act(first), act(second)
+    elif mistake != "after":
+        first = act(first)
+    y = first if second is None else first * second
+    y = F.linear(y, sd[prefix + ".linear_fc2.weight"], sd.get(prefix + ".linear_fc2.bias"))
+    return act(y) if mistake == "after" else y
 
 
-def ref_layer(x, sd, p, c):
+MLP_MISTAKES = {
+    "gated: the halves swapped (fc1's output is [gate; up]: act(gate) * up)": "swapped",
+    "the activation after linear_fc2 (it goes between the two linears)": "after",
+    "gated: the activation on both halves (only the gate goes through it)": "both",
+}
+
+
+def ref_layer(x, sd, p, c, mistake=None):
+    """The pre-norm layer; `mistake` gives a typical wrong answer: "normed_residual" (adds the norm's output
+    back), "input_residual" (the MLP's residual is the layer's input), "twice" (the MLP's residual added twice),
+    "same_norm" (the MLP reads input_layernorm)."""
     b, s, _ = x.shape
     n, ng, hn = c.num_attention_heads, c.num_query_groups, c.kv_channels
     g = n // ng
@@ -81,18 +109,32 @@ def ref_layer(x, sd, p, c):
     k, v = k[:, :, torch.arange(n) // g], v[:, :, torch.arange(n) // g]
     a = F.linear(ref_attention(q, k, v), sd[p + "self_attention.linear_proj.weight"],
                  sd.get(p + "self_attention.linear_proj.bias"))
-    x = x + a
-    return x + ref_mlp(ref_norm(x, sd, p + "pre_mlp_layernorm", c), sd, p + "mlp", c)
+    layer_input = x
+    x = (h if mistake == "normed_residual" else x) + a
+    h = ref_norm(x, sd, p + ("input_layernorm" if mistake == "same_norm" else "pre_mlp_layernorm"), c)
+    residual = {"normed_residual": h, "input_residual": layer_input, "twice": 2 * x}.get(mistake, x)
+    return residual + ref_mlp(h, sd, p + "mlp", c)
 
 
-def ref_gpt(sd, c, ids):
+LAYER_MISTAKES = {
+    "added the normalised input as the residual (add the block's output to the un-normalised stream)":
+        "normed_residual",
+    "the MLP's residual is the layer's input (it is the stream after the attention block)": "input_residual",
+    "added the residual twice": "twice",
+    "the MLP reads input_layernorm's output (its own norm is pre_mlp_layernorm)": "same_norm",
+}
+
+
+def ref_gpt(sd, c, ids, tied=None):
+    """Logits [b, s, V]; `tied` overrides c.share_embeddings_and_output_weights (a typical wrong answer)."""
+    tied = c.share_embeddings_and_output_weights if tied is None else tied
     x = sd["embedding.word_embeddings.weight"][ids]  # [b, s, h]
     if c.position_embedding_type == "learned_absolute":
         x = x + sd["embedding.position_embeddings.weight"][: ids.shape[1]]
     for i in range(c.num_layers):
         x = ref_layer(x, sd, f"decoder.layers.{i}.", c)
     x = ref_norm(x, sd, "decoder.final_layernorm", c)
-    out = sd["embedding.word_embeddings.weight"] if c.share_embeddings_and_output_weights else sd["output_layer.weight"]
+    out = sd["embedding.word_embeddings.weight"] if tied else sd["output_layer.weight"]
     return x @ out.T
 
 
@@ -117,14 +159,40 @@ def test_core_attention_unfused_matches_sdpa_and_reference(groups):
     unfused = CoreAttention(TransformerConfig(**{**TINY, "attention_backend": "unfused"})).eval()(q, k, v)
     sdpa = CoreAttention(c).eval()(q, k, v)
     idx = torch.arange(n) // (n // groups)
-    ref = ref_attention(q.transpose(0, 1), k[:, :, idx].transpose(0, 1), v[:, :, idx].transpose(0, 1)).transpose(0, 1)
+    qkv = q.transpose(0, 1), k[:, :, idx].transpose(0, 1), v[:, :, idx].transpose(0, 1)
+    ref = ref_attention(*qkv).transpose(0, 1)
     where = f"{n} query heads, {groups} key/value group{'s' * (groups > 1)}"
     require(equal(tuple(unfused.shape), (s, b, n * hn), f"the shape of the unfused CoreAttention's output ({where}; "
                                                          "[s, b, np * hn])"))
     require(close(unfused, ref, f"the unfused CoreAttention's output ({where}) vs causal softmax(q k^T / sqrt(hn)) v",
-                  atol=1e-5, rtol=1e-5))
+                  atol=1e-5, rtol=1e-5, mistakes={name: lambda kw=kw: ref_attention(*qkv, **kw).transpose(0, 1)
+                                                  for name, kw in ATTENTION_MISTAKES.items()}))
     require(close(sdpa, ref, f"the sdpa CoreAttention's output ({where}) vs causal softmax(q k^T / sqrt(hn)) v",
                   atol=1e-5, rtol=1e-5))
+
+
+@pytest.mark.exercise("model.norm")
+def test_rmsnorm_names_typical_mistakes():
+    """Tokens of very different sizes (one tiny, where eps matters) and a large eps, so that each typical
+    mistake gives a visibly different answer."""
+    torch.manual_seed(0)
+    eps = 1e-2
+    norm = randomize(RMSNorm(16, eps=eps))
+    x = torch.randn(4, 3, 16) * torch.tensor([1.0, 0.05, 3.0])[None, :, None] + 0.5  # [s, b, h]
+    w = norm.weight.detach()
+    with torch.no_grad():
+        out = norm(x)
+
+    def rms(t, dim=-1, eps=eps):
+        return t * torch.rsqrt(t.pow(2).mean(dim=dim, keepdim=True) + eps) * w
+
+    centred = x - x.mean(-1, keepdim=True)
+    require(close(out, F.rms_norm(x, (16,), w, eps), f"RMSNorm(16, eps={eps})'s output vs F.rms_norm "
+                  "(tokens of size 0.05 to 3)", atol=1e-6, rtol=1e-5, mistakes={
+                      "forgot eps (inside the square root: rsqrt(mean(x^2) + eps))": lambda: rms(x, eps=0.0),
+                      "the mean of the squares over the wrong dim (the hidden one is the last)": lambda: rms(x, dim=0),
+                      "subtracted the mean: that is LayerNorm; RMSNorm does not centre": lambda: rms(centred),
+                  }))
 
 
 @pytest.mark.exercise("model.norm")
@@ -151,8 +219,12 @@ def test_mlp_matches_reference(variant):
     x = torch.randn(5, 2, c.hidden_size)
     sd = {"m." + k: v for k, v in mlp.state_dict().items()}
     kind = f"{c.activation_func}{', gated' if c.gated_linear_unit else ''}"
-    require(close(mlp(x), ref_mlp(x, sd, "m", c), f"the MLP's output ({variant}: {kind}) vs fc2(act(fc1(x)))",
-                  atol=1e-5, rtol=1e-5))
+    with torch.no_grad():
+        out = mlp(x)
+    mistakes = {name: ref_mlp(x, sd, "m", c, mistake=m) for name, m in MLP_MISTAKES.items()
+                if c.gated_linear_unit or m == "after"}
+    require(close(out, ref_mlp(x, sd, "m", c), f"the MLP's output ({variant}: {kind}) vs fc2(act(fc1(x)))",
+                  atol=1e-5, rtol=1e-5, mistakes=mistakes))
 
 
 @pytest.mark.exercise("model.layer_forward")
@@ -169,8 +241,12 @@ def test_transformer_layer_matches_reference(variant):
         rotary = RotaryEmbedding(c.kv_channels, c.rotary_percent, c.rotary_base)(c.seq_length)
     sd = {"l." + k: v for k, v in layer.state_dict().items()}
     ref = ref_layer(x.transpose(0, 1), sd, "l.", c).transpose(0, 1)
-    require(close(layer(x, rotary), ref, f"the TransformerLayer's output ({variant}) vs x + attn(norm(x)), then "
-                                         "+ mlp(norm(.)) (plain PyTorch)", atol=1e-5, rtol=1e-5))
+    with torch.no_grad():
+        out = layer(x, rotary)
+        mistakes = {name: ref_layer(x.transpose(0, 1), sd, "l.", c, mistake=m).transpose(0, 1)
+                    for name, m in LAYER_MISTAKES.items()}
+    require(close(out, ref, f"the TransformerLayer's output ({variant}) vs x + attn(norm(x)), then "
+                            "+ mlp(norm(.)) (plain PyTorch)", atol=1e-5, rtol=1e-5, mistakes=mistakes))
 
 
 @pytest.mark.exercise("model.gpt_forward")
@@ -181,12 +257,28 @@ def test_gpt_logits_match_plain_pytorch_reference(variant):
     model = randomize(GPTModel(c)).eval()
     ids = torch.randint(0, c.vocab_size, (3, c.seq_length))
     logits = model(ids)
-    require(equal(tuple(logits.shape), (3, c.seq_length, c.vocab_size), f"the shape of GPTModel's logits ({variant}; "
-                                                                          "[b, s, vocab_size])"))
+    shape = (3, c.seq_length, c.vocab_size)
+    if tuple(logits.shape) == (c.seq_length, 3, c.vocab_size):
+        require(mistake("returned the logits as [s, b, V]: transpose them to [b, s, V]",
+                        f"GPTModel's logits ({variant}) have shape {tuple(logits.shape)}, expected {shape}"))
+    require(equal(tuple(logits.shape), shape, f"the shape of GPTModel's logits ({variant}; [b, s, vocab_size])"))
+    sd = model.state_dict()
     with torch.no_grad():
-        ref = ref_gpt(model.state_dict(), c, ids)
-    require(close(logits, ref, f"GPTModel's logits ({variant}) vs the plain-PyTorch GPT's", atol=1e-5, rtol=1e-5))
+        ref = ref_gpt(sd, c, ids)
+    mistakes = {}
+    if c.position_embedding_type == "rope":
+        mistakes["never passed the rotary angles (rotary_pos_emb) to the decoder"] = \
+            lambda: ref_gpt(sd, TransformerConfig(**{**c.__dict__, "position_embedding_type": "none"}), ids)
+    if not c.share_embeddings_and_output_weights:
+        mistakes["used the word embeddings as the output layer in an untied model (use self.output)"] = \
+            lambda: ref_gpt(sd, c, ids, tied=True)
+    require(close(logits, ref, f"GPTModel's logits ({variant}) vs the plain-PyTorch GPT's", atol=1e-5, rtol=1e-5,
+                  mistakes=mistakes))
     loss = model(ids, labels=ids)
+    if tuple(loss.shape) == shape:
+        require(mistake("returned the logits even with labels: with labels, return the per-token loss [b, s]",
+                        f"GPTModel(ids, labels=ids) ({variant}) has shape {tuple(loss.shape)}, expected "
+                        f"{tuple(ids.shape)}"))
     require(close(loss, F.cross_entropy(ref.transpose(1, 2), ids, reduction="none"),
                   f"GPTModel's per-token loss with labels ({variant}) vs F.cross_entropy(reduction='none') of the "
                   "plain-PyTorch logits", atol=1e-5, rtol=1e-5))
@@ -254,24 +346,6 @@ def _train_step(config, variant=None):
 
 
 @pytest.mark.exercise("model.recompute")
-@pytest.mark.parametrize("variant", ["gpt", "llama"])
-def test_recompute_gives_identical_gradients_and_saves_memory(variant):
-    base = {**DROPOUT, **VARIANTS[variant], "hidden_dropout": 0.1, "attention_dropout": 0.1,
-            "attention_backend": "unfused"}
-    loss, grads, saved = _train_step(TransformerConfig(**base))
-    for name, settings in RECOMPUTE.items():
-        r_loss, r_grads, r_saved = _train_step(TransformerConfig(**base, **settings))
-        where = f"{variant}, recompute {name}"
-        require(close(r_loss, loss, f"{where}: the loss vs without recomputation (bit for bit: the same dropout "
-                                    "masks)", rtol=0, atol=0))
-        for p in grads:
-            require(close(r_grads[p], grads[p], f"{where}: the gradient of {p} vs without recomputation (bit for "
-                                                "bit: the replay must use the forward's RNG state)", rtol=0, atol=0))
-        assert r_saved < saved, (f"{where}: autograd keeps {r_saved} bytes of activations, no fewer than the "
-                                 f"{saved} without recomputation (only the checkpoints' inputs should be kept)")
-
-
-@pytest.mark.exercise("model.recompute")
 def test_checkpoint_replays_dropout_and_passes_non_tensors():
     torch.manual_seed(0)
     x = torch.randn(6, 5, requires_grad=True)
@@ -287,15 +361,52 @@ def test_checkpoint_replays_dropout_and_passes_non_tensors():
     x.grad = w.grad = None
     torch.manual_seed(7)
     out = checkpoint(region, x, 3.0)
-    after_forward = torch.get_rng_state()
-    out.sum().backward()
+    torch.rand(3)  # other random draws between forward and backward (the next micro-batch's dropout, say)
+    before_backward = torch.get_rng_state()
+    try:
+        out.sum().backward()
+    except RuntimeError as e:
+        if "does not require grad" in str(e) or "grad_fn" in str(e):
+            require(mistake("replayed the region without torch.enable_grad (backward runs with grad off, so the "
+                            "replay builds no graph)", str(e).splitlines()[0]))
+        raise
     require(close(out, expected, "checkpoint(region)'s output vs region's (bit for bit)", rtol=0, atol=0))
+    if x.grad is None:
+        require(mistake("replayed the region without torch.enable_grad (backward runs with grad off, so no "
+                        "gradient reaches the inputs)", "x.grad is None after backward"))
+    # what a replay that does not restore the forward's RNG state gives: the mask drawn from the state at backward
+    x_again = x.detach().clone().requires_grad_()
+    with torch.random.fork_rng():
+        torch.set_rng_state(before_backward)
+        (new_mask_grad,) = torch.autograd.grad(region(x_again, 3.0).sum(), x_again)
     require(close(x.grad, gx, "the input gradient through checkpoint vs without it (bit for bit: the replayed "
-                              "dropout mask must be the forward's)", rtol=0, atol=0))
+                              "dropout mask must be the forward's)", rtol=0, atol=0, mistakes={
+                                  "the replay drew a new dropout mask: restore the forward's RNG state "
+                                  "(ctx.cpu_rng_state) before re-running": new_mask_grad}))
     require(close(w.grad, gw, "the gradient of a weight the region uses (not an argument) through checkpoint vs "
                               "without it", rtol=0, atol=0))
-    assert torch.equal(torch.get_rng_state(), after_forward), (
-        "checkpoint's backward changed the CPU RNG state: restore it after replaying the forward")
+    if not torch.equal(torch.get_rng_state(), before_backward):
+        require(mistake("restored the RNG state without torch.random.fork_rng: after backward the random draws "
+                        "repeat the forward's (fork_rng puts the state back afterwards)",
+                        "checkpoint's backward changed the CPU RNG state"))
+
+
+@pytest.mark.exercise("model.recompute")
+@pytest.mark.parametrize("variant", ["gpt", "llama"])
+def test_recompute_gives_identical_gradients_and_saves_memory(variant):
+    base = {**DROPOUT, **VARIANTS[variant], "hidden_dropout": 0.1, "attention_dropout": 0.1,
+            "attention_backend": "unfused"}
+    loss, grads, saved = _train_step(TransformerConfig(**base))
+    for name, settings in RECOMPUTE.items():
+        r_loss, r_grads, r_saved = _train_step(TransformerConfig(**base, **settings))
+        where = f"{variant}, recompute {name}"
+        require(close(r_loss, loss, f"{where}: the loss vs without recomputation (bit for bit: the same dropout "
+                                    "masks)", rtol=0, atol=0))
+        for p in grads:
+            require(close(r_grads[p], grads[p], f"{where}: the gradient of {p} vs without recomputation (bit for "
+                                                "bit: the replay must use the forward's RNG state)", rtol=0, atol=0))
+        assert r_saved < saved, (f"{where}: autograd keeps {r_saved} bytes of activations, no fewer than the "
+                                 f"{saved} without recomputation (only the checkpoints' inputs should be kept)")
 
 
 class PaperCoreAttention(torch.nn.Module):

@@ -31,6 +31,7 @@ from megalab.extras.presets import (
     mixtral_config,
     mixtral_preset,
 )
+from megalab.lab.checks import mistake
 from megalab.training.pretrain_gpt import model_provider
 from tests.feedback import close, equal, require
 
@@ -50,8 +51,16 @@ def meta_rope(x, base=10000.0):
 @pytest.mark.exercise("model.rope_interleaved")
 def test_rotate_interleaved_turns_each_pair():
     x = torch.arange(1.0, 7.0)
-    require(equal(rotate_interleaved(x).tolist(), [-2.0, 1.0, -4.0, 3.0, -6.0, 5.0],
-                  "rotate_interleaved([1, 2, 3, 4, 5, 6]) (each pair (a, b) -> (-b, a))"))
+    require(close(rotate_interleaved(x), [-2.0, 1.0, -4.0, 3.0, -6.0, 5.0],
+                  "rotate_interleaved([1, 2, 3, 4, 5, 6]) (each pair (a, b) -> (-b, a))", rtol=0, atol=0, mistakes={
+                      "rotated the two halves instead of interleaved pairs (that is rotate_half, the half-split "
+                      "convention): pair channel 2i with 2i + 1": [-4.0, -5.0, -6.0, 1.0, 2.0, 3.0],
+                      "wrong sign of the sine term: each pair turned the other way, (a, b) -> (b, -a)":
+                          [2.0, -1.0, 4.0, -3.0, 6.0, -5.0],
+                      "concatenated instead of interleaved: the turned pair (-b, a) must stay side by side "
+                      "(stack on a new last dim, then flatten)": [-2.0, -4.0, -6.0, 1.0, 3.0, 5.0],
+                      "swapped each pair without the minus sign: (a, b) -> (b, a)": [2.0, 1.0, 4.0, 3.0, 6.0, 5.0],
+                  }))
 
 
 @pytest.mark.exercise("model.rope_interleaved")
@@ -97,6 +106,15 @@ def test_permutation_round_trip_and_bad_shape():
 # ------------------------------------------------------------------ GQA
 @pytest.mark.exercise("model.gqa_repeat")
 def test_repeat_kv_keeps_each_groups_copies_adjacent():
+    kv = torch.arange(4.0).view(1, 1, 2, 2)  # [s, b, ng, hn]: kv heads k0 = [0, 1], k1 = [2, 3]
+    out, what = repeat_kv(kv, 3), "repeat_kv(kv heads k0 = [0, 1], k1 = [2, 3] of shape [1, 1, 2, 2], n_rep=3)"
+    if tuple(out.shape) == (1, 1, 2, 6):
+        require(mistake("repeated along the head dim hn (the last dim) instead of the heads dim (dim 2)",
+                        f"{what} has shape (1, 1, 2, 6), expected (1, 1, 6, 2): 6 heads of hn = 2"))
+    require(close(out, kv[:, :, [0, 0, 0, 1, 1, 1]], f"{what} (each head's copies adjacent: k0 k0 k0 k1 k1 k1)",
+                  rtol=0, atol=0, mistakes={
+                      "tiled the kv heads (k0 k1 k0 k1 ..., Tensor.repeat): query head j would use kv head j % ng, "
+                      "not j // n_rep (repeat each head, adjacent)": kv[:, :, [0, 1, 0, 1, 0, 1]]}))
     x = torch.arange(2.0).view(1, 1, 2, 1)  # kv heads k0, k1
     require(equal(repeat_kv(x, 3).flatten().tolist(), [0.0, 0.0, 0.0, 1.0, 1.0, 1.0],
                   "repeat_kv(kv heads [k0, k1], n_rep=3) (each head's copies adjacent: k0 k0 k0 k1 k1 k1)"))

@@ -31,6 +31,7 @@ from megalab.core.transformer.moe.moe_utils import (
 from megalab.core.transformer.transformer_config import TransformerConfig
 from megalab.extras import calc
 from megalab.lab import launch
+from tests.ch03_checks import check_alltoall_dispatch, check_capacity, named_equal
 from tests.feedback import close, equal, max_error, require, require_no_error, require_within
 
 TOL = 1e-5
@@ -150,7 +151,15 @@ def test_topk_routing_matches_reference(score, topk):
         expected = torch.sigmoid(logits) * routing_map
     rule = ("softmax over the chosen logits" if score == "softmax" else
             "the chosen sigmoid scores" + (" normalized to sum 1" if topk > 1 else ""))
-    require(close(probs, expected, f"{where}: the routing weights ({rule}; 0 elsewhere)", rtol=0, atol=TOL))
+    sig = torch.sigmoid(logits)
+    biased = (sig + bias) * routing_map if bias is not None else None
+    mistakes = {"softmax over all experts, then the top-k: the k weights not renormalised to sum 1":
+                torch.softmax(logits, -1) * routing_map} if score == "softmax" else {
+        "sigmoid scores not renormalised: the chosen scores should sum to 1 (k > 1)": sig * routing_map,
+        "the expert bias added to the weights: it only chooses the experts": biased / biased.sum(-1, keepdim=True)
+        if biased is not None and topk > 1 else biased}
+    require(close(probs, expected, f"{where}: the routing weights ({rule}; 0 elsewhere)", rtol=0, atol=TOL,
+                  mistakes=mistakes))
 
 
 @pytest.mark.exercise("moe.load_balancing_loss")
@@ -162,7 +171,11 @@ def test_load_balancing_loss_is_switch_formula():
     expected = 0.01 * E * sum((counts[i] / (32 * 2)) * scores[:, i].mean() for i in range(E))
     got = switch_load_balancing_loss_func(scores, counts, 32, 2, E, 0.01)
     require(close(got, expected, f"switch_load_balancing_loss_func(32 tokens, top-2, {E} experts, coeff 0.01) (coeff * "
-                                 "E * sum_i tokens_i / (T k) * mean_t probs_ti)", rtol=0, atol=1e-7))
+                                 "E * sum_i tokens_i / (T k) * mean_t probs_ti)", rtol=1e-5, atol=1e-7, mistakes={
+        "forgot the top-k in the denominator: fractions of T, not of T*k assignments (k times too large)": expected * 2,
+        "forgot the factor E (num_experts): a uniform router should give exactly coeff": expected / E,
+        "probs summed over the tokens, not averaged (divide by T twice: once for f_i, once for P_i)": expected * 32,
+        "forgot moe_aux_loss_coeff": expected / 0.01}))
     # uniform load and uniform probabilities give exactly coeff; one expert taking everything gives coeff * E
     uniform = switch_load_balancing_loss_func(torch.full((8, E), 1 / E), torch.full((E,), 4.0), 8, 2, E, 0.5)
     collapsed = switch_load_balancing_loss_func(
@@ -179,6 +192,7 @@ def test_dropped_tokens_are_exactly_those_past_capacity(capacity_factor):
     x, p = _tokens(2, 20), reference_params()
     p["router"][0] += 1.0  # skew the routing so that some experts overflow
     logits = x @ p["router"].T
+    require(check_capacity(logits, 2, capacity_factor))  # names the likely mistake (off by one, dim, policy, weights)
     probs, routing_map, counts = topk_softmax_with_capacity(logits, 2, capacity_factor)
     _, _, _, ref_counts, kept = reference_moe(x, p, 2, capacity_factor=capacity_factor)
     capacity = math.ceil(20 * 2 / E * capacity_factor)
@@ -204,16 +218,29 @@ def test_permute_groups_by_expert_and_unpermute_inverts():
     permuted, permuted_probs, sorted_indices = permute(x, routing_map, probs)
     expected = [(e, t) for e in range(E) for t in range(10) if routing_map[t, e]]  # expert-major, token order
     where = f"permute(10 tokens, top-2 of {E} experts)"
-    require(equal(sorted_indices.tolist(), [t for _, t in expected],
-                  f"{where}: the token index of each permuted row (expert by expert, tokens in order within one)"))
+    token_major = [(e, t) for t in range(10) for e in range(E) if routing_map[t, e]]
+    require(named_equal(sorted_indices.tolist(), [t for _, t in expected],
+                        f"{where}: the token index of each permuted row (expert by expert, tokens in order within one)", {
+        "token-major order: routing_map not transposed, so the rows are token by token, not expert by expert":
+            [t for _, t in token_major],
+        "sorted_indices hold the expert of each row, not its token": [e for e, _ in expected]}))
     require(close(permuted, x[[t for _, t in expected]], f"{where}: the permuted rows vs the tokens they should be",
                   rtol=0, atol=0))
     require(close(permuted_probs, torch.stack([probs[t, e] for e, t in expected]),
-                  f"{where}: the permuted weights (probs[token, expert] of each row)", rtol=0, atol=0))
+                  f"{where}: the permuted weights (probs[token, expert] of each row)", rtol=0, atol=0, mistakes={
+        "the probs selected token-major (probs not transposed like routing_map): weights of other rows":
+            torch.stack([probs[t, e] for e, t in token_major])}))
     restored = unpermute(permuted, sorted_indices, 10, permuted_probs)
     require(close(restored, x * probs.sum(-1, keepdim=True),  # the k weights of each token sum to 1
                   "unpermute(permute(x)) with the weights vs x times the sum of its weights (each row added back to "
                   "its token)", rtol=0, atol=TOL))
+
+
+@pytest.mark.exercise("moe.alltoall_dispatch")
+def test_alltoall_dispatch_on_a_threaded_world():
+    """First, in one process (ep = 2 as threads, uneven routing): the rows each rank receives, grouped by local
+    expert; a wrong dispatch is named (splits swapped, chunks not sorted by expert)."""
+    require(check_alltoall_dispatch())
 
 
 def test_sort_chunks_by_idxs():

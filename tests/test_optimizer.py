@@ -15,7 +15,9 @@ from megalab.core.optimizer import clip_grads as opt
 from megalab.core.optimizer import get_param_groups
 from megalab.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megalab.core.transformer.transformer_config import TransformerConfig
-from megalab.training.training import masked_loss
+from megalab.lab import launch
+from megalab.lab.checks import mistake
+from megalab.lab.launch import LaunchTimeoutError
 from tests.feedback import close, require
 
 
@@ -53,8 +55,39 @@ def _expected(step, style, wsd_steps=10, wsd_style="linear"):
     return 0.1 + 0.9 * c
 
 
-def _require_schedule(lrs, expected, what):
-    """The first step where the learning rates differ, in words."""
+def _wrong_lr(step, style, mistake):
+    """What a typical wrong get_lr gives on _expected's schedule ("constant", "linear" or "cosine")."""
+    if mistake == "warmup":  # (step + 1) / warmup: one step ahead through the warmup
+        return (step + 1) / 5 if step < 5 else _expected(step, style)
+    if step <= 5 or style == "constant" or step > 25:
+        return _expected(step, style)
+    r = (step - 5) / 20 if mistake == "no floor" else step / 25  # "from step 0": the ratio ignores the warmup
+    coeff = 1 - r if style == "linear" else (1 + math.cos(math.pi * r)) / 2
+    return coeff if mistake == "no floor" else 0.1 + 0.9 * coeff
+
+
+LR_MISTAKES = {
+    "warmup off by one: step 0 is already one step up ((step + 1) / lr_warmup_steps); step 0 gives init_lr":
+        "warmup",
+    "decayed to 0, without the min_lr floor (lr = min_lr + coeff * (max_lr - min_lr))": "no floor",
+    "decay counted from step 0 (step / lr_decay_steps): the ratio counts the decay steps done since warmup ended":
+        "from step 0",
+}
+
+
+def _require_schedule(lrs, expected, what, mistakes=None):
+    """The first step where the learning rates differ, in words; named when a typical mistake gives exactly lrs.
+
+    mistakes: {name: the learning rates that mistake gives}."""
+    def same(a, b):
+        return len(a) == len(b) and all(x == pytest.approx(y, abs=1e-12) for x, y in zip(a, b))
+
+    if not same(lrs, expected):
+        for name, wrong in (mistakes or {}).items():
+            if same(lrs, wrong):
+                step = next(i for i, (x, y) in enumerate(zip(lrs, expected)) if x != pytest.approx(y, abs=1e-12))
+                require(mistake(name, f"{what}: the learning rate at step {step} is {lrs[step]:.6g}, "
+                                      f"expected {expected[step]:.6g}"))
     for step, (got, want) in enumerate(zip(lrs, expected)):
         assert got == pytest.approx(want, abs=1e-12), (
             f"{what}: the learning rate at step {step} is {got:.6g}, expected {want:.6g}")
@@ -65,7 +98,8 @@ def _require_schedule(lrs, expected, what):
 @pytest.mark.parametrize("style", ["constant", "linear", "cosine"])
 def test_schedule_matches_formula(style):
     _require_schedule(_schedule(style), [_expected(s, style) for s in range(31)],
-                      f"OptimizerParamScheduler(max 1, min 0.1, warmup 5, decay until 25, {style!r})")
+                      f"OptimizerParamScheduler(max 1, min 0.1, warmup 5, decay until 25, {style!r})",
+                      {name: [_wrong_lr(s, style, kind) for s in range(31)] for name, kind in LR_MISTAKES.items()})
 
 
 @pytest.mark.exercise("optimizer.get_lr")
@@ -141,6 +175,59 @@ def _grads(seed):
     return params
 
 
+def _tp_grads(rank):
+    """Rank `rank` of tp=2: its half of a TP-split gradient, a replicated gradient and a `shared` one (the same
+    on both ranks), deterministic so the test process can rebuild every rank's."""
+    split = nn.Parameter(torch.zeros(6))
+    split.grad = torch.randn(6, generator=torch.Generator().manual_seed(10 + rank)) * 3
+    split.tensor_model_parallel = True
+    replicated, shared = nn.Parameter(torch.zeros(4)), nn.Parameter(torch.zeros(5))
+    replicated.grad = torch.arange(1.0, 5.0) * 0.7
+    shared.grad, shared.shared = torch.full((5,), 2.0), True
+    return [split, replicated, shared]
+
+
+def _grad_norm_tp2_worker():
+    import torch.distributed as dist
+
+    from megalab.lab import dist as mdist
+
+    rank, _ = mdist.init()
+    return opt.get_grad_norm_fp32(_tp_grads(rank), model_parallel_group=dist.group.WORLD, tp_rank=rank)
+
+
+@pytest.mark.exercise("optimizer.grad_norm")
+def test_grad_norm_tp2_counts_each_gradient_once():
+    """2 ranks (tp=2): the norm of the whole model's gradient, the same on both ranks; typical mistakes named."""
+    what = ("get_grad_norm_fp32 on tp=2 ranks [0, 1] (each: its half of a split gradient, a replicated one and a "
+            "shared one; the model-parallel group = both ranks)")
+    try:
+        got, stuck = launch.run_function(_grad_norm_tp2_worker, 2, launch=dict(timeout=60)).returns, None
+    except LaunchTimeoutError as e:
+        stuck = str(e)  # named below, outside the handler: the grader shows the first error of the traceback
+    if stuck is not None:
+        require(mistake("a collective only some ranks join: a rank waits in an all-reduce the other never reaches "
+                        "(all-reduce the squared sum on every rank, unconditionally)", stuck))
+    grads = [_tp_grads(r) for r in range(2)]
+    n = {name: [g[i].grad.norm().item() for g in grads] for i, name in enumerate(("split", "replicated", "shared"))}
+    sq = {name: [v**2 for v in values] for name, values in n.items()}
+    local = [math.sqrt(sq["split"][0] + sq["replicated"][0]), n["split"][1]]  # what each rank owns
+    right = math.sqrt(sum(sq["split"]) + sq["replicated"][0])
+    summed = n["split"][0] + n["split"][1] + n["replicated"][0]
+    require(close([got[0], got[1]], [right, right], what, rtol=1e-5, atol=0, mistakes={
+        "summed norms instead of squares: the norms of the gradients added up (add their squared elements, all-reduce "
+        "that, take the root last)": [summed, summed],
+        "summed norms instead of squares, then took the square root": [math.sqrt(summed)] * 2,
+        "counted TP-duplicated (and shared) gradients on every rank: loop over `grads` (this rank's own), not over "
+        "all params": [math.sqrt(sum(sq["split"]) + 2 * sq["replicated"][0] + 2 * sq["shared"][0])] * 2,
+        "counted TP-duplicated gradients on every rank (replicated ones count on TP rank 0 only)":
+            [math.sqrt(sum(sq["split"]) + 2 * sq["replicated"][0])] * 2,
+        "forgot the all-reduce over the model-parallel group: each rank returns the norm of its own share": local,
+        "took the square root before the all-reduce: the ranks' norms added (all-reduce the squared sum)":
+            [sum(local)] * 2,
+    }))
+
+
 @pytest.mark.exercise("optimizer.grad_norm")
 def test_clip_grad_norm_matches_torch():
     for max_norm in (0.5, 1e3):  # clipped, and untouched
@@ -182,6 +269,8 @@ def test_clip_bad_input():
 def test_masked_loss_is_the_token_mean_of_the_global_batch():
     """Micro-batches with different numbers of unmasked tokens: the executor's (1/m)·(1/dp) of the
     pre-scaled shares gives the mean over all tokens, not the mean of the micro-batch means."""
+    from megalab.training.training import masked_loss  # here: the 2-rank grad-norm test's ranks import this module
+
     g = torch.Generator().manual_seed(0)
     m, dp = 3, 2
     losses = [torch.rand(2, 6, generator=g) for _ in range(m * dp)]
@@ -189,8 +278,24 @@ def test_masked_loss_is_the_token_mean_of_the_global_batch():
     n = float(sum(mask.sum() for mask in masks))
     total = sum(masked_loss(loss, mask, n, m, dp) for loss, mask in zip(losses, masks)) / (m * dp)
     token_mean = torch.cat([loss[mask.bool()] for loss, mask in zip(losses, masks)]).mean()
+    def executor(share):  # what the schedule and the DP average make of each micro-batch's value
+        return lambda: sum(share(loss, mask) for loss, mask in zip(losses, masks)) / (m * dp)
+
     require(close(total, token_mean, f"the executor's average of masked_loss over {m} micro-batches x {dp} dp ranks "
                                      "vs the mean loss over every unmasked token of the global batch (sum / n * m * dp "
-                                     "per micro-batch)"))
+                                     "per micro-batch)", mistakes={
+        "averaged over all tokens (the micro-batch's b * s, masked ones counted) instead of the unmasked ones of the "
+        "global batch (divide the masked sum by num_tokens)": executor(lambda loss, mask: (loss * mask).mean()),
+        "averaged over all tokens (b * s, masked ones counted) instead of the unmasked ones (num_tokens), "
+        "then pre-scaled": executor(lambda loss, mask: (loss * mask).sum() / loss.numel() * (m * dp)),
+        "the mean of the micro-batch means: each micro-batch divided by its own token count, not by num_tokens of "
+        "the global batch": executor(lambda loss, mask: (loss * mask).sum() / mask.sum()),
+        "the mean of the micro-batch means (each micro-batch's own token count), pre-scaled by m * dp":
+            executor(lambda loss, mask: (loss * mask).sum() / mask.sum() * (m * dp)),
+        "forgot the m * dp pre-scale (the schedule divides by m and the DP all-reduce averages over dp)":
+            executor(lambda loss, mask: (loss * mask).sum() / n),
+        "forgot the loss mask: the masked tokens' losses are summed too": executor(
+            lambda loss, mask: loss.sum() / n * (m * dp)),
+    }))
     mean_of_means = torch.stack([loss[mask.bool()].mean() for loss, mask in zip(losses, masks)]).mean()
     assert not torch.allclose(token_mean, mean_of_means), "test data: the token mean should differ from the mean of means"

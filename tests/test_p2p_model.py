@@ -5,6 +5,8 @@ import torch
 
 from megalab.extras import p2p_model as pm
 from megalab.extras.p2p_model import P2P, P2PDeadlock, P2PMismatch
+from megalab.lab.checks import require
+from tests.ch03_checks import check_communicate, require_schedule_pieces
 
 SHAPE, DTYPE = (1, 2), "float32"
 
@@ -94,6 +96,20 @@ def test_recording_sees_what_the_code_issues():
 # ------------------------------------------------------------------ the pipeline executor under the model
 GRID = [(p, m, 1, kind) for kind in ("gpipe", "1f1b") for p in range(2, 9) for m in range(1, 17)]
 GRID += [(p, m, v, "interleaved") for p in range(2, 9) for v in (2, 3) for m in range(p, 17, p)]
+
+
+@pytest.mark.exercise("pp.communicate")
+def test_communicate_posts_one_waited_batch_of_the_models_dtype():
+    """First, in one process: a wrong _communicate is named (lone isend/irecv, no wait, fp32 or grad-less buffers)."""
+    require(check_communicate())
+
+
+@pytest.mark.exercise("pp.num_warmup")
+@pytest.mark.exercise("pp.schedule_table")
+@pytest.mark.exercise("pp.one_f_one_b")
+def test_schedule_pieces_are_megatrons():
+    """First, before the streams: a wrong warmup count, interleaved table or 1F1B order is named."""
+    require_schedule_pieces()
 
 
 @pytest.mark.exercise("pp.communicate")

@@ -107,6 +107,24 @@ def _require_mask(got, expected, where):
 
 
 @pytest.mark.exercise("packed_seq.document_causal_mask")
+def test_document_causal_mask_names_the_mistake():
+    lengths = [3, 1, 4]  # cu_seqlens [0, 3, 4, 8]; a one-token document in the middle
+    _, _, cu_seqlens = pack_documents([torch.zeros(n, dtype=torch.long) for n in lengths])
+    positions = torch.arange(8)
+    causal = torch.ones(8, 8, dtype=torch.bool).tril()
+    doc_shifted = torch.bucketize(positions, cu_seqlens[1:])  # a document's first token in the previous one
+    same = _mask_by_loops(lengths) | _mask_by_loops(lengths).T
+    require(close(document_causal_mask(cu_seqlens).int(), _mask_by_loops(lengths).int(),
+                  "document_causal_mask(cu_seqlens [0, 3, 4, 8]) (1: query i may attend key j)", rtol=0, atol=0, mistakes={
+                      "a plain causal mask: queries attend across documents": causal.int(),
+                      "no causal part: queries see later tokens of their document": same.int(),
+                      "each document's first token counted in the previous document (bucketize needs right=True)":
+                          ((doc_shifted[:, None] == doc_shifted[None, :]) & causal).int(),
+                      "the upper triangle: queries see later keys instead of earlier ones": (same & ~causal.tril(-1)).int(),
+                  }))
+
+
+@pytest.mark.exercise("packed_seq.document_causal_mask")
 @pytest.mark.parametrize("lengths", DOC_LENGTHS, ids=lambda ls: "-".join(map(str, ls)))
 def test_document_causal_mask_matches_per_document_loops(lengths):
     _, _, cu_seqlens = pack_documents([torch.zeros(n, dtype=torch.long) for n in lengths])

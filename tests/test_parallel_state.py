@@ -6,6 +6,7 @@ import torch
 
 from megalab.core import parallel_state as ps
 from megalab.lab import launch
+from megalab.lab.checks import RIGHT, mistake
 from tests.feedback import equal, equal_lists, require
 
 ORDERS = ["tp-cp-ep-dp-pp", "tp-cp-pp-ep-dp"]
@@ -59,6 +60,48 @@ GOLDEN_CONFIGS = [
     (8, 8, 2, 2, 2, 8), (16, 8, 4, 8, 1, 4), (16, 8, 4, 8, 4, 1), (32, 8, 8, 8, 4, 1), (64, 8, 4, 2, 8, 8),
     (128, 8, 4, 2, 8, 8), (316, 8, 4, 8, 1, 1),
 ]
+
+
+def _as_sets(groups) -> list[list[int]]:
+    return sorted(sorted(g) for g in groups)
+
+
+def _diagnose_groups(got, sizes: list[int], mask: list[bool], what: str):
+    """Right, or the typical mistake `got` looks like (compared as sets of groups), else the first difference."""
+    expected = numpy_groups(sizes, mask)
+    if got == expected:
+        return RIGHT
+    world = int(np.prod(sizes))
+    group_size = int(np.prod([s for s, m in zip(sizes, mask) if m]))
+    looks_like = {
+        "the LAST dimension varies fastest in your ranks (C order, pp innermost); in Megatron's layout the FIRST "
+        "(tp) does": numpy_groups(sizes[::-1], mask[::-1]),
+        "masked and unmasked dimensions swapped (your groups span the dimensions NOT in the token)":
+            numpy_groups(sizes, [not m for m in mask]),
+        "groups of consecutive ranks (right only when the masked dimensions are the fastest ones)":
+            [list(range(g, g + group_size)) for g in range(0, world, group_size)],
+    }
+    try:
+        got_sets = _as_sets(got)
+    except TypeError:
+        return equal_lists(got, expected, what, "group")
+    if got_sets == _as_sets(expected):
+        return mistake("the right groups in the wrong order (groups in the order of their unmasked coordinates, "
+                       "members in the order of their masked ones; first dimension fastest)",
+                       f"{what}: {got[:3]}... expected {expected[:3]}...")
+    for name, model in looks_like.items():
+        if got_sets == _as_sets(model):
+            return mistake(name, f"{what}: {got[:3]}... expected {expected[:3]}...")
+    return equal_lists(got, expected, what, "group")
+
+
+@pytest.mark.exercise("parallel_state.get_ranks")
+def test_get_ranks_names_typical_mistakes():
+    for sizes, mask, name in [([2, 3, 4], [False, True, False], "dp"), ([2, 2, 2], [True, False, True], "tp-pp"),
+                              ([2, 3, 2], [False, False, True], "pp")]:
+        got = ps.generate_masked_orthogonal_rank_groups(int(np.prod(sizes)), sizes, mask)
+        require(_diagnose_groups(got, sizes, mask, f"generate_masked_orthogonal_rank_groups(sizes {sizes}, "
+                                                   f"mask on {name})"))
 
 
 @pytest.mark.exercise("parallel_state.get_ranks")
@@ -259,9 +302,70 @@ def _groups_worker(layouts):
     return report
 
 
+class _RecordedGroup:
+    """What the recording new_group hands back: which call made it (its place in the calls) and its ranks."""
+
+    def __init__(self, index: int, ranks: list[int]):
+        self.index, self.ranks = index, ranks
+
+    def __repr__(self) -> str:
+        return f"<group #{self.index} {self.ranks}>"
+
+
+def _record_create_groups(monkeypatch, all_ranks, world):
+    """Run create_groups on every rank in turn with dist.new_group recorded: rank -> (its calls, its result)."""
+    import torch.distributed as dist
+
+    runs = {}
+    for rank in range(world):
+        calls = []
+
+        def new_group(ranks=None, *args, calls=calls, **kwargs):
+            calls.append(list(ranks))
+            return _RecordedGroup(len(calls) - 1, list(ranks))
+
+        monkeypatch.setattr(dist, "new_group", new_group)
+        runs[rank] = (calls, ps.create_groups(all_ranks, rank))
+    return runs
+
+
+@pytest.mark.exercise("parallel_state.create_groups")
+def test_create_groups_calls_new_group_for_every_group_on_every_rank(monkeypatch):
+    """No processes needed: record the dist.new_group calls each rank makes (every rank must make all of them,
+    in the same order: new_group is a collective over the default group) and what it returns."""
+    all_ranks = [[0, 1], [2, 3], [4, 5], [6, 7]]
+    where = f"create_groups({all_ranks}, rank)"
+    runs = _record_create_groups(monkeypatch, all_ranks, 8)
+    own = {rank: next(i for i, g in enumerate(all_ranks) if rank in g) for rank in runs}
+    if any(calls != all_ranks for calls, _ in runs.values()):
+        detail = "; ".join(f"rank {rank} called it for {calls}" for rank, (calls, _) in list(runs.items())[2:4])
+        if all(calls == [all_ranks[own[rank]]] for rank, (calls, _) in runs.items()):
+            require(mistake("called new_group only for its own group (every rank must call it for EVERY group: it "
+                            "is a collective over the default group)", detail))
+        if all(calls == all_ranks[: own[rank] + 1] for rank, (calls, _) in runs.items()):
+            require(mistake("stopped early: the groups after this rank's own were never created on it (every rank "
+                            "must call new_group for every group, in the same order)", detail))
+    for rank, (calls, result) in runs.items():
+        require(equal(calls, all_ranks, f"{where} on rank {rank}: the ranks of its dist.new_group calls, in order"))
+        group, ranks = result if isinstance(result, tuple) and len(result) == 2 else (result, None)
+        if isinstance(group, _RecordedGroup) and group.index == len(calls) - 1 != own[rank]:
+            require(mistake("returned the last group created, not the one holding this rank",
+                            f"rank {rank} got {group}, expected group #{own[rank]} {all_ranks[own[rank]]}"))
+        require(equal((getattr(group, "index", group), ranks), (own[rank], all_ranks[own[rank]]),
+                      f"{where} on rank {rank}: (which new_group call made the group it returns, its ranks)"))
+    calls, result = _record_create_groups(monkeypatch, all_ranks, 9)[8]
+    require(equal(result, (None, None), f"{where} on rank 8, in none of the groups"))
+
+
 @pytest.mark.exercise("parallel_state.create_groups")
 def test_groups_on_eight_ranks():
-    res = launch.run_function(_groups_worker, 8, LAYOUTS, launch=dict(timeout=180))
+    try:  # a deadlock is called after 60 s of every rank waiting; ranks still computing get 540 s
+        res = launch.run_function(_groups_worker, 8, LAYOUTS, launch=dict(timeout=60, hard_timeout=540))
+    except launch.LaunchTimeoutError as e:
+        require(mistake("the ranks hang creating or using the groups: every rank must call new_group for every group, "
+                        "in the same order", f"{e.kind}: {str(e).splitlines()[0]}; " + "; ".join(
+                            f"rank {r} at {s.strip().splitlines()[-1].strip()}" for r, s in sorted(e.stacks.items())
+                            if s.strip())))
     def where(rank, kwargs):
         sizes = ", ".join(f"{k.removesuffix('_model_parallel_size').removesuffix('_parallel_size')}={v}"
                           for k, v in kwargs.items())

@@ -18,6 +18,7 @@ from megalab.extras.pipeline_sim import (
     simulate,
 )
 from megalab.lab import launch
+from tests.ch03_checks import check_num_warmup, check_schedule_table, named_equal, require_schedule_pieces
 from tests.feedback import equal, max_error, require, require_within
 
 CASES = [(p, m, 1, kind) for kind in ("gpipe", "1f1b") for p in (1, 2, 3, 4) for m in (1, 2, 3, 4, 8)]
@@ -33,6 +34,7 @@ def _require_warmups(p, m, v, expected, rule):
 
 @pytest.mark.exercise("pp.num_warmup")
 def test_warmup_matches_megatron():
+    require(check_num_warmup())  # names the likely mistake (off by one, no cap, interleaved terms)
     one_f_one_b = "1F1B: min(pp - rank - 1, m)"
     _require_warmups(4, 8, 1, [3, 2, 1, 0], one_f_one_b)
     _require_warmups(4, 2, 1, [2, 2, 1, 0], one_f_one_b)
@@ -45,6 +47,7 @@ def test_warmup_matches_megatron():
 
 @pytest.mark.exercise("pp.schedule_table")
 def test_schedule_table_matches_megatron_docstring():
+    require(check_schedule_table())  # names the likely mistake (loops swapped, groups ignored, last group)
     # "the tunable schedule table for PP2 N3M5 with VP2" in Megatron's schedules.py
     table = pp.get_schedule_table(5, 2, 3)
     require(equal([tuple(pair) for pair in table], [(0, 0), (1, 0), (2, 0), (0, 1), (1, 1), (2, 1), (3, 0), (4, 0),
@@ -61,6 +64,7 @@ def _case(p, rank, m, v, kind):
 @pytest.mark.exercise("pp.schedule_table")
 @pytest.mark.exercise("pp.one_f_one_b")
 def test_schedules_are_complete_ordered_and_deadlock_free():
+    require_schedule_pieces()  # a wrong piece is named before the schedules it builds are checked
     for p, m, v, kind in CASES:
         for rank in range(p):
             ops = pp.get_schedule(p, rank, m, v, kind)
@@ -182,13 +186,26 @@ def test_simulated_bubble_and_memory_match_theory():
 
 @pytest.mark.exercise("pp.stage_split")
 def test_layer_ranges_tile_the_model():
-    require(equal([get_layer_range(8, 4, r) for r in range(4)], [(0, 2), (2, 4), (4, 6), (6, 8)],
-                  "get_layer_range(8 layers, pp=4, rank) for ranks 0..3"))
+    def ranges(num_layers, p, v, start, per, inclusive=False):  # [(start, stop)] for (chunk, rank), chunk-major
+        return [(start(r, c) * per, (start(r, c) + 1) * per - inclusive) for c in range(v) for r in range(p)]
+
+    def mistakes(num_layers, p, v):
+        per = num_layers // (p * v)
+        return {"off by one: the stop is inclusive (start + per_stage - 1), the ranges should be half-open":
+                ranges(num_layers, p, v, lambda r, c: c * p + r, per, inclusive=True),
+                "virtual stage pp_rank * v + chunk (a rank's chunks adjacent) instead of chunk * pp_size + pp_rank":
+                ranges(num_layers, p, v, lambda r, c: r * v + c, per),
+                "layers per stage num_layers // pp_size: the model chunks (v) left out of the split":
+                [(x * num_layers // p, x * num_layers // p + num_layers // p) for x in
+                 (c * p + r for c in range(v) for r in range(p))]}
+
+    require(named_equal([get_layer_range(8, 4, r) for r in range(4)], [(0, 2), (2, 4), (4, 6), (6, 8)],
+                        "get_layer_range(8 layers, pp=4, rank) for ranks 0..3", mistakes(8, 4, 1)))
     # interleaved: chunk k on rank r is virtual stage k * pp + r
-    require(equal([get_layer_range(8, 2, r, c, 2) for c in range(2) for r in range(2)],
-                  [(0, 2), (2, 4), (4, 6), (6, 8)],
-                  "get_layer_range(8 layers, pp=2, rank, chunk, v=2) for (chunk, rank) = (0, 0), (0, 1), (1, 0), (1, 1) "
-                  "(chunk k on rank r is virtual stage k * pp + r)"))
+    require(named_equal([get_layer_range(8, 2, r, c, 2) for c in range(2) for r in range(2)],
+                        [(0, 2), (2, 4), (4, 6), (6, 8)],
+                        "get_layer_range(8 layers, pp=2, rank, chunk, v=2) for (chunk, rank) = (0, 0), (0, 1), (1, 0), "
+                        "(1, 1) (chunk k on rank r is virtual stage k * pp + r)", mistakes(8, 2, 2)))
     with pytest.raises(ValueError, match="multiple of 6"):
         get_layer_range(8, 3, 0, 0, 2)
 

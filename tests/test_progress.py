@@ -3,8 +3,6 @@ hides the hints and starts a bug hunt from the bug; `megalab hint` reveals one l
 `megalab progress` counts what the last grades passed; a check that only skipped never counts as passed."""
 
 import json
-import os
-from pathlib import Path
 
 import matplotlib
 import nbformat
@@ -131,3 +129,33 @@ def test_the_hint_magic(tree, capsys, monkeypatch):
     assert capsys.readouterr().out.startswith("usage: %hint EXERCISE_ID [LEVEL]")
     megalab.hint_magic("toy.nope")
     assert "%hint: no exercise 'toy.nope'" in capsys.readouterr().out
+
+
+def test_the_verdict_of_a_chained_failure_is_the_last_exception():
+    from megalab.lab.grading import failure_line
+
+    text = ("E   megalab.lab.launch.LaunchTimeoutError: ranks stuck\n\nDuring handling of the above exception, another "
+            "exception occurred:\n\n    def test_x():\nE   AssertionError: likely mistake: all-reduce on one rank only\n")
+    assert failure_line(text) == "AssertionError: likely mistake: all-reduce on one rank only"
+
+
+def test_grading_one_exercise_stops_at_its_first_failing_check(tree):
+    from megalab.lab.grading import run_checks
+
+    (tree / "tests" / "test_toy.py").write_text(
+        "import pytest\nfrom megalab.toy import add\n\n@pytest.mark.exercise('toy.add')\ndef test_a_first_focused_check():\n"
+        "    assert add(2, 2) == 5, 'likely mistake: none, this check is wrong on purpose'\n\n"
+        "@pytest.mark.exercise('toy.add')\ndef test_b_heavy_check():\n    assert add(1, 1) == 2\n")
+    ex = load(tree).exercises["toy.add"]
+    first = run_checks(tree, [ex], first_failure=True)
+    assert [o.outcome for o in first.values()] == ["failed", "not run"]
+    assert [o.outcome for o in run_checks(tree, [ex]).values()] == ["failed", "passed"]
+
+
+def test_the_progress_magic_works_in_a_notebook_outside_any_tree(tmp_path, capsys, monkeypatch):
+    import megalab
+
+    monkeypatch.chdir(tmp_path)  # a copied notebook's folder: no megalab/ above it
+    megalab.progress_magic("01")
+    out = capsys.readouterr().out
+    assert out.startswith("chapter") and "01_foundations" in out  # this megalab's own course

@@ -6,6 +6,7 @@ References: a per-query loop written here (each query's softmax over its last W 
 clock for the timing function (no test here is timed).
 """
 
+import dataclasses
 import math
 import traceback
 from functools import partial
@@ -37,6 +38,7 @@ from megalab.extras.speedup import (
     slow_step_setup,
 )
 from megalab.lab import launch
+from megalab.lab.checks import mistake
 from tests.feedback import close, equal, max_error, require, require_no_error, require_within
 
 SMALL = dict(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=64, seq_length=24,
@@ -68,6 +70,58 @@ def _grads(fn, tensors, seed=9):
 
 
 # ------------------------------------------------------------------ sliding window: the mask and the kernels
+def _band(s, lo, hi):
+    """[s, s] bool: True where lo <= query - key <= hi."""
+    distance = torch.arange(s)[:, None] - torch.arange(s)[None, :]
+    return (distance >= lo) & (distance <= hi)
+
+
+@pytest.mark.exercise("sliding_window.mask")
+def test_sliding_window_mask_names_the_mistake():
+    s, window = 7, 3
+    require(close(sliding_window_mask(s, window).int(), _band(s, 0, window - 1).int(),
+                  "sliding_window_mask(s=7, window=3) (1: query i may attend key j, where 0 <= i - j < 3)",
+                  rtol=0, atol=0, mistakes={
+                      "window off by one: W + 1 keys visible (i - j <= window; the window counts the query itself)":
+                          _band(s, 0, window).int(),
+                      "window off by one: only W - 1 keys visible (i - j < window - 1)": _band(s, 0, window - 2).int(),
+                      "no causal part: keys up to window - 1 AHEAD are visible too (|i - j| < window)":
+                          _band(s, -(window - 1), window - 1).int(),
+                      "the band points the wrong way (j - i instead of i - j): queries see later keys":
+                          _band(s, -(window - 1), 0).int(),
+                  }))
+
+
+def _band_attention(q, k, v, visible, zero_keys=None):
+    """[b, h, s, d]: each query's softmax over its visible keys, plus zero_keys[i] keys of score 0 and value 0
+    (padding that a wrong mask lets in)."""
+    scores = (q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])).masked_fill(~visible, float("-inf"))
+    extra = torch.zeros(q.shape[2]) if zero_keys is None else torch.as_tensor(zero_keys, dtype=q.dtype)
+    top = torch.maximum(scores.amax(-1), torch.where(extra > 0, 0.0, float("-inf")))  # [b, h, s]
+    weights = torch.exp(scores - top[..., None])
+    total = weights.sum(-1) + extra * torch.exp(-top)
+    return (weights @ v) / total[..., None]
+
+
+@pytest.mark.exercise("sliding_window.blocked")
+def test_blocked_attention_names_the_mistake():
+    s, window = 11, 4  # 3 blocks, the last one ragged
+    q, k, v = _qkv(1, 2, s, 8, seed=21)
+    expected = _band_attention(q, k, v, _band(s, 0, window - 1))
+    same_block = (torch.arange(s)[:, None] // window) == (torch.arange(s)[None, :] // window)
+    require(close(blocked_sliding_window_attention(q, k, v, window), expected,
+                  "blocked_sliding_window_attention(s=11, window=4) vs each query's softmax over its last 4 keys",
+                  mistakes={
+                      "block 0's previous block (zero padding) left visible: its zero keys join the softmax":
+                          lambda: _band_attention(q, k, v, _band(s, 0, window - 1),
+                                                  [max(window - 1 - i, 0) for i in range(s)]),
+                      "band off by one: W + 1 keys visible (key offset t in [r, r + W] instead of (r, r + W])":
+                          lambda: _band_attention(q, k, v, _band(s, 0, window)),
+                      "queries see only their own block (the previous block's keys are never visible)":
+                          lambda: _band_attention(q, k, v, _band(s, 0, window - 1) & same_block),
+                  }))
+
+
 @pytest.mark.exercise("sliding_window.mask")
 @pytest.mark.parametrize("s, window", [(6, 3), (5, 1), (4, 9), (9, 4)])
 def test_sliding_window_mask_matches_loops(s, window):
@@ -243,6 +297,27 @@ def test_looped_attention_is_correct_causal_attention():
 
 
 @pytest.mark.exercise("speedup.remove_hotspots")
+def test_remove_hotspots_removes_both_and_names_the_mistake():
+    slow_config, slow_spec = slow_step_setup(**SPEED)
+    config, spec = remove_hotspots(slow_config, slow_spec)
+    attention = sorted({type(m).__name__ for m in GPTModel(config, spec).modules()
+                        if isinstance(m, (LoopedAttention, CoreAttention))})
+    if config.recompute_granularity == "full":
+        require(mistake("kept full activation recompute (set recompute_granularity, recompute_method and "
+                        "recompute_num_layers to None)"))
+    if config.recompute_granularity == "selective":
+        require(mistake("switched to selective recompute instead of none (the memory budget needs no recompute)"))
+    if "LoopedAttention" in attention:
+        require(mistake("kept the LoopedAttention of the slow spec (return a LayerSpec with the default core "
+                        "attention, CoreAttention)"))
+    require(equal((config.recompute_granularity, attention, config.attention_backend), (None, ["CoreAttention"], "sdpa"),
+                  "remove_hotspots' (recompute_granularity, core attention classes of the model, attention_backend)"))
+    changed = [f.name for f in dataclasses.fields(config) if not f.name.startswith(("recompute", "attention_backend"))
+               and getattr(config, f.name) != getattr(slow_config, f.name)]
+    require(equal(changed, [], "the config fields remove_hotspots changed besides recompute and the attention backend"))
+
+
+@pytest.mark.exercise("speedup.remove_hotspots")
 def test_remove_hotspots_keeps_loss_and_gradients_and_drops_the_extra_ops():
     slow_config, slow_spec = slow_step_setup(**SPEED)
     config, spec = remove_hotspots(slow_config, slow_spec)
@@ -286,6 +361,20 @@ def test_interleaved_speedup_alternates_skips_warmup_and_takes_medians():
     after = clock.step("after", [5.0, 0.010, 0.011, 0.009, 0.010, 0.200])
     out = interleaved_speedup(before, after, repeats=5, warmup=1, clock=clock)
     where = "interleaved_speedup(repeats=5, warmup=1) on a fake clock"
+    calls = [int(name == "after") for name in clock.log]  # 0 before, 1 after
+    require(close(calls, [0, 1] * 6, f"{where}: the calls in order (0: before, 1: after)", rtol=0, atol=0, mistakes={
+        "ran every before call, then every after call (not interleaved: alternate them round by round)":
+            [0] * 6 + [1] * 6,
+    }))
+    got = out["times_ms"]["before"] + out["times_ms"]["after"]
+    require(close(got, [30, 31, 500, 29, 30] + [10, 11, 9, 10, 200],
+                  f"{where}: times_ms['before'] + times_ms['after'] (ms, the warm-up round dropped)", rtol=1e-9, mistakes={
+                      "kept the warm-up round in the timings": [9000, 30, 31, 500, 29, 30] + [5000, 10, 11, 9, 10, 200],
+                      "recorded seconds, not milliseconds": [0.030, 0.031, 0.500, 0.029, 0.030]
+                                                            + [0.010, 0.011, 0.009, 0.010, 0.200],
+                      "one clock reading per round: after's time includes before's (read the clock around each call)":
+                          [30, 31, 500, 29, 30] + [40, 42, 509, 39, 230],
+                  }))
     require(equal(clock.log, ["before", "after"] * 6, f"{where}: the order of the calls (alternating, 1 warm-up + 5 "
                                                       "rounds)"))
     times = out["times_ms"]["before"]

@@ -2,13 +2,16 @@
 a tp2·pp2 training checkpoint becomes one GPTModel with the trained model's logits, and the load test
 times first tokens of streamed requests and counts every failure."""
 
+import dataclasses
 import shutil
 import tempfile
+import warnings
 from pathlib import Path
 
 import httpx
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 
 from megalab.core.inference import InferenceEngine, PagedKVCache
 from megalab.core.inference.text_generation_server.text_generation_server import ServerThread, create_app, load_test
@@ -17,10 +20,60 @@ from megalab.core.tokenizers.text.libraries.bytelevel_tokenizer import ByteToken
 from megalab.core.transformer.transformer_config import TransformerConfig
 from megalab.extras import projects
 from megalab.lab import launch
-from megalab.training.checkpointing import CheckpointError
+from megalab.training.checkpointing import TRACKER, CheckpointError, checkpoint_dir
 from tests.feedback import close, require
 
 REFERENCE = [(1, 9.01), (2, 8.9), (3, 8.7), (4, 8.41), (5, 8.3), (6, 8.2)]
+
+
+def _continues(reference, resumed, rtol=0.0, *, by_iteration=True, tail_in_order=True, relative=True,
+               inclusive=True):
+    """curves_match's rule, or what one typical mistake (the keyword flags) answers."""
+    if not resumed:
+        return False
+    losses = dict(reference)
+    if not by_iteration:  # the losses against the reference's last ones, iterations unread
+        if len(resumed) > len(reference):
+            return False
+        pairs = [(loss, ref) for (_, loss), (_, ref) in zip(resumed, reference[-len(resumed):])]
+    else:
+        iterations = [it for it, _ in resumed]
+        if iterations != sorted(losses)[-len(resumed):] if tail_in_order else any(it not in losses for it in iterations):
+            return False
+        pairs = [(loss, losses[it]) for it, loss in resumed]
+    tolerance = (lambda ref: rtol * abs(ref)) if relative else (lambda ref: rtol)
+    return all(abs(loss - ref) <= tolerance(ref) if inclusive else abs(loss - ref) < tolerance(ref) for loss, ref in pairs)
+
+
+@pytest.mark.exercise("projects.curves_match")
+def test_curves_match_names_the_mistake():
+    tail = REFERENCE[3:]
+    cases = [  # (reference, resumed, rtol, what), the right answer from the docstring's rule
+        (REFERENCE, tail, 0.0, "the exact tail"), (REFERENCE, REFERENCE, 0.0, "the whole reference"),
+        (REFERENCE, [(it, loss + 1e-12) for it, loss in tail], 0.0, "the tail + 1e-12, rtol=0"),
+        (REFERENCE, [(it, loss + 5e-9) for it, loss in tail], 1e-9, "the tail + 5e-9, rtol=1e-9 (relative: 8e-9)"),
+        (REFERENCE, [(it, loss * 1.001) for it, loss in tail], 1e-5, "the tail x 1.001, rtol=1e-5"),
+        (REFERENCE, [], 0.0, "nothing"), (REFERENCE, REFERENCE[3:5], 0.0, "a tail stopping early"),
+        (REFERENCE, [REFERENCE[3], REFERENCE[5]], 0.0, "a tail missing an iteration"),
+        (REFERENCE, [REFERENCE[4], REFERENCE[3], REFERENCE[5]], 0.0, "a tail out of order"),
+        (REFERENCE, [(1, 8.41), (2, 8.3), (3, 8.2)], 0.0, "the tail's losses under iterations 1, 2, 3"),
+        (REFERENCE[:4], tail, 0.0, "a tail running past the reference"),
+    ]
+    got = [int(projects.curves_match(ref, resumed, rtol=rtol)) for ref, resumed, rtol, _ in cases]
+
+    def answers(**mistake):
+        return [int(_continues(ref, resumed, rtol, **mistake)) for ref, resumed, rtol, _ in cases]
+
+    require(close(got, answers(), "curves_match's answers (1 True, 0 False) for: " + "; ".join(c[3] for c in cases),
+                  mistakes={
+                      "compared the losses with the reference's last ones but never checked the iterations":
+                          answers(by_iteration=False),
+                      "accepted any iterations the reference has (they must be its tail, in order, none missing)":
+                          answers(tail_in_order=False),
+                      "used rtol as an absolute tolerance (it is relative: |loss - ref| <= rtol * |ref|)":
+                          answers(relative=False),
+                      "compared with < instead of <= (rtol=0 must accept identical losses)": answers(inclusive=False),
+                  }))
 
 
 @pytest.mark.exercise("projects.curves_match")
@@ -79,6 +132,45 @@ def _train_and_reference_logits(root: str, tokens: torch.Tensor):
             return gather_from_tensor_model_parallel_region(logits, state.ps.get_tensor_model_parallel_group())
     finally:
         parallel_state.destroy_model_parallel()
+
+
+def _write_tp1_checkpoint(root: Path, model: GPTModel, iteration: int = 3) -> None:
+    """A training checkpoint of `model` in the layout save_checkpoint writes (model.<name> tensors at full shape,
+    common.pt with the model config, the tracker), written by one process without a process group."""
+    path = checkpoint_dir(root, iteration)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "torch.distributed is disabled")
+        dcp.save({f"model.{name}": p.detach() for name, p in model.named_parameters()}, checkpoint_id=path, no_dist=True)
+    torch.save({"iteration": iteration, "model_config": dataclasses.asdict(model.config)}, path / "common.pt")
+    (root / TRACKER).write_text(str(iteration))
+
+
+@pytest.mark.exercise("projects.load_inference_model")
+def test_load_inference_model_loads_every_parameter_and_names_the_mistake(tmp_path):
+    config = TransformerConfig(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=64, seq_length=16,
+                               share_embeddings_and_output_weights=False)
+    torch.manual_seed(1)
+    trained = GPTModel(config)
+    with torch.no_grad():  # "trained": every parameter moved off its initial value (biases 0, norms 1 included)
+        for p in trained.parameters():
+            p.add_(torch.randn(p.shape) * 0.1)
+    _write_tp1_checkpoint(tmp_path, trained)
+    torch.manual_seed(2)  # the model load_inference_model builds starts from other weights
+    model = projects.load_inference_model(tmp_path)
+    assert isinstance(model, GPTModel), f"load_inference_model returned a {type(model).__name__}, not a GPTModel"
+    saved = dict(trained.named_parameters())
+    names = list(saved)
+    loaded = [int(torch.equal(p.detach(), saved[name].detach())) for name, p in model.named_parameters()]
+    missing = [name for name, ok in zip(names, loaded) if not ok]
+    what = (f"which of the {len(names)} parameters hold the checkpoint's values (1: loaded, in named_parameters order; "
+            f"not loaded: {', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''})")
+    require(close(loaded, [1] * len(names), what, mistakes={
+        "read the checkpoint but never copied its tensors into the model's parameters": [0] * len(names),
+        "copied only the weights (biases and norm parameters stay freshly initialized)":
+            [int(name.endswith("weight")) for name in names],
+        "loaded only the transformer layers (the embeddings and the output layer stay freshly initialized)":
+            [int(name.startswith("decoder.")) for name in names],
+    }))
 
 
 @pytest.mark.exercise("projects.load_inference_model")

@@ -20,6 +20,9 @@ from megalab.core.tensor_parallel import layers as tp
 from megalab.core.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from megalab.core.tensor_parallel.layers import Linear
 from megalab.core.tensor_parallel.mappings import (
+    _gather_along_first_dim,
+    _gather_along_last_dim,
+    _reduce_scatter_along_first_dim,
     copy_to_tensor_model_parallel_region,
     gather_from_sequence_parallel_region,
     gather_from_tensor_model_parallel_region,
@@ -34,7 +37,10 @@ from megalab.core.transformer.transformer_layer import TransformerLayer
 from megalab.core.utils import init_method_normal
 from megalab.extras import calc
 from megalab.lab import launch
+from megalab.lab.checks import close, mistake
 from tests.feedback import equal, max_error, require, require_no_error, require_within
+from tests.quick_launch import quick_fixture
+from tests.quick_launch import results as quick_results
 
 TOL = 1e-5
 SMALL = dict(num_layers=2, hidden_size=32, num_attention_heads=8, num_query_groups=8, vocab_size=64, seq_length=8,
@@ -430,6 +436,331 @@ def test_tp_communication_formula():
     # 4 all-reduces of b s h elements, 2 (t-1)/t each, 2 bytes per element
     assert calc.tensor_parallel_communication_per_layer(1024, 2, 512, 4, 2) == 4 * 2 * (3 / 4) * 1024 * 2 * 512 * 2
     assert calc.tensor_parallel_communication_per_layer(1024, 2, 512, 1) == 0
+
+
+# ------------------------------------------------------------------ quick checks (issue 27)
+# One 2-rank launch, tiny tensors: the first test of each exercise, naming the typical mistakes. The cases run in
+# the ranks and return tensors (on the CPU); the tests compare them with the right answer and with what each
+# typical mistake computes.
+
+
+def _cpu(x):
+    return x.detach().cpu() if isinstance(x, torch.Tensor) else x
+
+
+def _alone(rank, world):
+    """A group of this rank alone (new_group is called by every rank for every group)."""
+    return [torch.distributed.new_group([r]) for r in range(world)][rank]
+
+
+def _quick_copy_to(rank, world, group):
+    out = {}
+    for name, g in (("tp", group), ("alone", _alone(rank, world))):
+        x = _rank_tensor(0, 4, 3).requires_grad_()
+        dy = _rank_tensor(10 + rank, 4, 3)
+        copy_to_tensor_model_parallel_region(x, group=g).backward(dy)
+        out[name] = {"dy": _cpu(dy), "dx": _cpu(x.grad)}
+    return out
+
+
+def _quick_reduce_from(rank, world, group):
+    out = {}
+    for name, g in (("tp", group), ("alone", _alone(rank, world))):
+        x = _rank_tensor(20 + rank, 4, 3)
+        out[name] = {"x": _cpu(x), "y": _cpu(reduce_from_tensor_model_parallel_region(x.clone(), group=g))}
+    return out
+
+
+def _quick_gather_last_dim(rank, world, group):
+    x = _rank_tensor(30 + rank, 4, 3)
+    return {"x": _cpu(x), "y": _cpu(_gather_along_last_dim(x, group))}
+
+
+def _quick_sp_gather(rank, world, group):
+    x = _rank_tensor(40 + rank, 2, 3, 4)  # [s/t, b, h]
+    return {"x": _cpu(x), "y": _cpu(_gather_along_first_dim(x, group))}
+
+
+def _quick_sp_reduce_scatter(rank, world, group):
+    x = _rank_tensor(50 + rank, 4, 3, 4)  # [s, b, h], a partial sum on each rank
+    return {"x": _cpu(x), "y": _cpu(_reduce_scatter_along_first_dim(x, group))}
+
+
+def _tiny_linears(cls, rank, group, **kwargs):
+    """(the parallel layer, the single-device Linear it splits), same init, the same nonzero bias."""
+    s, h, n = 4, 6, 8
+    config = TransformerConfig(num_layers=1, hidden_size=h, num_attention_heads=2, vocab_size=8, seq_length=s,
+                               sequence_parallel=kwargs.pop("sp", False))
+    init = init_method_normal(0.3)
+    args = (h, n) if cls is tp.ColumnParallelLinear else (n, h)
+    torch.manual_seed(0)
+    ref = Linear(*args, config=config, init_method=init).to(_dev())
+    torch.manual_seed(0)
+    mine = cls(*args, config=config, init_method=init, tp_group=group, **kwargs).to(_dev())
+    _nonzero_biases([(mine, ref)], rank)
+    return mine, ref
+
+
+def _quick_column(rank, world, group):
+    out = {}
+    col, ref = _tiny_linears(tp.ColumnParallelLinear, rank, group)
+    x = _rank_tensor(1, 4, 2, 6).requires_grad_()
+    y = col(x)
+    dy_full = _rank_tensor(2, 4, 2, 8)  # the same on every rank; this rank's part of it drives its backward
+    y.backward(tp.full_shard_of(dy_full, y, rank))
+    ref_w = ref.weight.detach()
+    out["plain"] = {"y": _cpu(y), "expected y": _cpu(tp.full_shard_of(ref(x).detach(), y, rank)),
+                    "dx": _cpu(x.grad), "expected dx": _cpu(dy_full @ ref_w),
+                    "this rank's dx only": _cpu(tp.full_shard_of(dy_full, y, rank) @ col.weight.detach())}
+    gcol, ref = _tiny_linears(tp.ColumnParallelLinear, rank, group, gather_output=True)
+    out["gather_output"] = {"y": _cpu(gcol(x)), "expected y": _cpu(ref(x))}
+    scol, _ = _tiny_linears(tp.ColumnParallelLinear, rank, group, sp=True)
+    out["sp"] = {"y": _cpu(scol(x.detach()[rank * 2:(rank + 1) * 2]))}
+    return out
+
+
+def _quick_row(rank, world, group):
+    out = {}
+    row, ref = _tiny_linears(tp.RowParallelLinear, rank, group)
+    z = _rank_tensor(3, 4, 2, 8)
+    z_mine = z[..., rank * 4:(rank + 1) * 4]  # this rank's slice of the last dim
+    out["plain"] = {"y": _cpu(row(z_mine)), "expected y": _cpu(ref(z)), "bias": _cpu(ref.bias),
+                    "this rank's partial": _cpu(z_mine @ row.weight.detach().t())}
+    srow, ref = _tiny_linears(tp.RowParallelLinear, rank, group, sp=True)
+    out["sp"] = {"y": _cpu(srow(z_mine)), "expected y": _cpu(ref(z)[rank * 2:(rank + 1) * 2])}
+    return out
+
+
+def _quick_embedding(rank, world, group):
+    V, h = 8, 3
+    init = init_method_normal(1.0)
+    torch.manual_seed(0)
+    master = torch.empty(V, h)
+    init(master)
+    torch.manual_seed(0)
+    emb = tp.VocabParallelEmbedding(V, h, init_method=init, tp_group=group).to(_dev())
+    ids = torch.tensor([[0, 3, 4, 7], [5, 1, 6, 2]]).to(_dev())
+    return {"y": _cpu(emb(ids)), "master": master, "ids": _cpu(ids), "start": emb.vocab_start_index,
+            "end": emb.vocab_end_index}
+
+
+def _ce_logits():
+    return _rank_tensor(60, 5, 8) * 3, torch.tensor([0, 3, 4, 7, 5]).to(_dev())  # [N, V], targets on both halves
+
+
+def _quick_cross_entropy(rank, world, group):
+    logits, target = _ce_logits()
+    out = {"logits": _cpu(logits), "target": _cpu(target)}
+    for name, shift in (("plain", 0.0), ("large logits", 1000.0)):
+        shard = tp.full_shard_of(logits, logits[:, :4], rank) + shift
+        out[name] = _cpu(vocab_parallel_cross_entropy(shard, target, group=group))
+    return out
+
+
+def _quick_cross_entropy_backward(rank, world, group):
+    logits, target = _ce_logits()
+    shard = tp.full_shard_of(logits, logits[:, :4], rank).clone().requires_grad_()
+    weights = torch.arange(1.0, 6.0).to(_dev())  # d loss_i: the backward must scale by grad_output
+    (vocab_parallel_cross_entropy(shard, target, group=group) * weights).sum().backward()
+    return {"logits": _cpu(logits), "target": _cpu(target), "weights": _cpu(weights), "grad": _cpu(shard.grad)}
+
+
+QUICK = {"tp.copy_to_region": _quick_copy_to, "tp.reduce_from_region": _quick_reduce_from,
+         "tp.gather_last_dim": _quick_gather_last_dim, "tp.sp_gather": _quick_sp_gather,
+         "tp.sp_reduce_scatter": _quick_sp_reduce_scatter, "tp.column_forward": _quick_column,
+         "tp.row_forward": _quick_row, "tp.vocab_embedding": _quick_embedding,
+         "tp.vocab_cross_entropy": _quick_cross_entropy, "tp.vocab_cross_entropy_backward": _quick_cross_entropy_backward}
+quick = quick_fixture(QUICK)
+
+
+def _shape_named(got, expected_shape, shapes: dict, what: str):
+    """A wrong shape named by the mistake that gives it ({mistake: the shape it gives})."""
+    if tuple(got.shape) != tuple(expected_shape):
+        for name, shape in shapes.items():
+            if tuple(got.shape) == tuple(shape):
+                require(mistake(name, f"{what} has shape {tuple(got.shape)}, expected {tuple(expected_shape)}"))
+        require(equal(tuple(got.shape), tuple(expected_shape), f"the shape of {what}"))
+
+
+WORLD_GROUP = "all-reduced over every rank, not the given group (pass group=)"
+
+
+@pytest.mark.exercise("tp.copy_to_region")
+def test_quick_copy_to_region_backward_sums_over_the_group(quick):
+    res = quick_results(quick, "tp.copy_to_region")
+    dys = [res[r]["tp"]["dy"] for r in sorted(res)]
+    for rank, r in res.items():
+        require(close(r["tp"]["dx"], sum(dys), f"tp=2, rank {rank}: the input gradient of f (the sum of the ranks' "
+                                               "output gradients)", mistakes={
+            "f's backward returned the gradient unchanged (it must all-reduce it)": r["tp"]["dy"],
+            "averaged the gradient over the TP group instead of summing it": sum(dys) / len(dys)}))
+        require(close(r["alone"]["dx"], r["alone"]["dy"], f"rank {rank}, a TP group of this rank alone: the input "
+                                                          "gradient of f", mistakes={WORLD_GROUP: sum(dys)}))
+
+
+@pytest.mark.exercise("tp.reduce_from_region")
+def test_quick_reduce_from_region_forward_sums_over_the_group(quick):
+    res = quick_results(quick, "tp.reduce_from_region")
+    xs = [res[r]["tp"]["x"] for r in sorted(res)]
+    for rank, r in res.items():
+        require(close(r["tp"]["y"], sum(xs), f"tp=2, rank {rank}: the output of g (the sum of the ranks' inputs)",
+                      mistakes={"g's forward returned the input unchanged (it must all-reduce it)": r["tp"]["x"],
+                                "averaged over the TP group instead of summing": sum(xs) / len(xs)}))
+        xa = [res[q]["alone"]["x"] for q in sorted(res)]
+        require(close(r["alone"]["y"], r["alone"]["x"], f"rank {rank}, a TP group of this rank alone: the output of g",
+                      mistakes={WORLD_GROUP: sum(xa)}))
+
+
+@pytest.mark.exercise("tp.gather_last_dim")
+def test_quick_gather_last_dim_concatenates_in_rank_order(quick):
+    res = quick_results(quick, "tp.gather_last_dim")
+    xs = [res[r]["x"] for r in sorted(res)]
+    expected = torch.cat(xs, -1)
+    for rank, r in res.items():
+        what = f"tp=2, rank {rank}: the all-gather of [4, 3] along the last dim"
+        _shape_named(r["y"], expected.shape, {"concatenated along dim 0 instead of the last dim": (8, 3),
+                                              "stacked the pieces (a new dim) instead of concatenating them": (2, 4, 3),
+                                              "stacked the pieces along a new last dim instead of concatenating them":
+                                                  (4, 3, 2)}, what)
+        pieces = r["y"].chunk(len(xs), -1)
+        if all(torch.equal(p, pieces[0]) for p in pieces) and not torch.equal(xs[0], xs[1]):
+            require(mistake("every receive buffer is the same tensor ([t] * world repeats ONE tensor: make one "
+                            "torch.empty_like per rank)", f"{what}: all pieces equal"))
+        require(close(r["y"], expected, what, mistakes={"concatenated the pieces in reverse rank order":
+                                                        torch.cat(xs[::-1], -1)}))
+
+
+@pytest.mark.exercise("tp.sp_gather")
+def test_quick_sp_gather_concatenates_the_sequence(quick):
+    res = quick_results(quick, "tp.sp_gather")
+    xs = [res[r]["x"] for r in sorted(res)]
+    expected = torch.cat(xs, 0)
+    for rank, r in res.items():
+        what = f"tp=2, rank {rank}: the sequence all-gather of [s/t=2, b=3, h=4]"
+        _shape_named(r["y"], expected.shape, {"gathered along the hidden (last) dim instead of the sequence (dim 0)":
+                                              (2, 3, 8), "gathered along the batch (dim 1) instead of the sequence "
+                                              "(dim 0)": (2, 6, 4)}, what)
+        require(close(r["y"], expected, what, mistakes={"put the sequence shards in reverse rank order":
+                                                        torch.cat(xs[::-1], 0)}))
+
+
+@pytest.mark.exercise("tp.sp_reduce_scatter")
+def test_quick_sp_reduce_scatter_keeps_this_ranks_sequence_slice(quick):
+    res = quick_results(quick, "tp.sp_reduce_scatter")
+    xs = [res[r]["x"] for r in sorted(res)]
+    for rank, r in res.items():
+        expected = sum(xs)[rank * 2:(rank + 1) * 2]
+        what = f"tp=2, rank {rank}: the reduce-scatter of [s=4, b=3, h=4] along the sequence"
+        _shape_named(r["y"], expected.shape, {
+            "reduce-scattered along the hidden (last) dim instead of the sequence (dim 0)": (4, 3, 2),
+            "all-reduced without scattering (kept the whole sequence)": (4, 3, 4)}, what)
+        require(close(r["y"], expected, what, mistakes={
+            "split the sequence without summing over the ranks (no reduction)": xs[rank][rank * 2:(rank + 1) * 2],
+            "kept another rank's sequence slice": sum(xs)[(1 - rank) * 2:(2 - rank) * 2]}))
+
+
+@pytest.mark.exercise("tp.column_forward")
+def test_quick_column_parallel_forward_and_input_gradient(quick):
+    res = quick_results(quick, "tp.column_forward")
+    for rank, r in res.items():
+        p = r["plain"]
+        require(close(p["y"], p["expected y"], f"tp=2, rank {rank}: ColumnParallelLinear's output slice [4, 2, 8/t]"))
+        require(close(p["dx"], p["expected dx"], f"tp=2, rank {rank}: ColumnParallelLinear's input gradient", mistakes={
+            "skipped copy_to_tensor_model_parallel_region (f) before the matmul: dX is not summed over the TP ranks":
+                p["this rank's dx only"]}))
+        g = r["gather_output"]
+        _shape_named(g["y"], g["expected y"].shape, {"gather_output=True but the output was not all-gathered "
+                                                     "(gather_from_tensor_model_parallel_region)": (4, 2, 4)},
+                     f"tp=2, rank {rank}: ColumnParallelLinear(gather_output=True)'s output")
+        require(close(g["y"], g["expected y"], f"tp=2, rank {rank}: ColumnParallelLinear(gather_output=True)'s output"))
+        _shape_named(r["sp"]["y"], (4, 2, 4), {"sequence_parallel ignored: the [s/t, b, h] input was not all-gathered "
+                                               "(use column_parallel_linear)": (2, 2, 4)},
+                     f"tp=2, rank {rank}: ColumnParallelLinear's output with sequence_parallel")
+
+
+@pytest.mark.exercise("tp.row_forward")
+def test_quick_row_parallel_forward_sums_once(quick):
+    res = quick_results(quick, "tp.row_forward")
+    for rank, r in res.items():
+        p = r["plain"]
+        require(close(p["y"], p["expected y"], f"tp=2, rank {rank}: RowParallelLinear's output", mistakes={
+            "bias added on every rank before the all-reduce (counted t times)": p["expected y"] + p["bias"],
+            "forgot the all-reduce (only this rank's partial sum)": p["this rank's partial"] + p["bias"]}))
+        s = r["sp"]
+        _shape_named(s["y"], s["expected y"].shape, {"all-reduced under sequence_parallel instead of reduce-scattering "
+                                                     "along the sequence": (4, 2, 6)},
+                     f"tp=2, rank {rank}: RowParallelLinear's output with sequence_parallel")
+        require(close(s["y"], s["expected y"], f"tp=2, rank {rank}: RowParallelLinear's output with sequence_parallel"))
+
+
+@pytest.mark.exercise("tp.vocab_embedding")
+def test_quick_vocab_parallel_embedding_zeros_other_rows(quick):
+    res = quick_results(quick, "tp.vocab_embedding", known={
+        "index out of range": "looked up ids of other ranks' rows (shift by vocab_start_index and send the outside "
+                              "ids to a valid local row before F.embedding)"})
+    ranges = [(res[r]["start"], res[r]["end"]) for r in sorted(res)]
+    for rank, r in res.items():
+        ids, master = r["ids"], r["master"]
+        expected = F.embedding(ids, master)
+        inside = [((ids >= a) & (ids < b)).unsqueeze(-1) for a, b in ranges]
+        not_zeroed = sum(torch.where(m, expected, master[a]) for m, (a, _) in zip(inside, ranges))
+        mine = torch.where(inside[rank], expected, 0.0)
+        require(close(r["y"], expected, f"tp=2, rank {rank}: VocabParallelEmbedding's output for ids {ids.tolist()}",
+                      mistakes={"did not zero the rows of ids outside this rank's vocabulary range": not_zeroed,
+                                "forgot the all-reduce (each rank has only the rows it owns)": mine}))
+
+
+def _ce_variants(logits, target, t=2):
+    """What F.cross_entropy gives, and what the typical mistakes of the vocab-parallel forward give."""
+    n = logits.shape[-1] // t
+    shards = logits.split(n, -1)
+    z_y = logits.gather(-1, target.unsqueeze(-1)).squeeze(-1)
+    m = logits.max(-1).values
+    local_m = [s.max(-1).values for s in shards]
+    owner = target // n
+    m_owner = torch.stack(local_m).gather(0, owner.unsqueeze(0)).squeeze(0)
+    sum_local = sum((s - lm.unsqueeze(-1)).exp().sum(-1) for s, lm in zip(shards, local_m))
+    others = sum(torch.where(owner != r, shards[r][:, 0] - m, 0.0) for r in range(t))
+    return {"right": F.cross_entropy(logits, target, reduction="none"),
+            "local max": sum_local.log() - (z_y - m_owner),
+            "unmasked": torch.logsumexp(logits, -1) - z_y - others}
+
+
+@pytest.mark.exercise("tp.vocab_cross_entropy")
+def test_quick_vocab_parallel_cross_entropy_forward(quick):
+    res = quick_results(quick, "tp.vocab_cross_entropy")
+    for rank, r in res.items():
+        v = _ce_variants(r["logits"], r["target"])
+        require(close(r["plain"], v["right"], f"tp=2, rank {rank}: the per-token loss of logits [5, 8] split in 2",
+                      rtol=1e-4, atol=1e-5, mistakes={
+            "subtracted each rank's own max, not the max over the TP group (all-reduce MAX)": v["local max"],
+            "target logit not masked to 0 on the ranks that do not own the target (each rank added one)":
+                v["unmasked"]}))
+        if not torch.isfinite(r["large logits"]).all():
+            require(mistake("skipped the max subtraction: exp overflows for large logits",
+                            f"rank {rank}: the loss of logits + 1000 is {r['large logits'].tolist()}"))
+        require(close(r["large logits"], v["right"], f"tp=2, rank {rank}: the loss of logits + 1000 (the same loss)",
+                      rtol=1e-4, atol=1e-4))
+
+
+@pytest.mark.exercise("tp.vocab_cross_entropy_backward")
+def test_quick_vocab_parallel_cross_entropy_backward(quick):
+    res = quick_results(quick, "tp.vocab_cross_entropy_backward")
+    for rank, r in res.items():
+        logits, target, w = r["logits"], r["target"], r["weights"]
+        n = logits.shape[-1] // 2
+        onehot = F.one_hot(target, logits.shape[-1]).float()
+        full = (logits.softmax(-1) - onehot) * w.unsqueeze(-1)
+        mine = full[:, rank * n:(rank + 1) * n]
+        foreign = (target // n != rank).float()
+        at0 = torch.zeros_like(mine)
+        at0[:, 0] = foreign * w
+        unscaled = (logits.softmax(-1) - onehot)[:, rank * n:(rank + 1) * n]
+        require(close(r["grad"], mine, f"tp=2, rank {rank}: d(sum_i w_i loss_i)/d logits on this rank's vocab slice",
+                      mistakes={"one-hot not masked where the target lives on another rank (subtracted 1 at local "
+                                "index 0)": mine - at0,
+                                "forgot to multiply by grad_output": unscaled,
+                                "sign flipped: onehot - softmax instead of softmax - onehot": -mine}))
 
 
 # ------------------------------------------------------------------ multi-rank

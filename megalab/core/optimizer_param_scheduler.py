@@ -67,6 +67,13 @@ class OptimizerParamScheduler:
         step = self.num_steps
         # EXERCISE optimizer.get_lr: linear warmup, then the decay style's curve from max_lr to min_lr, then min_lr
         ### BEGIN SOLUTION
+        # HINT 1: The idea. Three phases: warmup (steps 0 .. lr_warmup_steps, a straight line from init_lr to max_lr),
+        #         decay (until lr_decay_steps, the style's curve from max_lr down to min_lr), then min_lr for good.
+        # HINT 2: The approach. Warmup: step / lr_warmup_steps of the way up. Decay: ratio = the fraction of the DECAY
+        #         steps done (counted from the end of warmup); coeff is 1 - ratio (linear) or (cos(pi ratio) + 1) / 2
+        #         (cosine); lr = min_lr + coeff * (max_lr - min_lr). See the class docstring for the other styles.
+        # HINT 3: A pitfall. Step 0 is the first warmup step (lr = init_lr, not one step up), and the curve ends at
+        #         min_lr, not at 0.
         if self.lr_warmup_steps > 0 and step <= self.lr_warmup_steps:
             return self.init_lr + (self.max_lr - self.init_lr) * step / self.lr_warmup_steps
         if self.lr_decay_style == "constant":

@@ -160,6 +160,12 @@ def document_causal_mask(cu_seqlens: torch.Tensor) -> torch.Tensor:
     total = int(cu_seqlens[-1])
     # EXERCISE packed_seq.document_causal_mask: document id of every token, then same-document AND causal
     ### BEGIN SOLUTION
+    # HINT 1: Token i may attend token j only if both belong to the same document AND j <= i: the
+    #         causal mask cut into blocks along the diagonal, one per document.
+    # HINT 2: Give every position its document index from cu_seqlens (torch.bucketize against the
+    #         ends cu_seqlens[1:], with right=True so a document's first token is not counted in the previous one),
+    #         compare the indices pairwise, and AND with a lower-triangular (tril) mask.
+    # HINT 3: The boundaries: check the first token of each document, and a document of one token.
     positions = torch.arange(total, device=cu_seqlens.device)
     doc = torch.bucketize(positions, cu_seqlens[1:], right=True)  # [T] document index
     same = doc[:, None] == doc[None, :]

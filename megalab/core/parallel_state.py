@@ -69,6 +69,12 @@ def generate_masked_orthogonal_rank_groups(world_size: int, parallel_size: list[
     """
     # EXERCISE parallel_state.get_ranks: one group per combination of unmasked coordinates
     ### BEGIN SOLUTION
+    # HINT 1: A global rank is a mixed-radix number whose digits are the rank's coordinates, the FIRST dimension
+    #         fastest. The ranks of one group agree on every unmasked coordinate and run over all masked ones.
+    # HINT 2: Take the strides of the full shape (_prefix_product) and split shape and strides into masked and
+    #         unmasked parts. For group g, _decompose g over the unmasked shape: these coordinates times their strides
+    #         give the group's first rank; member i adds _decompose(i) over the masked shape times the masked strides.
+    # HINT 3: The strides always come from the FULL shape, not from the masked or unmasked sizes alone.
     stride = _prefix_product(parallel_size)  # global_rank = sum(coordinate[i] * stride[i])
     masked_shape = [s for s, m in zip(parallel_size, mask) if m]
     masked_stride = [d for d, m in zip(stride, mask) if m]
@@ -229,6 +235,10 @@ def create_groups(all_ranks: list[list[int]], rank: int) -> tuple[dist.ProcessGr
     """
     # EXERCISE parallel_state.create_groups: call new_group for every group, keep the one holding this rank
     ### BEGIN SOLUTION
+    # HINT 1: dist.new_group is a collective over the default group: every process must call it for every group of
+    #         all_ranks, in the same order, even for the groups it is not a member of.
+    # HINT 2: Loop over all_ranks, create each group, and remember the (group, ranks) pair of the one that contains
+    #         `rank` (if none does, return None, None); don't stop the loop early.
     mine = (None, None)
     for ranks in all_ranks:
         group = dist.new_group(ranks)

@@ -44,6 +44,10 @@ def rank_chunks(cp_size: int, cp_rank: int, zigzag: bool = True) -> tuple[int, i
     """The two chunk ids (of 2 cp) rank cp_rank holds: (r, 2cp-1-r) zigzag, (2r, 2r+1) plain."""
     # EXERCISE cp.zigzag_split: the load-balanced pair of chunks, or the plain contiguous pair
     ### BEGIN SOLUTION
+    # HINT 1: With 2*cp chunks under a causal mask, early chunks are cheap and late chunks are expensive;
+    #         pairing a cheap chunk with an expensive one gives every rank the same work.
+    # HINT 2: Zigzag: rank r holds chunk r and its mirror image counted from the end, 2*cp - 1 - r.
+    #         Plain: two neighbouring chunks, 2r and 2r + 1.
     if zigzag:
         return cp_rank, 2 * cp_size - 1 - cp_rank
     return 2 * cp_rank, 2 * cp_rank + 1

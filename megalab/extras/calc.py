@@ -273,3 +273,15 @@ def model_flops(config, batch_size: int, seq_length: int, training: bool = True)
     attention = 4 * batch_size * seq_length**2 * np_ * hn * L
     forward = 2 * tokens * weights + attention
     return 3 * forward if training else forward
+
+
+def korthikanti_hardware_flops(batch_size: int, seq_length: int, num_layers: int, hidden_size: int,
+                               vocab_size: int) -> float:
+    """Hardware FLOPs of one iteration with selective recomputation, as Korthikanti et al. 2022 count
+    them for their HFU (Table 5): 72 B s l h^2 (1 + s/(3h) + V/(12 h l)).
+
+    The model FLOPs (Eq. 7) have s/(6h); the recomputed attention core adds as much again. (The paper
+    does not print this formula: its HFU/MFU ratios equal this one's for all four models to 0.1%.)
+    """
+    B, s, l, h, V = batch_size, seq_length, num_layers, hidden_size, vocab_size  # noqa: E741 (the paper's symbols)
+    return 72 * B * s * l * h**2 * (1 + s / (3 * h) + V / (12 * h * l))

@@ -125,6 +125,15 @@ def broadcast(tensor: torch.Tensor, src: int = 0, group: dist.ProcessGroup | Non
     _flat(tensor, "tensor")
     # EXERCISE comm.broadcast: binomial-tree broadcast from src with dist.send/dist.recv (group ranks)
     ### BEGIN SOLUTION
+    # HINT 1: Count positions from src (src is position 0, src+1 is position 1, ... modulo the group size).
+    #         After the round with step k, positions 0 .. 2k-1 hold the data: each holder at position p < k sends
+    #         to position p + k.
+    # HINT 2: Loop over step = 1, 2, 4, ... while step < world. In a round, a position below step sends with
+    #         dist.send (if its partner position exists), a position in [step, 2 step) receives with dist.recv from
+    #         position - step, the others sit the round out. Map positions back to group ranks with
+    #         (src + position) mod world, and pass group_dst / group_src and group=group.
+    # HINT 3: Every send needs exactly one matching recv in the same round: check that the position a receiver listens
+    #         to is the one that sends to it, and that no position both sends and receives in one round.
     me = (rank - src) % world  # position counted from src, which is 0
     step = 1
     while step < world:
@@ -154,6 +163,13 @@ def all_gather(
     own.copy_(input_tensor.reshape(-1))
     # EXERCISE comm.all_gather: ring all-gather into `output` with send_recv (n-1 steps, chunk (r-s) out, (r-s-1) in)
     ### BEGIN SOLUTION
+    # HINT 1: Around a ring, each rank passes on what it received in the step before: after n-1 steps every shard has
+    #         visited every rank. Your own shard is already in place in `output`.
+    # HINT 2: n-1 steps; in step s, one send_recv sends chunk (rank - s) mod n of `output` to rank + 1 and receives
+    #         chunk (rank - s - 1) mod n from rank - 1. `chunks[j]` is a slice: output[chunks[j]] is a view, so
+    #         receive straight into it.
+    # HINT 3: A received chunk must land in `output` itself: receiving into a copy (.clone(), torch.empty_like) and
+    #         dropping it leaves that chunk unfilled.
     next_rank, prev_rank = (rank + 1) % world, (rank - 1) % world
     for step in range(world - 1):
         outgoing = output[chunks[(rank - step) % world]]
@@ -180,6 +196,12 @@ def reduce_scatter(
     chunks, own = _chunks_and_own(partial, output_tensor, "output_tensor", rank, world)
     # EXERCISE comm.reduce_scatter: ring reduce-scatter of `partial` with send_recv (n-1 steps, chunk (r-s-1) out, add (r-s-2) in)
     ### BEGIN SOLUTION
+    # HINT 1: Partial sums travel around the ring: in each step a rank adds its own part to the chunk passing by, so
+    #         the chunk that reaches rank r in the last step carries every rank's part: it is chunk r, complete.
+    # HINT 2: n-1 steps of send_recv to rank + 1 / from rank - 1: in step s send your partial sum of chunk
+    #         (rank - s - 1) mod n and receive chunk (rank - s - 2) mod n into a separate buffer (as large as chunk 0;
+    #         use its first numel elements), then add it into that chunk of `partial`.
+    # HINT 3: Receiving directly into `partial` would overwrite your own part instead of adding to it.
     next_rank, prev_rank = (rank + 1) % world, (rank - 1) % world
     received = torch.empty_like(partial[: chunks[0].stop])  # chunk 0 is the largest
     for step in range(world - 1):
@@ -207,6 +229,12 @@ def ring_all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None = None
     chunks = _chunks(flat.numel(), world)
     # EXERCISE comm.ring_all_reduce: reduce-scatter then all-gather around the ring, in place, with send_recv
     ### BEGIN SOLUTION
+    # HINT 1: An all-reduce is a reduce-scatter followed by an all-gather: after n-1 steps rank r holds the full sum
+    #         of chunk r, and n-1 more steps carry the finished chunks around the ring.
+    # HINT 2: 2(n-1) steps of send_recv to rank + 1 / from rank - 1; in step s send chunk (rank - s - 1) mod n of
+    #         `flat` and receive chunk (rank - s - 2) mod n into a buffer. In the first n-1 steps add it into that
+    #         chunk; in the last n-1 steps copy it over that chunk.
+    # HINT 3: In the all-gather phase the incoming chunk is already the complete sum: adding it again counts it twice.
     next_rank, prev_rank = (rank + 1) % world, (rank - 1) % world
     received = torch.empty_like(flat[: chunks[0].stop])  # chunk 0 is the largest
     for step in range(2 * (world - 1)):
@@ -246,6 +274,11 @@ def all_reduce_time(n: int, nbytes: float, alpha: float, beta: float, algorithm:
         raise ValueError(f"need at least one rank, got n={n}")
     # EXERCISE comm.all_reduce_time: the alpha-beta time of naive, tree and ring all-reduce
     ### BEGIN SOLUTION
+    # HINT 1: In the alpha-beta model one message of m bytes costs alpha + m beta; an algorithm costs the sum, over
+    #         its sequential rounds, of one message each (the rounds' messages travel in parallel).
+    # HINT 2: naive: the root takes n-1 full messages in, then sends n-1 out. tree: ceil(log2 n) rounds down and as
+    #         many up, full messages. ring: 2(n-1) steps, each moving only nbytes / n. (math.ceil, math.log2)
+    # HINT 3: Every algorithm has two phases (reduce, then broadcast the result): don't forget the factor 2.
     if algorithm == "naive":
         return 2 * (n - 1) * (alpha + nbytes * beta)
     if algorithm == "tree":
@@ -271,6 +304,11 @@ def busbw(nbytes: float, seconds: float, n: int, collective: str = "all_reduce")
         raise ValueError(f"unknown collective {collective!r}: choose one of {BUSBW_COLLECTIVES}")
     # EXERCISE comm.busbw: algbw times nccl-tests' factor for the collective
     ### BEGIN SOLUTION
+    # HINT 1: busbw rescales algbw by the share of the buffer each rank must push through its own link: an
+    #         all-reduce moves every byte about twice, an all-gather or reduce-scatter once (less the share a rank
+    #         already holds), a broadcast or reduce exactly once.
+    # HINT 2: Look up the factor for `collective` (nccl-tests' doc/PERFORMANCE.md: all_reduce 2(n-1)/n, all_gather
+    #         and reduce_scatter (n-1)/n, broadcast and reduce 1) and multiply algbw(nbytes, seconds) by it.
     factor = {
         "all_reduce": 2 * (n - 1) / n,
         "all_gather": (n - 1) / n,
@@ -297,6 +335,12 @@ def fit_alpha_beta(
     t = torch.as_tensor(seconds, dtype=torch.float64)
     # EXERCISE comm.fit_alpha_beta: linear least squares in relative error (divide each row by its time)
     ### BEGIN SOLUTION
+    # HINT 1: The model is linear in the unknowns: seconds_i ~ latency_steps alpha + bytes_factor nbytes_i beta, one
+    #         equation per measurement; least squares picks the (alpha, beta) that fits them best.
+    # HINT 2: Build a [k, 2] design matrix with columns latency_steps and bytes_factor * nbytes, and divide each row
+    #         and its right-hand side by that measurement's time, so every equation measures a relative error (the
+    #         right-hand side becomes all ones); then torch.linalg.lstsq.
+    # HINT 3: lstsq wants a 2-D right-hand side [k, 1]; its .solution is [2, 1]: alpha first, then beta.
     design = torch.stack([torch.full_like(size, latency_steps), bytes_factor * size], dim=1) / t[:, None]
     solution = torch.linalg.lstsq(design, torch.ones_like(t)[:, None]).solution
     alpha, beta = solution.flatten().tolist()

@@ -22,6 +22,12 @@ def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
         raise ValueError(f"n_rep must be >= 1 (num_attention_heads // num_query_groups), got {n_rep}")
     # EXERCISE model.gqa_repeat: repeat each kv head n_rep times, adjacent (k0 k0 k1 k1, not k0 k1 k0 k1)
     ### BEGIN SOLUTION
+    # HINT 1: The idea. Query head j uses kv head j // n_rep, so the n_rep copies of each kv head sit next to each
+    #         other (k0 k0 k1 k1), and only the heads dim (dim 2) grows: [s, b, ng, hn] -> [s, b, ng * n_rep, hn].
+    # HINT 2: The approach. Add a new dim right after the heads dim, expand it to n_rep (a view, no copy), then
+    #         reshape the two into one heads dim. torch.repeat_interleave along dim 2 does the same with a copy.
+    # HINT 3: A pitfall. Tensor.repeat tiles the whole block of heads (k0 k1 k0 k1: query head j would get kv head
+    #         j % ng), and repeating along the last dim makes the heads longer instead of more numerous.
     s, b, ng, hn = x.shape
     return x[:, :, :, None, :].expand(s, b, ng, n_rep, hn).reshape(s, b, ng * n_rep, hn)
     ### END SOLUTION

@@ -43,6 +43,12 @@ def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_query_groups
     """HF q [np*hn, h], k/v [ng*hn, h] -> linear_qkv.weight [ng * (np/ng + 2) * hn, h], grouped per kv head."""
     # EXERCISE model.hf_qkv: regroup q, k, v rows as [group g: its np/ng query heads, its key, its value] for each g
     ### BEGIN SOLUTION
+    # HINT 1: The idea. Megatron's linear_qkv keeps each key/value group together: group g's np/ng query heads, then
+    #         key head g, then value head g. HF stores all the q rows, then all the k rows, then all the v rows.
+    # HINT 2: The approach. Give q, k and v a leading group dim (q: [ng, np/ng * hn, h], k and v: [ng, hn, h]; group
+    #         g's rows are contiguous in each), concatenate along dim 1 in the order q, k, v, flatten back to rows.
+    # HINT 3: A pitfall. Group g's query heads are the consecutive heads g * np/ng ... (g + 1) * np/ng - 1, not every
+    #         ng-th head; and the key comes before the value.
     ng, h = num_query_groups, q.shape[1]
     q, k, v = q.view(ng, -1, h), k.view(ng, -1, h), v.view(ng, -1, h)  # [ng, np/ng*hn, h], [ng, hn, h]
     return torch.cat([q, k, v], dim=1).reshape(-1, h)

@@ -109,6 +109,15 @@ def train_step(config: TransformerConfig, state: ps.ParallelState, batch_size: i
     ids, labels = (t.to(mdist.device()) for t in global_batch(config, batch_size))  # where build_model puts the model
     # EXERCISE hybrid.train_step: this rank's slice of the batch, micro-batches through the stages (pipelined if pp > 1), grads averaged over dp-cp, one optimizer step
     ### BEGIN SOLUTION
+    # HINT 1: Every parallelism only cuts the work: each rank takes its data-parallel slice of the batch and
+    #         its context-parallel share of the sequence, runs its micro-batches, and the gradients are then completed
+    #         (averaged over dp-cp) so that the step equals the single-process one.
+    # HINT 2: build_model; slice the batch by dp rank and get_batch_on_this_cp_rank; chunk it into
+    #         micro-batches; wrap the stages in DistributedDataParallel (no wrapper for MoE) and make the optimizer;
+    #         forward_backward_pipelining if pp > 1, else backward of loss / num_microbatches per micro-batch;
+    #         finalize_model_grads; optimizer step.
+    # HINT 3: Gradients must be means, not sums: over micro-batches (divide the loss) and over dp ranks
+    #         (DDP averages; a plain all_reduce sums).
     model, stages = build_model(config, state, seed)
     local = slice(dp_rank * batch_size // dp, (dp_rank + 1) * batch_size // dp)
     mine = get_batch_on_this_cp_rank({"ids": ids[local], "labels": labels[local]}, cp, cp_rank)  # zigzag chunks

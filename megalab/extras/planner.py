@@ -11,11 +11,14 @@ first pipeline stage, which holds the embedding and the most in-flight micro-bat
                                   layers of a stage, times the micro-batches in flight
     bubble                        (p - 1) / (v m)                      (pipeline_parallel)
     communication                 bytes each GPU sends per step, per kind of parallelism
+    step time                     step_time.step_time: GEMMs at a shape-dependent efficiency, attention,
+                                  memory-bound ops, recomputation, the bubble and each kind's exposed
+                                  communication on NVLink or the network (checked against published runs)
 
 and flags the layouts that do not fit. `plan(...)` returns them best first: fitting layouts, then
-the smallest pipeline bubble, then the least communication.
+the shortest estimated step.
 
-    model ─┐                      ┌─ Layout(tp, pp, cp, ep, dp, vpp, mbs) ── valid? ── memory, bubble, bytes
+    model ─┐                      ┌─ Layout(tp, pp, cp, ep, dp, vpp) ── valid? ── memory, bubble, bytes, time
     GPUs  ─┴─ enumerate_layouts ──┤─ ...
                                   └─ ...
 """
@@ -25,7 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from megalab.core.transformer.transformer_config import TransformerConfig
-from megalab.extras import calc
+from megalab.extras import calc, step_time
 from megalab.extras.pipeline_sim import bubble_fraction
 from megalab.extras.presets import llama_preset, mixtral_preset
 
@@ -161,13 +164,17 @@ class Training:
     optimizer_bytes: float = 12
     gpu_memory_gb: float = 80.0
     memory_headroom: float = 0.1  # kept free: allocator fragmentation, NCCL buffers, the CUDA context
-    gpus_per_node: int = 8
-    # for the step-time estimate (H100 SXM: 989 dense bf16 TFLOP/s, NVLink 450 GB/s a direction,
-    # one 400 Gb/s InfiniBand port = 50 GB/s per GPU); communication counted as not overlapped
-    peak_tflops: float = 989.0
-    mfu: float = 0.4
-    nvlink_gbps: float = 450.0
-    network_gbps: float = 50.0
+    # for the step time (step_time.py): the cluster, and what Megatron's flags let overlap
+    hardware: str | step_time.Hardware = "H100-SXM (DGX H100)"
+    flash_attention: bool = True  # FlashAttention / cuDNN fused attention (the 2021-22 papers: unfused)
+    overlap_grad_reduce: bool = True  # --overlap-grad-reduce
+    overlap_param_gather: bool = True  # --overlap-param-gather (with the distributed optimizer)
+    tp_comm_overlap: bool = False  # --tp-comm-overlap (Transformer Engine userbuffers)
+    zero_stage: int = 0  # 3: DeepSpeed ZeRO-3 / FSDP (params gathered per micro-batch): step time only, for comparison
+
+    @property
+    def gpus_per_node(self) -> int:
+        return step_time.hardware(self.hardware).gpus_per_node
 
 
 @dataclass(frozen=True)
@@ -198,17 +205,23 @@ class Plan:
     bubble: float  # (p - 1) / (v m)
     communication: dict[str, float] = field(default_factory=dict)  # bytes sent per GPU per step
     fits: bool = True
-    step_time: float = 0.0  # estimated seconds: compute (1 + bubble) + communication
+    time: step_time.StepTime | None = None  # the step's seconds by piece (step_time.step_time)
+
+    @property
+    def step_time(self) -> float:
+        return self.time.total if self.time is not None else 0.0
 
     def row(self) -> str:
         gb = {k: v / GB for k, v in self.memory.items()}
+        mfu = f"{self.time.mfu:>6.1%}" if self.time is not None else f"{'':>6}"
         return (f"{str(self.layout):<24} {self.num_microbatches:>4} {gb['params'] + gb['grads'] + gb['optimizer']:>8.1f} "
                 f"{gb['activations']:>8.1f} {gb['total']:>8.1f} {self.bubble:>7.1%} "
-                f"{sum(self.communication.values()) / GB:>8.1f} {self.step_time:>7.1f}  {'yes' if self.fits else 'NO'}")
+                f"{sum(self.communication.values()) / GB:>8.1f} {self.step_time:>7.2f} {mfu}  {'yes' if self.fits else 'NO'}")
 
 
-HEADER = f"{'layout':<24} {'m':>4} {'W+G+O':>8} {'act':>8} {'total':>8} {'bubble':>7} {'comm':>8} {'step':>7}  fits"
-UNITS = f"{'':<24} {'':>4} {'GB':>8} {'GB':>8} {'GB':>8} {'':>7} {'GB':>8} {'s':>7}"
+HEADER = (f"{'layout':<24} {'m':>4} {'W+G+O':>8} {'act':>8} {'total':>8} {'bubble':>7} {'comm':>8} {'step':>7} "
+          f"{'MFU':>6}  fits")
+UNITS = f"{'':<24} {'':>4} {'GB':>8} {'GB':>8} {'GB':>8} {'':>7} {'GB':>8} {'s':>7} {'':>6}"
 
 
 def check_layout(model: ModelSpec, layout: Layout, train: Training) -> int:
@@ -245,6 +258,14 @@ def weight_memory(model: ModelSpec, layout: Layout, train: Training) -> dict[str
     per_layer = model.layer_params()
     # EXERCISE planner.weight_memory: params held (dense / tp, experts / (ep·etp), embeddings / tp), then param, grad and optimizer bytes (optimizer sharded over its DP group with the distributed optimizer)
     ### BEGIN SOLUTION
+    # HINT 1: The idea. Megatron keeps param_bytes (bf16), grad_bytes (fp32 main grads) and optimizer_bytes (Adam's
+    #         fp32 copy, momentum, variance) for every parameter a GPU holds. The first stage holds its share of the
+    #         layers, cut by tensor parallelism (dense weights) or expert parallelism (experts), and the embedding.
+    # HINT 2: The approach. Count the parameters held: dense ÷ tp, experts ÷ (ep·etp), the embedding ÷ tp (and with a
+    #         single stage also the final norm and an untied output layer). Params and grads: count × bytes. With
+    #         the distributed optimizer, divide each kind's optimizer bytes by the group it is sharded over.
+    # HINT 3: A pitfall: dense parameters are sharded over dp·cp, but experts over the expert-data-parallel group,
+    #         tp·cp·dp / (ep·etp): the same GPUs, sliced differently.
     layers = model.num_layers / layout.pp
     dense = layers * per_layer["dense"] / layout.tp + model.embedding_params() / layout.tp
     if layout.pp == 1:  # the first stage is also the last: final norm (replicated) and an untied output layer
@@ -283,6 +304,13 @@ def activation_memory(model: ModelSpec, layout: Layout, train: Training, num_mic
         ffn = (model.moe_first_dense_layers * ffn + model.num_moe_layers * moe_ffn) / model.num_layers
     # EXERCISE planner.activation_memory: layer bytes (calc, s/cp tokens) x layers of a stage x micro-batches in flight, plus the embedding's 8sb + sbh per micro-batch in flight
     ### BEGIN SOLUTION
+    # HINT 1: The idea. The first stage keeps, for every micro-batch whose backward has not run yet, the activations
+    #         of each of its layers (Korthikanti's Table 2, for the s/cp tokens this rank sees) and of the embedding
+    #         (the int64 token ids and the dropout output).
+    # HINT 2: The approach. calc.activation_memory_per_layer gives one layer's bytes (pass the context-parallel
+    #         size); multiply by the stage's layers and by in_flight_microbatches; add 8 bytes + h elements per
+    #         token for the embedding, per micro-batch in flight, split by tp under sequence parallelism.
+    # HINT 3: A pitfall: 1F1B holds at most p micro-batches at once, not all m of the step.
     per_layer = calc.activation_memory_per_layer(s, b, h, model.num_attention_heads, t, sp, train.recompute,
                                                  ffn_hidden_size=ffn, context_parallel_size=layout.cp)
     in_flight = in_flight_microbatches(layout, num_microbatches)
@@ -329,24 +357,7 @@ def communication(model: ModelSpec, layout: Layout, train: Training, num_microba
 def crosses_nodes(layout: Layout, train: Training) -> dict[str, bool]:
     """Whether each kind's groups span nodes, with Megatron's order tp-cp-ep-dp-pp (tp fastest):
     a group of size n whose ranks are `stride` apart spans stride * n consecutive ranks."""
-    # "dp" is the dp-cp group the gradients are reduced over: cp and dp ranks together, tp apart
-    stride = {"tp": 1, "cp": layout.tp, "dp": layout.tp, "pp": layout.tp * layout.cp * layout.dp,
-              "ep": layout.etp}  # expert layers: etp-ep-edp-pp
-    size = {"tp": layout.tp, "cp": layout.cp, "dp": layout.dp * layout.cp, "pp": layout.pp, "ep": layout.ep}
-    return {k: stride[k] * size[k] > train.gpus_per_node for k in stride}
-
-
-def step_time(model: ModelSpec, layout: Layout, train: Training, bubble: float, comm: dict[str, float]) -> float:
-    """A rough step time: the model FLOPs at `mfu` of peak, stretched by the bubble, plus every byte
-    sent over NVLink or the network (no overlap assumed). Model FLOPs per token are PaLM's
-    6 N + 12 L s (heads x head_dim) (Chowdhery et al. 2022, Appendix B), N the active parameters."""
-    tokens = train.global_batch_size * train.seq_length
-    per_token = 6 * model.num_active_parameters() + 12 * model.num_layers * train.seq_length * (
-        model.num_attention_heads * model.head_dim)
-    compute = per_token * tokens / (layout.world_size * train.peak_tflops * 1e12 * train.mfu)
-    spans = crosses_nodes(layout, train)
-    link = lambda kind: (train.network_gbps if spans[kind] else train.nvlink_gbps) * GB
-    return compute * (1 + bubble) + sum(nbytes / link(kind) for kind, nbytes in comm.items())
+    return step_time.spans_nodes(layout, train.gpus_per_node)
 
 
 def evaluate(model: ModelSpec, layout: Layout, train: Training) -> Plan:
@@ -358,7 +369,7 @@ def evaluate(model: ModelSpec, layout: Layout, train: Training) -> Plan:
     comm = communication(model, layout, train, m)
     usable = train.gpu_memory_gb * GB * (1 - train.memory_headroom)
     return Plan(layout, m, memory, bubble, comm, fits=memory["total"] <= usable,
-                step_time=step_time(model, layout, train, bubble, comm))
+                time=step_time.step_time(model, layout, train))
 
 
 def _divisors(n: int) -> list[int]:
@@ -399,12 +410,22 @@ def table(plans: list[Plan], top: int = 10) -> str:
 def llama3_70b_on_64_gpus() -> tuple[Layout, Training]:
     """The course's exercise: a layout for LLaMA-3 70B on 64 GPUs of 80 GB (seq 8192, 512 sequences a step)."""
     train = Training(seq_length=8192, global_batch_size=512, micro_batch_size=1, gpu_memory_gb=80.0)
-    # EXERCISE planner.llama3_70b_layout: choose tp, pp, cp, dp (product 64) that fits in 80 GB with a small bubble; justify it in a comment
+    # EXERCISE planner.llama3_70b_layout: choose tp, pp, cp, dp (product 64) that fits in 80 GB with a small bubble and a short step; justify it in a comment
     ### BEGIN SOLUTION
-    # tp=8 keeps the four per-layer all-gathers/reduce-scatters on NVLink inside a node and cuts
-    # the 70B weights and the 8k-token activations 8 ways; pp=2 halves the weights again (~40 GB
-    # of weights, fp32 grads and sharded Adam state) and leaves ~20 GB of headroom; 8k tokens fit
-    # without CP; dp=4 leaves m = 512/4 = 128 micro-batches: the 1F1B bubble (p-1)/m is < 1%.
-    layout = Layout(tp=8, pp=2, cp=1, dp=4)
+    # HINT 1: The idea. 70B parameters at 18 bytes each (fewer with the distributed optimizer) and 8k-token
+    #         activations must be split until they fit in 80 GB, while the chattiest group, tensor parallel,
+    #         stays inside one 8-GPU node and the pipeline bubble stays small.
+    # HINT 2: The approach. Run planner.plan(LLAMA3_70B, 64, train) and read the step-time pieces of the best
+    #         rows (planner.table, Plan.time.parts()): how much each layout loses to exposed TP communication,
+    #         to the bubble, to data-parallel traffic. Check that tp·pp·cp·dp = 64.
+    # HINT 3: A pitfall: tensor parallelism of 8 fits best but exposes four collectives per layer; context
+    #         parallelism halves the activations with traffic that hides behind attention.
+    # Re-derived with the step-time model (H100 DGX, SP, selective recomputation, overlapped DP): tp=4 keeps the
+    # sequence-parallel all-gathers/reduce-scatters on NVLink and exposes half of tp=8's; cp=2 puts the pair of
+    # tp groups of one node on one sequence (ring traffic hidden behind attention) and halves the activations;
+    # pp=4 stages across nodes (only one activation per micro-batch crosses the network); dp=2 leaves m = 256
+    # micro-batches, a 1F1B bubble of (p-1)/m = 1.2%. ~62 GB per GPU; NeMo's LLaMA-3 70B recipe uses the same
+    # tp4·pp4·cp2 (with vpp 5).
+    layout = Layout(tp=4, pp=4, cp=2, dp=2)
     ### END SOLUTION
     return layout, train

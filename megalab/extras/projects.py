@@ -67,6 +67,12 @@ def curves_match(reference: list[tuple[int, float]], resumed: list[tuple[int, fl
         raise ValueError(f"rtol must be >= 0 (0: bit-exact), got {rtol}")
     # EXERCISE projects.curves_match: same iterations as reference's tail (none missing, none extra), losses within rtol
     ### BEGIN SOLUTION
+    # HINT 1: A resumed run continues the reference: its iterations must be exactly the LAST
+    #         len(resumed) iterations of the reference, in order, and each loss must match at that iteration.
+    # HINT 2: Turn the reference into a dict iteration -> loss; reject an empty curve or iterations
+    #         that differ from the sorted reference iterations' tail; then compare every loss with
+    #         |loss - ref| <= rtol * |ref|.
+    # HINT 3: The tolerance is relative (rtol times |ref|), and rtol=0 must accept identical losses (<=, not <).
     expected = dict(reference)
     iterations = [it for it, _ in resumed]
     if not resumed or iterations != sorted(expected)[-len(resumed):]:
@@ -124,6 +130,13 @@ def load_inference_model(load_dir: str | Path, iteration: int | None = None) -> 
     model = GPTModel(TransformerConfig(**read_common(path)["model_config"]))
     # EXERCISE projects.load_inference_model: read every model.<name> tensor (full shape) with read_state (DCP), copy it in
     ### BEGIN SOLUTION
+    # HINT 1: The checkpoint stores every tensor under its global name model.<parameter name> at full
+    #         shape, so an unsharded GPTModel can ask for exactly its own parameters by name.
+    # HINT 2: Build a dict model.<name> -> an empty tensor shaped like each parameter, fill it
+    #         with read_state in its single-process mode (no_dist: no process group), then copy each tensor into its
+    #         parameter under torch.no_grad().
+    # HINT 3: Every parameter (weights, biases, norms, embeddings) must be copied in; reading is not
+    #         loading.
     state = {f"model.{name}": torch.empty_like(p) for name, p in model.named_parameters()}  # full shapes
     with warnings.catch_warnings():  # DCP warns that it loads in a single process: that is the point here
         warnings.filterwarnings("ignore", "torch.distributed is disabled")

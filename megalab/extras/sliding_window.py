@@ -52,6 +52,11 @@ def sliding_window_mask(seq_length: int, window: int, device=None) -> torch.Tens
     _check_window(window)
     # EXERCISE sliding_window.mask: True where 0 <= i - j < window (causal, and at most window - 1 tokens back)
     ### BEGIN SOLUTION
+    # HINT 1: Query i sees key j when j is not in the future and at most window - 1 tokens back:
+    #         0 <= i - j < window (the window counts the query's own token).
+    # HINT 2: Broadcast a column of query positions [s, 1] against a row of key positions [1, s]
+    #         (torch.arange), take the distance i - j and combine the two comparisons with &.
+    # HINT 3: Off by one: window=1 must leave only the diagonal.
     i = torch.arange(seq_length, device=device)[:, None]
     j = torch.arange(seq_length, device=device)[None, :]
     distance = i - j
@@ -73,6 +78,12 @@ def blocked_sliding_window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.
     n = -(-s // window)  # blocks; the sequence is padded to n * W
     # EXERCISE sliding_window.blocked: blocks of W queries, keys/values of the previous + own block, one band mask, SDPA
     ### BEGIN SOLUTION
+    # HINT 1: Cut the (padded) sequence into n blocks of W queries; every key a query in block c may see
+    #         lies in block c-1 or block c, so each block attends to 2W candidate keys with one shared band mask.
+    # HINT 2: Pad to n * W and view as [b, h, n, W, d]; build keys/values of [previous block; own
+    #         block] -> [b, h, n, 2W, d] (block -1 = zeros); a [W, 2W] band (key offset t vs query offset r:
+    #         r < t <= r + W), masked off over block 0's fake previous block; one SDPA; reshape and cut the padding.
+    # HINT 3: Block 0's previous block is padding: leave it visible and the zero keys join the softmax.
     pad = n * window - s
     q, k, v = (F.pad(t, (0, 0, 0, pad)).view(b, h, n, window, d) for t in (q, k, v))  # [b, h, n, W, d]
 

@@ -11,8 +11,11 @@ pipeline timelines (chapter 03).
     zero_memory_bars(...)            bytes per rank for ZeRO stages 0-3 (params / grads / optimizer)
     zero_memory_explorer()           the same bars behind sliders: model size, dp size, bytes per value
     planner_bars(plans)              memory per GPU of planned layouts, stacked, against the GPU's memory
-    parallelism_planner()            model, GPUs, sequence, batch, SP/recompute/distributed optimizer ->
-                                     the best layouts (planner.plan) as a table and as bars
+    step_time_bars(plans)            why a layout wins: each plan's step as stacked seconds of compute,
+                                     recomputation, bubble, exposed communication per kind, optimizer
+    validation_plot(rows)            the step-time model's predictions against published runs
+    parallelism_planner()            model, GPUs, hardware, sequence, batch, SP/recompute/distributed
+                                     optimizer/TP overlap -> the best layouts as a table, memory and time bars
 """
 
 from __future__ import annotations
@@ -281,17 +284,67 @@ def planner_bars(plans, gpu_memory_gb: float, headroom: float = 0.1, ax=None):
     return ax
 
 
+STEP_COLOURS = {"compute": "tab:blue", "recompute": "tab:cyan", "bubble": "lightgrey", "tp comm": "tab:red",
+                "cp comm": "tab:orange", "ep comm": "tab:purple", "pp comm": "tab:brown", "dp comm": "tab:green",
+                "optimizer": "black"}
+
+
+def step_time_bars(plans, ax=None):
+    """Each plan's estimated step (step_time.StepTime.parts()), stacked: what the GPU spends on its own
+    work, on recomputation, idle in the bubble, waiting on each kind of communication, in the optimizer."""
+    if ax is None:
+        _, ax = plt.subplots(figsize=(max(6.0, 0.6 * len(plans) + 2), 3.8))
+    for i, plan in enumerate(plans):
+        bottom = 0.0
+        for part, seconds in plan.time.parts().items():
+            if seconds <= 0:
+                continue
+            ax.bar(i, seconds, 0.7, bottom=bottom, color=STEP_COLOURS[part], edgecolor="white",
+                   hatch="" if plan.fits else "//", label=part)
+            bottom += seconds
+    handles, labels = ax.get_legend_handles_labels()
+    unique = dict(zip(labels, handles))
+    ax.legend([unique[k] for k in STEP_COLOURS if k in unique], [k for k in STEP_COLOURS if k in unique],
+              fontsize=7, ncol=3)
+    ax.set_xticks(range(len(plans)), [str(p.layout) for p in plans], rotation=45, ha="right", fontsize=8)
+    ax.set_ylabel("seconds per step")
+    return ax
+
+
+def validation_plot(rows, ax=None):
+    """Predicted against published, one point per figure (published_runs.validation_rows), with the ±15% band."""
+    if ax is None:
+        _, ax = plt.subplots(figsize=(4.8, 4.2))
+    groups = {"Table 1": "tab:blue", "ZeRO-3": "tab:red", "PTD-P": "tab:green", "Korthikanti": "tab:purple"}
+    for key, colour in groups.items():
+        pts = [r for r in rows if key in r["source"]]
+        ratio = [(r["published"], r["predicted"]) for r in pts]
+        # MFU/HFU (%) and TFLOP/s share one axis as a fraction of the A100's peak
+        scale = [1 / 312 if r["metric"].startswith("TFLOP") else 1 / 100 for r in pts]
+        ax.scatter([p * k for (p, _), k in zip(ratio, scale)], [q * k for (_, q), k in zip(ratio, scale)],
+                   s=18, color=colour, label=key if key != "Table 1" else "Narayanan Table 1")
+    ax.plot([0, 0.7], [0, 0.7], color="black", linewidth=1)
+    ax.fill_between([0, 0.7], [0, 0.7 * 0.85], [0, 0.7 * 1.15], color="grey", alpha=0.2, label="±15%")
+    ax.set_xlim(0.1, 0.65), ax.set_ylim(0.1, 0.65)
+    ax.set_xlabel("published (fraction of the A100's 312 TFLOP/s)")
+    ax.set_ylabel("predicted")
+    ax.legend(fontsize=7)
+    return ax
+
+
 def parallelism_planner():
-    """Dropdowns and sliders -> planner.plan: the table of the best layouts and their memory bars."""
+    """Dropdowns and sliders -> planner.plan: the table of the best layouts, their memory and their step time."""
     import ipywidgets as widgets
 
-    from megalab.extras import planner
+    from megalab.extras import planner, step_time
 
     @_exercise_in_one_line
-    def show(model, gpus, seq_length, global_batch, gpu_memory, sequence_parallel, recompute, distributed_optimizer):
+    def show(model, gpus, hardware, seq_length, global_batch, gpu_memory, sequence_parallel, recompute,
+             distributed_optimizer, tp_comm_overlap):
         train = planner.Training(seq_length=seq_length, global_batch_size=global_batch, gpu_memory_gb=gpu_memory,
                                  sequence_parallel=sequence_parallel, recompute=recompute,
-                                 use_distributed_optimizer=distributed_optimizer)
+                                 use_distributed_optimizer=distributed_optimizer, hardware=hardware,
+                                 tp_comm_overlap=tp_comm_overlap)
         plans = planner.plan(planner.MODELS[model], gpus, train)
         if not plans:
             print(f"no valid layout of {gpus} GPUs for {model} with a global batch of {global_batch}")
@@ -300,17 +353,23 @@ def parallelism_planner():
         print(f"{model}: {len(plans)} valid layouts on {gpus} GPUs, {fitting} fit in {gpu_memory:g} GB "
               f"(keeping {train.memory_headroom:.0%} free)\n")
         print(planner.table(plans, 10))
-        planner_bars(plans[:12], gpu_memory, train.memory_headroom)
+        _, (left, right) = plt.subplots(1, 2, figsize=(13, 4))
+        planner_bars(plans[:12], gpu_memory, train.memory_headroom, ax=left)
+        step_time_bars(plans[:12], ax=right)
+        right.set_title("why a layout wins: the step, piece by piece", fontsize=9)
+        plt.tight_layout()
         plt.show()
 
     return widgets.interactive(
         show,
         model=widgets.Dropdown(options=list(planner.MODELS), value="LLaMA-3 70B", description="model"),
         gpus=widgets.Dropdown(options=[8, 16, 32, 64, 128, 256, 512, 1024, 2048], value=64, description="GPUs"),
+        hardware=widgets.Dropdown(options=list(step_time.HARDWARE), value="H100-SXM (DGX H100)", description="cluster"),
         seq_length=widgets.Dropdown(options=[2048, 4096, 8192, 16384, 32768, 131072], value=8192, description="seq"),
         global_batch=widgets.Dropdown(options=[64, 128, 256, 512, 1024, 2048], value=512, description="batch"),
         gpu_memory=widgets.Dropdown(options=[40.0, 80.0, 94.0, 141.0, 192.0], value=80.0, description="GPU GB"),
         sequence_parallel=widgets.Checkbox(value=True, description="sequence parallel"),
         recompute=widgets.Dropdown(options=["selective", "none", "full"], value="selective", description="recompute"),
         distributed_optimizer=widgets.Checkbox(value=True, description="distributed optimizer"),
+        tp_comm_overlap=widgets.Checkbox(value=False, description="TP comm overlap"),
     )

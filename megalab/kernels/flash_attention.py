@@ -299,6 +299,13 @@ def online_softmax_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     rows = torch.arange(s, device=q.device)[:, None]  # [s, 1] query positions
     # EXERCISE kernels.online_softmax: loop over key tiles keeping running max m, denominator l, output acc
     ### BEGIN SOLUTION
+    # HINT 1: Walk the keys tile by tile, keeping per query row the running max m, the running
+    #         denominator l = sum exp(score - m) and the unnormalised output acc; divide acc by l only at the end.
+    # HINT 2: Per tile: scores (scaled, causal-masked with -inf), m_new = max(m, tile max),
+    #         alpha = exp(m - m_new); rescale BOTH l and acc by alpha before adding this tile's exp(scores - m_new)
+    #         (summed for l, times the tile's values for acc).
+    # HINT 3: When the max grows, everything accumulated so far was exponentiated against the old max:
+    #         forgetting the alpha factor on l or on acc is the classic bug.
     m = torch.full(q.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)  # [b, h, s]
     l = torch.zeros_like(m)  # noqa: E741
     acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)  # [b, h, s, d]

@@ -125,7 +125,6 @@ def _mismatch(a, e, rtol: float, atol: float) -> str | None:
 
 def _pattern(a, e, rtol: float, atol: float) -> str | None:
     """What a wrong `a` looks like next to `e`, in words (None when no simple pattern fits)."""
-    import torch
 
     if a.shape != e.shape:
         n, m = a.numel(), e.numel()

@@ -190,6 +190,11 @@ def shard_bounds(length: int, world_size: int, rank: int) -> tuple[int, int]:
         raise ValueError(f"rank {rank} is not in a world of size {world_size}")
     # EXERCISE dist.shard_bounds: balanced contiguous split (first length % world_size ranks get one more)
     ### BEGIN SOLUTION
+    # HINT 1: The shards tile [0, length) without gaps: rank r's shard starts where rank r-1's stops. Every rank
+    #         gets length // world_size items, and the FIRST length % world_size ranks get one item more.
+    # HINT 2: divmod gives the base size and the remainder. Rank r starts after r base-sized shards plus one extra
+    #         item for each earlier rank that got one (how many of ranks 0..r-1 are below the remainder?); its stop
+    #         adds its own size (base, plus one if r itself is below the remainder).
     base, extra = divmod(length, world_size)
     start = rank * base + min(rank, extra)
     stop = start + base + (1 if rank < extra else 0)

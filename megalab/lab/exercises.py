@@ -56,6 +56,7 @@ _END = re.compile(r"^[ \t]*### END SOLUTION\s*$")
 _BUGGY = re.compile(r"^[ \t]*### BUGGY\s*$")
 _HINT = re.compile(r"^[ \t]*# HINT (?P<level>\d+): ?(?P<text>.*)$")
 _HINT_MORE = re.compile(r"^[ \t]*#   +(?P<text>\S.*)$")  # a hint's next line: indented under its text
+NOT_FOR_STUDENTS = ("tests/mistakes/",)  # typical wrong answers, each one edit from the solution: the grader's only
 _SKIP_DIRS = {".git", ".venv", "venv", "__pycache__", ".pytest_cache", ".ruff_cache", ".ipynb_checkpoints", ".megalab",
               "node_modules", "build", "dist"}
 
@@ -419,7 +420,7 @@ def write_student(root: str | Path, dest: str | Path, force: bool = False) -> St
     for ex in registry.exercises.values():
         by_path.setdefault(ex.path, []).append(ex)
 
-    files = repository_files(root, exclude=dest)
+    files = [rel for rel in repository_files(root, exclude=dest) if not rel.startswith(NOT_FOR_STUDENTS)]
     for rel in files:
         src, out = root / rel, dest / rel
         out.parent.mkdir(parents=True, exist_ok=True)

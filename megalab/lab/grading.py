@@ -83,8 +83,14 @@ def _n(count: int, noun: str) -> str:
     return f"{count} {noun}{'s' * (count != 1)}"
 
 
+_CHAINED = re.compile(r"^(During handling of the above exception, another exception occurred:|"
+                      r"The above exception was the direct cause of the following exception:)\s*$", re.MULTILINE)
+
+
 def failure_line(text: str) -> str:
-    """The line of a failure report worth showing in the table."""
+    """The line of a failure report worth showing in the table (of a chain of exceptions, the last one's:
+    a check that names the mistake while handling a launch's error is what the learner must read)."""
+    text = _CHAINED.split(text)[-1]
     lines = [line.strip() for line in text.splitlines() if line.strip()]
     raised = [line[1:].strip() for line in lines if line.startswith("E ")]  # pytest's report: "E   Error: ..."
     for candidates in (raised, lines):
@@ -121,11 +127,13 @@ def unimplemented(text: str) -> str | None:
 
 
 def run_checks(root: Path, exercises: list[Exercise], notebooks: list[str] = (),
-               timeout: float = DEFAULT_TIMEOUT) -> dict[str, Outcome]:
+               timeout: float = DEFAULT_TIMEOUT, first_failure: bool = False) -> dict[str, Outcome]:
     """ONE pytest run in `root`: the tests marked with `exercises`, then `notebooks` under strict nbval.
 
     Returns {nodeid: Outcome}; notebook cells have node ids "<notebook>::Cell N". Outcomes are
     written as they come, so a crash of pytest itself leaves the rest "not run" (a failure).
+    first_failure: stop at the first failing test (one exercise: its first, focused test names the
+    likely mistake in seconds; the heavy tests after it only run when it passes).
     """
     files = sorted({node.split("::")[0] for ex in exercises for node in ex.tests})
     if not files and not notebooks:
@@ -134,7 +142,7 @@ def run_checks(root: Path, exercises: list[Exercise], notebooks: list[str] = (),
         raise RuntimeError("grading needs pytest-timeout (a hanging test must fail, not hang): pip install -e '.[dev]'")
     # the last resort against a hang outside any launch; a launch itself stops at its own (hard) timeout
     backstop = timeout * (HARD_TIMEOUT_FACTOR + 1)
-    args = [f"--timeout={backstop:g}", *files, *notebooks]
+    args = [f"--timeout={backstop:g}", *files, *notebooks] + (["-x"] if first_failure else [])
     if notebooks:
         args += ["--nbval", "--nbval-current-env", f"--nbval-cell-timeout={backstop:g}"]
     else:  # no notebooks: skip loading nbval (and the addopts that configure it); saves seconds
@@ -213,7 +221,7 @@ def _run_in_overlay(root: Path, ws, yours: list[Exercise], reference: dict[str, 
     except ExerciseError as exc:  # a syntax error in your module, or a function of an exercise is gone
         return Row(yours[0].id, "failed", exc.problems[0])
     try:
-        return run_checks(tree, yours, timeout=timeout)
+        return run_checks(tree, yours, timeout=timeout, first_failure=len(yours) == 1)
     finally:
         shutil.rmtree(tree, ignore_errors=True)
 

@@ -7,13 +7,14 @@
 A mistake (tests/mistakes/__init__.py) is a typical wrong body for one exercise region. For each one the
 runner puts that body in the region, runs the exercise's tests the way `megalab grade` does (those marked
 `@pytest.mark.exercise(ID)`, in file order, stopping at the first failure) and reads the grader's one-line
-verdict (grading.failure_line). The verdict must fail and contain the mistake's `says`:
+verdict (grading.failure_line). All of them run in ONE pytest session (collected once; every fixture torn
+down between two mistakes), so a mistake costs what its failing test costs. The verdict must fail and contain the mistake's `says`:
 
     caught + named       failed, and the verdict names the mistake
     caught, not named    failed, but the verdict only says "wrong" (the test needs a diagnosis)
     NOT CAUGHT           every test passed (or was skipped): the check cannot tell this mistake from a solution
 
-How the body gets in, fast: the function that holds the region is compiled again with the mutated region
+How the body gets in, fast (megalab/lab/mutate.py): the function that holds the region is compiled again with the mutated region
 and its `__code__` swapped in the live process (every reference to it sees the mutant), and in every rank
 that megalab.lab.launch starts (the env var MEGALAB_MUTANT, read by megalab.lab.worker). A mistake marked
 `fresh` (a Triton kernel, code a separate process runs) instead runs in a fresh process on a copy of the
@@ -25,26 +26,20 @@ from __future__ import annotations
 import argparse
 import importlib
 import importlib.util
-import inspect
 import json
-import linecache
 import os
 import shutil
 import subprocess
 import sys
 import tempfile
-import textwrap
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-ENV = "MEGALAB_MUTANT"
+from megalab.lab.mutate import ENV, CannotSwap, mutated_source, swap
+
 MISTAKES_DIR = "tests/mistakes"
 TEST_TIMEOUT = 120  # seconds per test: a hanging mutant fails (the tests' own launches time out sooner)
-
-
-class CannotSwap(RuntimeError):
-    """The function around a region cannot be swapped in a live process (run the mistake `fresh`)."""
 
 
 @dataclass
@@ -78,142 +73,79 @@ def load_mistakes(root: Path, files: list[str] | None = None) -> list:
     return found
 
 
-def mutated_source(text: str, ex, code: str) -> str:
-    """`text` (the module holding `ex`) with the region's body replaced by `code`, at the region's indent."""
-    begin, end = ex.solution
-    lines = text.splitlines(keepends=True)
-    body = [ex.indent + line if line.strip() else "\n" for line in textwrap.dedent(code).strip("\n").splitlines(True)]
-    body = [line if line.endswith("\n") else line + "\n" for line in body]
-    return "".join(lines[:begin] + body + lines[end + 1 :])
-
-
-# --------------------------------------------------------------------------- swapping a function's code
-
-
-def _module_name(rel: str) -> str:
-    return rel.removesuffix(".py").removesuffix("/__init__").replace("/", ".")
-
-
-def _holder(module, qualname: str):
-    """(function object, its qualname) of the outermost function on the path `qualname` inside `module`."""
-    obj, parts = module, qualname.split(".")
-    for i, part in enumerate(parts):
-        owner = obj
-        obj = inspect.getattr_static(owner, part, None)
-        if obj is None:
-            raise CannotSwap(f"{module.__name__}.{'.'.join(parts[: i + 1])} is not reachable")
-        if isinstance(obj, (staticmethod, classmethod)):
-            obj = obj.__func__
-        while hasattr(obj, "__wrapped__") and not hasattr(obj, "__code__"):  # functools.lru_cache, wraps
-            obj = obj.__wrapped__
-        if inspect.isfunction(obj):
-            while hasattr(obj, "__wrapped__") and inspect.isfunction(obj.__wrapped__):
-                obj = obj.__wrapped__
-            return obj, ".".join(parts[: i + 1])
-        if not inspect.isclass(obj):
-            raise CannotSwap(f"{module.__name__}.{'.'.join(parts[: i + 1])} is a {type(obj).__name__}, "
-                             "not a plain function (mark the mistake fresh=True)")
-    raise CannotSwap(f"no function at {qualname}")
-
-
-def _find_code(code, qualname: str):
-    if getattr(code, "co_qualname", None) == qualname:
-        return code
-    for const in code.co_consts:
-        if inspect.iscode(const):
-            found = _find_code(const, qualname)
-            if found is not None:
-                return found
-    return None
-
-
-def swap(root: Path, rel: str, line: int, source: str):
-    """Swap the code of the function around 1-based `line` of module `rel` for its code in `source`;
-    returns a callable that undoes it."""
-    from megalab.lab.workspace import enclosing_function, parse_module
-
-    qualname = enclosing_function(parse_module(source, rel), line)
-    if qualname is None:
-        raise CannotSwap(f"{rel}:{line} is not inside a function")
-    module = importlib.import_module(_module_name(rel))
-    func, outer = _holder(module, qualname)
-    filename = func.__code__.co_filename
-    new = _find_code(compile(source, filename, "exec"), func.__code__.co_qualname)
-    if new is None or len(new.co_freevars) != len(func.__code__.co_freevars):
-        raise CannotSwap(f"cannot rebuild {outer} of {rel} from the mutated source")
-    old, old_lines = func.__code__, linecache.cache.get(filename)
-    func.__code__ = new
-    linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)  # tracebacks show the mutant
-    clear = [getattr(o, "cache_clear") for o in vars(module).values() if callable(getattr(o, "cache_clear", None))]
-    for c in clear:
-        c()
-
-    def undo():
-        func.__code__ = old
-        if old_lines is None:
-            linecache.cache.pop(filename, None)
-        else:
-            linecache.cache[filename] = old_lines
-        for c in clear:
-            c()
-
-    return undo
-
-
-def apply_from_env() -> None:
-    """In a rank: swap in the mutant that MEGALAB_MUTANT names (a JSON file), if any."""
-    path = os.environ.get(ENV)
-    if path:
-        spec = json.loads(Path(path).read_text())
-        swap(Path(spec["root"]), spec["path"], spec["line"], spec["source"])
-
-
 # --------------------------------------------------------------------------- running an exercise's tests
 
 
-class _FirstFailure:
-    """A pytest plugin: the grader's verdict line of the first failure, and whether anything ran."""
+def _pytest_args(root: Path, nodes: list[str]) -> list[str]:
+    return [*dict.fromkeys(nodes), "-p", "no:terminal", "-p", "no:cacheprovider", "-p", "no:nbval", "-o", "addopts=",
+            "-p", "no:xdist", f"--timeout={TEST_TIMEOUT}", "--rootdir", str(root), "-W", "ignore"]
 
-    def __init__(self):
-        self.verdict: str | None = None
-        self.passed = 0
+
+class _Sweep:
+    """A pytest plugin that, in ONE session (collected once), runs each job's tests in file order and stops
+    at its first failure, like `megalab grade` does. A job is (exercise, setup) where setup() swaps a mistake
+    in and returns its undo; each job ends with every fixture torn down, so no value outlives its mutant."""
+
+    def __init__(self, jobs: list, on_result=None):
+        self.jobs, self.outcomes, self.on_result = jobs, [], on_result
+        self._verdict, self._passed = None, 0
 
     def pytest_runtest_logreport(self, report):
         from megalab.lab.grading import failure_line
 
-        if report.failed and self.verdict is None:
-            self.verdict = failure_line(report.longreprtext) or f"{report.nodeid} failed"
+        if report.failed and self._verdict is None:
+            self._verdict = failure_line(report.longreprtext) or f"{report.nodeid} failed"
         elif report.passed and report.when == "call":
-            self.passed += 1
+            self._passed += 1
 
-    def pytest_collectreport(self, report):
-        from megalab.lab.grading import failure_line
+    def pytest_runtestloop(self, session):
+        if session.testsfailed and not session.config.option.continue_on_collection_errors:
+            return None  # a collection error: pytest reports it
+        by_node: dict[str, list] = {}
+        for item in session.items:
+            by_node.setdefault(item.nodeid.split("[")[0], []).append(item)
+        for ex, setup in self.jobs:
+            items = [item for node in ex.tests for item in by_node.get(node, [])]
+            self._verdict, self._passed = None, 0
+            undo = setup()
+            try:
+                for i, item in enumerate(items):
+                    nxt = items[i + 1] if i + 1 < len(items) else None
+                    item.ihook.pytest_runtest_protocol(item=item, nextitem=nxt)
+                    if self._verdict is not None:
+                        session._setupstate.teardown_exact(None)
+                        break
+            finally:
+                undo()
+            self.outcomes.append((self._verdict, self._passed, len(items)))
+            if self.on_result:
+                self.on_result(len(self.outcomes) - 1, *self.outcomes[-1])
+        return True
 
-        if report.failed and self.verdict is None:
-            self.verdict = failure_line(report.longreprtext) or "collection failed"
 
-
-def run_tests(root: Path, ex) -> tuple[str | None, int]:
-    """(the first failure's verdict or None, tests passed) for `ex`'s tests, stopping at the first failure."""
+def run_tests(root: Path, jobs: list, on_result=None) -> list[tuple[str | None, int, int]]:
+    """[(the first failure's verdict or None, tests passed, tests selected)] for each (exercise, setup) job;
+    on_result(index, verdict, passed, selected) is called as each one ends."""
     import pytest
 
-    plugin = _FirstFailure()
-    args = [*ex.tests, "-x", "-p", "no:terminal", "-p", "no:cacheprovider", "-p", "no:nbval", "-o", "addopts=", "-p", "no:xdist",
-            f"--timeout={TEST_TIMEOUT}", "--rootdir", str(root), "-W", "ignore"]
+    plugin = _Sweep(jobs, on_result)
     cwd = os.getcwd()
     os.chdir(root)
     try:
-        code = pytest.main(args, plugins=[plugin])
+        code = pytest.main(_pytest_args(root, [node for ex, _ in jobs for node in ex.tests]), plugins=[plugin])
     finally:
         os.chdir(cwd)
-    if code in (pytest.ExitCode.INTERNAL_ERROR, pytest.ExitCode.USAGE_ERROR, pytest.ExitCode.NO_TESTS_COLLECTED):
-        raise CannotSwap(f"pytest could not run the tests of {ex.id} ({code.name}): {' '.join(ex.tests)}")
-    return plugin.verdict, plugin.passed
+    if len(plugin.outcomes) != len(jobs):
+        raise CannotSwap(f"pytest could not run the tests ({code!r}): "
+                         f"{' '.join(dict.fromkeys(n for ex, _ in jobs for n in ex.tests))}")
+    return plugin.outcomes
 
 
-def _verdict(m, verdict: str | None, passed: int, seconds: float) -> Result:
+def _verdict(m, verdict: str | None, passed: int, selected: int, seconds: float) -> Result:
     if verdict is None:
-        status, verdict = "NOT CAUGHT", f"{passed} test(s) passed" if passed else "every test was skipped"
+        status = "NOT CAUGHT"
+        verdict = (f"{passed} test(s) passed" if passed else
+                   "every test was skipped" if selected else "no test of this exercise was collected")
     elif m.says.lower() in verdict.lower():
         status = "caught + named"
     else:
@@ -221,23 +153,45 @@ def _verdict(m, verdict: str | None, passed: int, seconds: float) -> Result:
     return Result(m.exercise, m.name, m.says, status, round(seconds, 2), verdict)
 
 
-def run_live(root: Path, registry, m) -> Result:
-    """One mistake in this process: swap it in, run the tests, swap it out."""
-    ex = registry.exercises[m.exercise]
-    source = mutated_source((root / ex.path).read_text(encoding="utf-8"), ex, m.code)
-    start = time.perf_counter()
-    undo = swap(root, ex.path, ex.line, source)
-    fd, spec = tempfile.mkstemp(prefix="megalab-mutant-", suffix=".json")
-    with os.fdopen(fd, "w") as f:
-        json.dump({"root": str(root), "path": ex.path, "line": ex.line, "source": source}, f)
-    os.environ[ENV] = spec
-    try:
-        verdict, passed = run_tests(root, ex)
-    finally:
-        os.environ.pop(ENV, None)
-        os.unlink(spec)
-        undo()
-    return _verdict(m, verdict, passed, time.perf_counter() - start)
+def _live_setup(root: Path, ex, source: str, clock: list):
+    """Swap the mutant in here and in every rank launched from here; returns its undo."""
+
+    def setup():
+        clock.append(time.perf_counter())
+        undo = swap(root, ex.path, ex.line, source)
+        fd, spec = tempfile.mkstemp(prefix="megalab-mutant-", suffix=".json")
+        with os.fdopen(fd, "w") as f:
+            json.dump({"root": str(root), "path": ex.path, "line": ex.line, "source": source}, f)
+        os.environ[ENV] = spec
+
+        def done():
+            os.environ.pop(ENV, None)
+            os.unlink(spec)
+            undo()
+            clock.append(time.perf_counter())
+
+        return done
+
+    return setup
+
+
+def run_live(root: Path, registry, mistakes: list) -> list[Result]:
+    """Mistakes in this process, one pytest session for all: each swapped in, its tests run, swapped out."""
+    jobs, clocks = [], []
+    for m in mistakes:
+        ex = registry.exercises[m.exercise]
+        source = mutated_source((root / ex.path).read_text(encoding="utf-8"), ex, m.code)
+        clocks.append([])
+        jobs.append((ex, _live_setup(root, ex, source, clocks[-1])))
+    results = []
+
+    def said(i, verdict, passed, selected):
+        c = clocks[i]
+        results.append(_verdict(mistakes[i], verdict, passed, selected, (c[1] - c[0]) if len(c) == 2 else 0.0))
+        print(_row(results[-1]), flush=True)
+
+    run_tests(root, jobs, said)
+    return results
 
 
 def run_fresh(root: Path, registry, m) -> Result:
@@ -254,40 +208,59 @@ def run_fresh(root: Path, registry, m) -> Result:
         (tmp / ex.path).write_text(mutated_source((root / ex.path).read_text(encoding="utf-8"), ex, m.code))
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(tmp), os.environ.get("PYTHONPATH")]))}
         env.pop(ENV, None)
-        code = ("import json, sys; from pathlib import Path; from megalab.lab.exercises import load; "
+        code = ("import json; from pathlib import Path; from megalab.lab.exercises import load; "
                 "from megalab.lab.mutants import run_tests; root = Path.cwd(); "
-                f"print('\\n' + json.dumps(run_tests(root, load(root).exercises[{m.exercise!r}])))")
+                f"ex = load(root).exercises[{m.exercise!r}]; "
+                "print('\\n' + json.dumps(run_tests(root, [(ex, lambda: (lambda: None))])[0]))")
         proc = subprocess.run([sys.executable, "-c", code], cwd=tmp, env=env, capture_output=True, text=True,
                               timeout=TEST_TIMEOUT * (len(ex.tests) + 1))
         last = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else ""
         try:
-            verdict, passed = json.loads(last)
+            verdict, passed, selected = json.loads(last)
         except ValueError:
+            said = (proc.stderr or proc.stdout).strip().splitlines()
             return Result(m.exercise, m.name, m.says, "error", round(time.perf_counter() - start, 2),
-                          (proc.stderr or proc.stdout).strip().splitlines()[-1:][0] if (proc.stderr or proc.stdout)
-                          else "the fresh run printed nothing")
+                          said[-1] if said else "the fresh run printed nothing")
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    return _verdict(m, verdict, passed, time.perf_counter() - start)
+    return _verdict(m, verdict, passed, selected, time.perf_counter() - start)
 
 
 def run(root: Path, mistakes: list) -> list[Result]:
+    """Every mistake's result, in the order given (the live ones share one pytest session)."""
     from megalab.lab.exercises import load
 
     registry = load(root)
-    results = []
-    for m in mistakes:
+    results: dict[int, Result] = {}
+    live = []
+    for i, m in enumerate(mistakes):
         if m.exercise not in registry.exercises or registry.exercises[m.exercise].solution is None:
-            results.append(Result(m.exercise, m.name, m.says, "error", 0.0,
-                                  f"no exercise {m.exercise} with a solution region in {root}"))
-            continue
+            results[i] = Result(m.exercise, m.name, m.says, "error", 0.0,
+                                f"no exercise {m.exercise} with a solution region in {root}")
+        elif m.fresh:
+            results[i] = run_fresh(root, registry, m)
+            print(_row(results[i]), flush=True)
+        else:
+            live.append(i)
+    swappable = []
+    for i in live:  # a function that cannot be swapped is said now, not after the whole session
+        ex = registry.exercises[mistakes[i].exercise]
         try:
-            result = run_fresh(root, registry, m) if m.fresh else run_live(root, registry, m)
+            undo = swap(root, ex.path, ex.line, mutated_source((root / ex.path).read_text(encoding="utf-8"), ex,
+                                                               mistakes[i].code))
+            undo()
+            swappable.append(i)
+        except (CannotSwap, SyntaxError) as exc:
+            results[i] = Result(mistakes[i].exercise, mistakes[i].name, mistakes[i].says, "error", 0.0, str(exc))
+            print(_row(results[i]), flush=True)
+    if swappable:
+        try:
+            for i, r in zip(swappable, run_live(root, registry, [mistakes[i] for i in swappable])):
+                results[i] = r
         except CannotSwap as exc:
-            result = Result(m.exercise, m.name, m.says, "error", 0.0, f"{exc}")
-        results.append(result)
-        print(_row(result), flush=True)
-    return results
+            for i in swappable:
+                results[i] = Result(mistakes[i].exercise, mistakes[i].name, mistakes[i].says, "error", 0.0, str(exc))
+    return [results[i] for i in range(len(mistakes))]
 
 
 def _row(r: Result) -> str:

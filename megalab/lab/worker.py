@@ -8,7 +8,7 @@ torchrun starts `python -m megalab.lab.worker CELL.py` once per rank. The worker
     3. arms faulthandler: SIGUSR1 dumps every thread's Python stack to rank{k}.stack (how a
        timed-out, deadlocked cell shows where each rank was stuck), and so do fatal signals;
     4. runs the cell (with a named mistake swapped in first when MEGALAB_MUTANT says so: the course's
-       own mutation tests, megalab/lab/mutants.py); an exception is written to rank{k}.error.json for the launcher to raise;
+       own mutation tests, megalab/lab/mutate.py); an exception is written to rank{k}.error.json for the launcher to raise;
     5. marks rank{k}.done (listing the values it published, so a launcher on another node knows which
        files to wait for on a shared filesystem), then tears down in order (barrier,
        destroy_process_group) and leaves with os._exit, skipping the C++ destructors that sometimes
@@ -120,8 +120,8 @@ def main(cell_path: str) -> None:
     source = Path(cell_path).read_text()
     linecache.cache[CELL_FILENAME] = (len(source), None, source.splitlines(True), CELL_FILENAME)
     sys.path.insert(0, os.environ.get("MEGALAB_CWD", os.getcwd()))
-    if os.environ.get("MEGALAB_MUTANT"):  # the course's own mutation tests (megalab/lab/mutants.py)
-        from megalab.lab.mutants import apply_from_env
+    if os.environ.get("MEGALAB_MUTANT"):  # the course's own mutation tests (megalab/lab/mutate.py)
+        from megalab.lab.mutate import apply_from_env
 
         apply_from_env()
     namespace = {"__name__": "__main__", "__file__": cell_path, "__builtins__": __builtins__}

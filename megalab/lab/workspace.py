@@ -91,17 +91,34 @@ def open_workspace(root: str | Path) -> Workspace | None:
 
 
 def progress(root: Path) -> tuple[int, int]:
-    """(exercises implemented, exercises) in the tree at root; a blank region is its `raise` line.
-    Reads megalab/ only (fast enough for `%load_ext megalab`)."""
+    """(exercises implemented, exercises) in the tree at root; a blank region is its `raise` line, a bug hunt
+    not yet touched still holds the shipped bug. Reads megalab/ only (fast enough for `%load_ext megalab`)."""
     from megalab.lab.exercises import _files, parse_regions
 
+    bugs = _shipped_bugs(root)
     done = total = 0
     for path in _files(root, SOURCE_DIR, ".py"):
         rel = path.relative_to(root).as_posix()
-        for ex in parse_regions(path.read_text(encoding="utf-8"), rel)[0]:
+        lines = path.read_text(encoding="utf-8").splitlines()
+        for ex in parse_regions("\n".join(lines), rel)[0]:
             total += 1
-            done += ex.solution is not None or blank_message(root, ex) is None
+            bug = bugs.get(ex.id)
+            untouched = bug is not None and lines[ex.line : ex.line + len(bug)] == bug
+            done += ex.solution is not None or (blank_message(root, ex) is None and not untouched)
     return done, total
+
+
+def _shipped_bugs(root: Path) -> dict[str, list[str]]:
+    """{id: the bug's lines} of the bug-hunt regions of the reference a workspace keeps (none elsewhere)."""
+    from megalab.lab.exercises import _files, parse_regions
+
+    reference = root / REFERENCE
+    bugs = {}
+    for path in _files(reference, SOURCE_DIR, ".py") if reference.is_dir() else []:
+        text = path.read_text(encoding="utf-8")
+        if "### BUGGY" in text:
+            bugs.update({ex.id: ex.buggy for ex in parse_regions(text, path.name)[0] if ex.buggy is not None})
+    return bugs
 
 
 def blank_message(root: Path, ex: Exercise) -> str | None:

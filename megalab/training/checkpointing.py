@@ -169,6 +169,13 @@ def commit_checkpoint(tmp: Path, save_dir: str | Path, iteration: int) -> Path:
     final, tracker = checkpoint_dir(save_dir, iteration), Path(save_dir) / TRACKER
     # EXERCISE checkpoint.commit: rename tmp to final (replacing an old one), then replace the tracker atomically
     ### BEGIN SOLUTION
+    # HINT 1: The idea. A resumed run trusts the tracker: it may only ever name a checkpoint that is complete on
+    #         disk, and it must never be read half-written, whenever the process dies.
+    # HINT 2: The approach. Publish the data first: remove an older `final` of the same iteration, then os.rename
+    #         tmp to final (atomic on one file system). Only then write the iteration number to a temporary file
+    #         beside the tracker and os.replace it onto the tracker.
+    # HINT 3: A pitfall. shutil.move into an existing directory nests tmp inside it; and writing the tracker in
+    #         place can leave it empty if the process dies mid-write.
     if final.exists():
         shutil.rmtree(final)
     os.rename(tmp, final)  # atomic on one file system: the folder exists whole or not at all

@@ -203,6 +203,11 @@ def masked_loss(losses: torch.Tensor, loss_mask: torch.Tensor, num_tokens: float
     """
     # EXERCISE training.masked_loss: masked token-loss SUM over the global token count, times m*dp
     ### BEGIN SOLUTION
+    # HINT 1: The idea. The loss of a global batch is the mean over its UNMASKED tokens: the sum of loss * mask over
+    #         every micro-batch and DP rank, over num_tokens. So each micro-batch gives its masked sum over that count.
+    # HINT 2: The approach. Which count belongs under the masked sum: this micro-batch's unmasked tokens, its
+    #         b * s, or num_tokens of the whole global batch? Then undo what happens after you: the schedule divides
+    #         each micro-batch's loss by m, and the gradient all-reduce averages over the dp ranks.
     return (losses * loss_mask).sum() / num_tokens * (m * dp)
     ### END SOLUTION
 

@@ -56,6 +56,10 @@ def causal_block_mask(q_chunk: int, kv_chunk: int) -> str:
     "full" (all earlier), "causal" (the same chunk: lower triangle) or "skip" (all later)."""
     # EXERCISE cp.causal_block_mask: compare the chunk ids
     ### BEGIN SOLUTION
+    # HINT 1: Under a causal mask a query sees the keys at its own position and before. Between whole chunks
+    #         that means: keys from an earlier chunk are all visible, from a later chunk none.
+    # HINT 2: Compare the key chunk id with the query chunk id: smaller -> "full", equal -> "causal"
+    #         (the lower triangle of the diagonal block), larger -> "skip".
     if kv_chunk < q_chunk:
         return "full"
     return "causal" if kv_chunk == q_chunk else "skip"
@@ -109,6 +113,12 @@ def merge_attention(out, lse, block_out, block_lse):
     """
     # EXERCISE cp.lse_merge: new lse = log(e^lse + e^block_lse); rescale both outputs by their share and add
     ### BEGIN SOLUTION
+    # HINT 1: Two partial softmaxes over disjoint key sets: the log-sum-exp of the union is the log of the
+    #         sum of their exponentials, and each partial output counts with its share of the total mass.
+    # HINT 2: torch.logaddexp gives the new lse stably (no overflow, -inf handled); rescale each output
+    #         by exp(its lse - new lse), unsqueezed over the head dim, and add them.
+    # HINT 3: exp(lse) on its own overflows for large scores; the shares are exp of differences, always <=
+    #         1.
     new_lse = torch.logaddexp(lse, block_lse)
     out = out * torch.exp(lse - new_lse).unsqueeze(-1) + block_out * torch.exp(block_lse - new_lse).unsqueeze(-1)
     return out, new_lse
@@ -172,6 +182,12 @@ def ring_step(tensor: torch.Tensor, group) -> tuple[torch.Tensor, list]:
     me = ranks.index(dist.get_rank())
     # EXERCISE cp.ring_step: one batch_isend_irecv: send to ranks[me+1], receive from ranks[me-1] (mod cp)
     ### BEGIN SOLUTION
+    # HINT 1: One hop of the ring: everybody passes its block to the next rank and gets the previous rank's,
+    #         all at once, so nobody waits for a neighbour that is itself waiting.
+    # HINT 2: A fresh buffer like the tensor; two dist.P2POp's (isend to ranks[(me + 1) % n], irecv from
+    #         ranks[(me - 1) % n]) handed together to dist.batch_isend_irecv; return the buffer and the requests.
+    # HINT 3: Peers are GLOBAL ranks: index `ranks` with the group rank. Never receive into the tensor you
+    #         are sending.
     buffer = torch.empty_like(tensor)
     requests = dist.batch_isend_irecv([dist.P2POp(dist.isend, tensor.contiguous(), ranks[(me + 1) % len(ranks)], group),
                                        dist.P2POp(dist.irecv, buffer, ranks[(me - 1) % len(ranks)], group)])
@@ -226,6 +242,12 @@ class RingAttention(torch.autograd.Function):
         # the dkv travelling with that block; one last hop brings every dkv home to its owner.
         # EXERCISE cp.backward_ring: the backward ring: K/V and their dK/dV around the CP group, dq accumulated locally
         ### BEGIN SOLUTION
+        # HINT 1: Each visiting K/V block collects its gradient on every rank it passes: dK/dV travel with
+        #         their block around the ring, each rank adding its share, and one last hop brings them home.
+        # HINT 2: cp steps: start dkv at zeros, later ring_step the previous step's dkv along (and
+        #         wait); start the next K/V hop; for every block pair add dq into this rank's rows and dK/dV into the
+        #         dkv's cols (block_attention_backward); wait for the K/V; after the loop one more ring_step of dkv if
+        #         cp > 1.
         for step in range(cp):
             owner = (rank - step) % cp
             if dkv is None:

@@ -145,6 +145,13 @@ def compute_scale(amax: torch.Tensor, scale: torch.Tensor, fp8_max: float, margi
     (TE's _default_sf_compute, transformer_engine/pytorch/quantization.py)."""
     # EXERCISE fp8.compute_scale: scale = (fp8_max / amax) / 2^margin, keep the old scale where amax is 0 or inf/NaN, FP32 max on overflow
     ### BEGIN SOLUTION
+    # HINT 1: The scale maps the recorded amax onto the format's largest value fp8_max, with 2^margin of
+    #         headroom: scale = (fp8_max / amax) / 2^margin. Where amax tells nothing (0, inf, NaN) keep the old scale.
+    # HINT 2: Compute the quotient elementwise (a full tensor of fp8_max divided by amax, then by
+    #         2.0**margin), pick the old `scale` with torch.where where amax is not > 0 or not finite, and replace an
+    #         inf result (tiny amax) by FP32_MAX.
+    # HINT 3: The fp8_max argument differs per format (448 for E4M3, 57344 for E5M2): never hard-code one,
+    #         and the margin divides (it makes the scale smaller).
     new = torch.full_like(amax, fp8_max) / amax / 2.0**margin  # a true division (scalar / tensor is a reciprocal)
     new = torch.where(amax > 0.0, new, scale)
     new = torch.where(torch.isfinite(amax), new, scale)
@@ -171,6 +178,12 @@ def quantize(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.
     """x * scale cast to fp8, saturating at the format's max (as TE's casts do)."""
     # EXERCISE fp8.quantize: multiply by the scale in fp32, clamp to +-fp8 max, cast to `dtype`
     ### BEGIN SOLUTION
+    # HINT 1: Quantizing is x * scale cast to the FP8 dtype; values beyond the format's max must
+    #         saturate at +-max, the way Transformer Engine's casts do, not become NaN or inf.
+    # HINT 2: Read the max from torch.finfo(dtype); multiply in fp32 (x.float()), clamp to
+    #         [-max, max], and only then cast with .to(dtype).
+    # HINT 3: A plain cast need not saturate (E5M2 overflows to inf, E4M3 has no inf at all), and each
+    #         dtype has its own max.
     fp8_max = torch.finfo(dtype).max
     return (x.float() * scale).clamp(-fp8_max, fp8_max).to(dtype)
     ### END SOLUTION

@@ -39,6 +39,12 @@ def build_blending_indices(weights: np.ndarray, size: int) -> tuple[np.ndarray, 
     dataset_sample_index = np.zeros(size, dtype=np.int64)
     # EXERCISE data.build_blending_indices: give sample i to the dataset with the largest weights[d] * i - taken[d]
     ### BEGIN SOLUTION
+    # HINT 1: The idea. Before sample i, dataset d should have had weights[d] * i samples; the dataset furthest
+    #         behind its target (the largest error) gets sample i. No rounding and no randomness: a greedy walk.
+    # HINT 2: The approach. Keep a counter of the samples taken from each dataset. For each i compute every error,
+    #         with Megatron's max(i, 1) in place of i; np.argmax picks the dataset (ties go to the first); record the
+    #         dataset and its counter, then bump that counter.
+    # HINT 3: A pitfall. dataset_sample_index[i] is the k-th sample taken from THAT dataset (its counter), not i.
     taken = np.zeros(len(weights), dtype=np.int64)
     for i in range(size):
         errors = weights * max(i, 1) - taken  # max(i, 1): Megatron's, so sample 0 already follows the weights

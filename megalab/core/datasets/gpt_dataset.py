@@ -66,6 +66,12 @@ def build_sample_index(sizes: np.ndarray, document_index: np.ndarray, seq_length
     sample_index = np.zeros((num_samples + 1, 2), dtype=np.int64)
     # EXERCISE data.build_sample_index: walk the documents in document_index, one row per seq_length tokens
     ### BEGIN SOLUTION
+    # HINT 1: The idea. A sample reads seq_length + 1 tokens (its inputs and one more label); the next sample starts
+    #         AT that last token, so row j is the (document, offset) of stream token j * seq_length.
+    # HINT 2: The approach. Walk with a (position in document_index, offset) pair. For each new row, count down
+    #         seq_length + 1 tokens through the documents, using what is LEFT of the current one (its size minus the
+    #         offset): if it holds the last token, the offset moves to that token; else go to the next document at 0.
+    # HINT 3: A pitfall. Documents may be empty or shorter than a sample: one sample can cross several of them.
     doc_pos, doc_offset = 0, 0  # row 0: the first document, offset 0
     for j in range(1, num_samples + 1):
         remaining = seq_length + 1  # tokens sample j - 1 still needs, its extra label token included

@@ -165,6 +165,13 @@ class DistributedDataParallel(nn.Module):
         self._record("grad_ready", bucket.index)
         # EXERCISE data_parallel.grad_hook: add param.grad into the bucket's buffer, drop it, launch the full bucket
         ### BEGIN SOLUTION
+        # HINT 1: The bucket's flat buffer (param.main_grad) is where this parameter's gradient lives from now on; a
+        #         bucket may be reduced only once every one of its parameters has delivered its gradient.
+        # HINT 2: Add (not copy: micro-batches accumulate) param.grad into the parameter's range of the buffer
+        #         (bucket.ranges), drop param.grad, tick the parameter off bucket.pending; when nothing is pending,
+        #         refill pending for the next backward and call start_grad_sync, unless inside no_sync() or with
+        #         overlap off.
+        # HINT 3: Stage 3 frees the unit's full parameters once its last gradient is in (self._free_params).
         start, end = bucket.ranges[param]
         self._bucket_grad_data(bucket)[start:end].add_(param.grad.view(-1))
         param.grad = None  # the buffer is the gradient now (Megatron: param.main_grad)
@@ -190,6 +197,11 @@ class DistributedDataParallel(nn.Module):
             return
         # EXERCISE data_parallel.reduce_scatter: stage 1 keeps its shard in the full buffer, stage 2/3 in grad_shard
         ### BEGIN SOLUTION
+        # HINT 1: After a reduce-scatter each rank holds only ITS 1/n of the summed bucket: where that shard is kept
+        #         depends on the stage (stage 1 still has the whole grad buffer, stage 2/3 only the small grad_shard).
+        # HINT 2: Pick the output tensor (a view of the buffer at bucket.shard for stage 1, bucket.grad_shard
+        #         otherwise), then call param_and_grad_buffer.reduce_scatter on self.group asynchronously and keep its
+        #         handle in bucket.handle so finish_grad_sync can wait for it.
         output = grad_data[bucket.shard] if self.zero_stage == 1 else bucket.grad_shard
         bucket.handle = reduce_scatter(output, grad_data, self.group, async_op=True)
         ### END SOLUTION
@@ -202,6 +214,11 @@ class DistributedDataParallel(nn.Module):
         """
         # EXERCISE data_parallel.finish_grad_sync: launch what is not launched, wait for all, expose/free grads
         ### BEGIN SOLUTION
+        # HINT 1: Some buckets were launched by the hooks, some not (overlap off, no_sync, a parameter without a
+        #         gradient); an async collective's result exists only after its handle has been waited for.
+        # HINT 2: First launch every bucket without a handle (start_grad_sync) and reset its pending set; then, bucket
+        #         by bucket, wait, note 'done' if not seen, clear handle and done_seen, free the full grad buffer at
+        #         stage >= 2, and at stage 0 point each p.grad at its range of the buffer (in the parameter's dtype).
         for bucket in self.buckets:
             if bucket.handle is None:  # overlap off, or a parameter got no gradient in this backward
                 self.start_grad_sync(bucket)
@@ -245,6 +262,10 @@ class DistributedDataParallel(nn.Module):
             return
         # EXERCISE data_parallel.zero3_gather: re-allocate param_data's storage and all-gather the shards into it
         ### BEGIN SOLUTION
+        # HINT 1: At stage 3 param_data keeps its shape but its storage was shrunk to 0 bytes; the parameters are
+        #         views into it, so refilling that same storage brings them all back.
+        # HINT 2: Resize param_data's untyped storage back to numel * element_size bytes, then all_gather
+        #         (param_and_grad_buffer) every rank's param_shard into it, over self.group.
         data = bucket.param_data
         data.untyped_storage().resize_(data.numel() * data.element_size())
         all_gather(data, bucket.param_shard, self.group)

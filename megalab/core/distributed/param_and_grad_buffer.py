@@ -33,6 +33,12 @@ def build_buckets(numels: Sequence[int], bucket_size: int, pad_to: int = 1) -> l
         raise ValueError(f"bucket_size and pad_to must be >= 1, got {bucket_size} and {pad_to}")
     # EXERCISE data_parallel.build_buckets: reverse order, close a bucket at >= bucket_size elements, pad its length
     ### BEGIN SOLUTION
+    # HINT 1: Backward produces gradients roughly last parameter first, so buckets are filled from the last parameter
+    #         backwards; each bucket is a contiguous [start, end) of one flat buffer, padded for equal ZeRO shards.
+    # HINT 2: Walk the indices in reverse, collecting them and counting elements; close a bucket as soon as the count
+    #         reaches bucket_size (>=), with end = start + the count rounded up to pad_to (_round_up); the next bucket
+    #         starts at that padded end; a last, partial bucket is closed after the loop.
+    # HINT 3: Check the docstring's example by hand: [4, 2, 6, 3], bucket_size 5, pad_to 2.
     buckets, indices, start, filled = [], [], 0, 0
     for i in reversed(range(len(numels))):
         indices.append(i)

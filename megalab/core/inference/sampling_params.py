@@ -61,6 +61,13 @@ def filter_logits(logits: torch.Tensor, top_k: int = 0, top_p: float = 0.0) -> t
     """
     # EXERCISE inference.filter_logits: top-k, then top-p over the sorted softmax; -inf outside
     ### BEGIN SOLUTION
+    # HINT 1: Top-k keeps the k largest logits (ties with the k-th too); top-p then keeps the smallest
+    #         set of most likely tokens whose probabilities reach top_p, so the token that crosses top_p stays.
+    # HINT 2: Top-k: the k-th largest value from torch.topk is the threshold; set what is below it
+    #         to -inf. top-p: sort descending, softmax, cumsum; a token is dropped when the mass BEFORE it already
+    #         reached top_p; the first token always stays; map back through the sort order.
+    # HINT 3: Clone the logits first (the caller's tensor must not change), and do top-p on the
+    #         logits top-k has already filtered.
     logits = logits.clone()
     if top_k > 0:
         kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[-1]

@@ -57,6 +57,12 @@ def get_grad_norm_fp32(params: Iterable[nn.Parameter], model_parallel_group=None
     model_parallel_group = ps.resolve_group(model_parallel_group, "tp-pp")
     # EXERCISE optimizer.grad_norm: sum the squares of the owned grads in fp32 (on `device`), all-reduce over the model-parallel group, sqrt
     ### BEGIN SOLUTION
+    # HINT 1: The idea. The global 2-norm is the square root of the sum of the squares of every gradient element of
+    #         the whole model. Each rank owns a disjoint share (`grads` already leaves out TP duplicates and shared).
+    # HINT 2: The approach. Add up the squared elements of this rank's grads, in fp32, into one scalar tensor on
+    #         `device`; all-reduce (SUM) it over model_parallel_group when there is one; take the square root last.
+    # HINT 3: A pitfall. Norms do not add (sqrt(a^2 + b^2) is not a + b): reduce squares, never norms, and take the
+    #         root once, after the all-reduce.
     total = torch.zeros((), dtype=torch.float32, device=device)
     for g in grads:
         total += g.detach().float().pow(2).sum()

@@ -101,6 +101,11 @@ class DistributedOptimizer:
     def step(self) -> None:
         # EXERCISE data_parallel.zero_step: update the own shards, then (stage 1/2) all-gather every bucket's params
         ### BEGIN SOLUTION
+        # HINT 1: Each rank's optimizer updates only its own shard of every bucket (the shards are views into the
+        #         parameters); the other ranks still hold the old values of the rest until they receive the new ones.
+        # HINT 2: Step self.optimizer; then, below stage 3, launch one asynchronous all_gather per bucket
+        #         (bucket.param_data from this rank's shard, over the DDP group) and wait for every handle. Stage 3
+        #         gathers on demand, before each forward.
         self.optimizer.step()
         if self.ddp.zero_stage < 3:
             handles = [all_gather(b.param_data, shard, self.ddp.group, async_op=True)

@@ -73,6 +73,14 @@ class DynamicGradScaler(MegatronGradScaler):
     def update(self, found_inf: bool) -> None:
         # EXERCISE mixed_precision.dynamic_update: back off after `hysteresis` overflows, grow after `growth_interval` clean steps
         ### BEGIN SOLUTION
+        # HINT 1: Two counters drive the scale: clean steps in a row (growth) and overflows still
+        #         tolerated (hysteresis). The scale grows only after growth_interval clean steps IN A ROW, and backs off
+        #         only once the hysteresis is used up.
+        # HINT 2: On an overflow: restart the growth count, take one from the hysteresis count, and
+        #         once it is <= 0 multiply the scale by backoff_factor, never below min_scale. On a clean step: count
+        #         it; at growth_interval clean steps, reset it, refill the hysteresis, multiply by growth_factor.
+        # HINT 3: Grow after growth_interval clean steps, not on every clean step, and an overflow must send
+        #         the growth count back to 0.
         if found_inf:
             self._growth_tracker = 0
             self._hysteresis_tracker -= 1

@@ -44,6 +44,12 @@ def unscale_and_check_for_nan(grads: list[torch.Tensor], inv_scale: torch.Tensor
     """
     # EXERCISE mixed_precision.unscale: unscale the grads in place and report whether any is inf/NaN
     ### BEGIN SOLUTION
+    # HINT 1: The grads came from loss x scale, so each one must be multiplied by inv_scale = 1/scale,
+    #         in place (the optimizer reads these very tensors); and one inf or NaN anywhere means the step is skipped.
+    # HINT 2: Loop over the grads: an in-place multiply (Tensor.mul_) by inv_scale, then ask
+    #         torch.isfinite whether every element is finite; return True if any grad had an inf or a NaN.
+    # HINT 3: A NaN is not an inf (torch.isinf misses it), and `g = g * inv_scale` rebinds a name
+    #         without touching the grad.
     found_inf = False
     for g in grads:
         g.mul_(inv_scale)

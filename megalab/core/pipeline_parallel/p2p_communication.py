@@ -73,6 +73,14 @@ def _communicate(tensor_send_next: torch.Tensor | None, tensor_send_prev: torch.
     device = device or (like.device if like is not None else _default_device(group))
     # EXERCISE pp.communicate: allocate the receive buffers (dtype, device), post one batch, wait for it all
     ### BEGIN SOLUTION
+    # HINT 1: Each stage receives into buffers it allocates itself (the shape is agreed in advance), and
+    #         what it receives must become part of its autograd graph, because backward has to produce a gradient for
+    #         it.
+    # HINT 2: Make the receive buffers with torch.empty of tensor_shape, in the model's dtype and on its
+    #         device, with requires_grad; hand all four (maybe None) tensors to _batched_p2p_ops, which posts ONE
+    #         batch_isend_irecv; wait() on every request it returns; return (from prev, from next).
+    # HINT 3: Lone dist.isend/dist.irecv calls work on gloo but can deadlock on NCCL (check with
+    #         megalab/extras/p2p_model.py), and a buffer read before its request is waited on may still be empty.
     empty = lambda: torch.empty(tensor_shape, dtype=dtype, device=device, requires_grad=True)
     tensor_recv_prev = empty() if recv_prev else None
     tensor_recv_next = empty() if recv_next else None

@@ -83,6 +83,12 @@ def get_num_warmup_microbatches(pp_size: int, pp_rank: int, num_microbatches: in
     """
     # EXERCISE pp.num_warmup: Megatron's warmup count, capped at the total number of forwards
     ### BEGIN SOLUTION
+    # HINT 1: In 1F1B the last stage can start its first backward right after its first forward; each
+    #         earlier stage is one forward further from the loss, so it runs one more forward before its first
+    #         backward.
+    # HINT 2: One chunk: pp_size - pp_rank - 1. Interleaved (v chunks): twice that, plus (v - 1) *
+    #         pp_size for the other chunks' first group. A single stage (pp_size 1) has no warmup; never more than the
+    #         total number of forwards, m * v (Megatron: get_pp_rank_microbatches).
     total = num_microbatches * num_model_chunks
     if pp_size == 1:
         return 0
@@ -101,6 +107,10 @@ def get_schedule_table(num_microbatches: int, num_model_chunks: int, group_size:
     """
     # EXERCISE pp.schedule_table: groups of group_size micro-batches; inside a group, every chunk in turn
     ### BEGIN SOLUTION
+    # HINT 1: Interleaving runs micro-batches in groups of group_size; inside a group every model chunk
+    #         processes the whole group before the next chunk starts, then the next group begins.
+    # HINT 2: Loop over group starts in steps of group_size (the last group may be shorter); for each
+    #         group, loop over chunks, and inside that over the group's micro-batches, appending (microbatch, chunk).
     table = []
     for first in range(0, num_microbatches, group_size):
         group = range(first, min(first + group_size, num_microbatches))
@@ -113,6 +123,10 @@ def _one_f_one_b(forwards: list[Op], backwards: list[Op], num_warmup: int) -> li
     """Warmup forwards, then (forward, backward) pairs, then the remaining backwards."""
     # EXERCISE pp.one_f_one_b: warmup forwards; steady state one forward then one backward; cooldown backwards
     ### BEGIN SOLUTION
+    # HINT 1: 1F1B has three phases: the warmup forwards, a steady state that alternates one forward and one
+    #         backward, and a cooldown that runs the backwards still owed.
+    # HINT 2: Take the first num_warmup forwards; then for each remaining forward append it and the
+    #         oldest backward not yet run; finish with the backwards left over. Every op appears exactly once.
     ops = forwards[:num_warmup]
     for i in range(len(forwards) - num_warmup):
         ops += [forwards[num_warmup + i], backwards[i]]

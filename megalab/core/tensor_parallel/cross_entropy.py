@@ -30,6 +30,12 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         # vocab_parallel_logits [..., V/t] float, target [...] -> loss [...]
         # EXERCISE tp.vocab_cross_entropy: the three all-reduces above, loss = log S - z_y; save softmax for backward
         ### BEGIN SOLUTION
+        # HINT 1: log-sum-exp and the target logit need the whole vocabulary, but each rank has V/t logits; three
+        #         small all-reduces (a max, then sums) give every rank what it needs without gathering [.., V] logits.
+        # HINT 2: All-reduce MAX of the row max and subtract it; the target logit is known only to the rank whose
+        #         vocab_range holds it: shift the target into the local range, zero it on the other ranks, all-reduce
+        #         SUM; all-reduce SUM of exp (and of the logits, for label smoothing); loss = log S - z_y.
+        # HINT 3: Save softmax = exp / S, the masks and the local target for backward (ctx.save_for_backward).
         logits = vocab_parallel_logits.float()
         logits_max = logits.max(dim=-1).values
         dist.all_reduce(logits_max, op=dist.ReduceOp.MAX, group=group)
@@ -62,6 +68,11 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         a = ctx.label_smoothing
         # EXERCISE tp.vocab_cross_entropy_backward: softmax - (1-a) onehot(y) - a/V on this rank's slice, times grad_output; no communication
         ### BEGIN SOLUTION
+        # HINT 1: d loss / d logits = softmax - onehot(target) (with smoothing: minus a/V everywhere and (1 - a) on
+        #         the target), and every piece of it is local to this rank's slice of the vocabulary.
+        # HINT 2: Start from a copy of the saved softmax, build the one-hot of local_target on this slice, zero it
+        #         where the target lives on another rank (outside), subtract, and scale each row by grad_output. No
+        #         collective.
         grad_input = softmax.clone()
         onehot = torch.zeros_like(grad_input).scatter_(-1, local_target.unsqueeze(-1), 1.0)
         onehot.masked_fill_(outside.unsqueeze(-1), 0.0)  # the label lives on another rank

@@ -136,6 +136,10 @@ class ColumnParallelLinear(nn.Module):
         # [s, b, in] (SP: [s/t, b, in]) -> [s, b, out/t] (gather_output: [s, b, out])
         # EXERCISE tp.column_forward: the local product (column_parallel_linear), then all-gather Y if gather_output
         ### BEGIN SOLUTION
+        # HINT 1: This rank's weight holds out/t output rows, so X times it gives the matching out/t slice of Y; every
+        #         rank needs all of X (f in forward, or the all-gather under sequence parallelism).
+        # HINT 2: column_parallel_linear (it picks f or the SP all-gather) gives the local slice; if gather_output,
+        #         gather_from_tensor_model_parallel_region concatenates the slices along the last dim.
         output_parallel = column_parallel_linear(input_, self.weight, self.bias, self.sequence_parallel, self.tp_group)
         if self.gather_output:
             return gather_from_tensor_model_parallel_region(output_parallel, self.tp_group)
@@ -176,6 +180,11 @@ class RowParallelLinear(nn.Module):
         # [s, b, in/t] (or [s, b, in] if not input_is_parallel) -> [s, b, out] (SP: [s/t, b, out])
         # EXERCISE tp.row_forward: split X unless input_is_parallel, local product, all-reduce (SP: reduce-scatter), + bias
         ### BEGIN SOLUTION
+        # HINT 1: Each rank holds in/t input columns, so each computes a partial product of the full output; their SUM
+        #         is Y. The bias is whole on every rank and must be added once.
+        # HINT 2: Split X with scatter_to_tensor_model_parallel_region unless input_is_parallel; F.linear without
+        #         bias; reduce_from_tensor_model_parallel_region (or reduce_scatter_to_sequence_parallel_region under
+        #         sequence parallelism); then add the bias.
         if not self.input_is_parallel:
             input_ = scatter_to_tensor_model_parallel_region(input_, self.tp_group)
         output_parallel = F.linear(input_, self.weight)
@@ -212,6 +221,11 @@ class VocabParallelEmbedding(nn.Module):
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:  # [b, s] -> [b, s, h]
         # EXERCISE tp.vocab_embedding: look up the ids in [start, end), zeros for the others, sum over the TP group
         ### BEGIN SOLUTION
+        # HINT 1: This rank holds rows [vocab_start_index, vocab_end_index) of the table: it can look up only those
+        #         ids, and must contribute exact zeros for all others so a sum over the TP group gives the full
+        #         lookup.
+        # HINT 2: Mark the ids outside the range, shift the ids into local row numbers (any valid row, e.g. 0, for the
+        #         outside ones), F.embedding, zero the outside rows, then reduce_from_tensor_model_parallel_region.
         outside = (input_ids < self.vocab_start_index) | (input_ids >= self.vocab_end_index)
         local_ids = (input_ids - self.vocab_start_index).masked_fill(outside, 0)
         output_parallel = F.embedding(local_ids, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)

@@ -48,6 +48,10 @@ def _gather_along_last_dim(input_: torch.Tensor, group) -> torch.Tensor:
         return input_
     # EXERCISE tp.gather_last_dim: all-gather every rank's tensor, concatenate them along the last dimension
     ### BEGIN SOLUTION
+    # HINT 1: Every rank holds [..., n]; the result on every rank is the t pieces side by side along the LAST
+    #         dimension, in rank order: [..., t n].
+    # HINT 2: One receive buffer per rank (distinct tensors, shaped like the input), dist.all_gather into them over
+    #         `group` (input made contiguous), then torch.cat along dim -1.
     pieces = [torch.empty_like(input_) for _ in range(world)]
     dist.all_gather(pieces, input_.contiguous(), group=group)
     return torch.cat(pieces, dim=-1)
@@ -70,6 +74,10 @@ def _gather_along_first_dim(input_: torch.Tensor, group) -> torch.Tensor:
         return input_
     # EXERCISE tp.sp_gather: all-gather the sequence shards into one [t * s/t, ...] tensor (dist.all_gather_single)
     ### BEGIN SOLUTION
+    # HINT 1: Under sequence parallelism each rank holds [s/t, b, h], a slice of the SEQUENCE (dim 0); the result is
+    #         the full [s, b, h], the slices in rank order.
+    # HINT 2: Allocate an output whose first dimension is t times the input's, then dist.all_gather_single into it
+    #         (contiguous input) over `group`.
     output = torch.empty((world * input_.shape[0], *input_.shape[1:]), dtype=input_.dtype, device=input_.device)
     dist.all_gather_single(output, input_.contiguous(), group=group)
     return output
@@ -83,6 +91,10 @@ def _reduce_scatter_along_first_dim(input_: torch.Tensor, group) -> torch.Tensor
         return input_
     # EXERCISE tp.sp_reduce_scatter: sum the ranks' tensors and keep this rank's 1/t of the first dim (dist.reduce_scatter_single)
     ### BEGIN SOLUTION
+    # HINT 1: Each rank holds a partial [s, b, h] (a row-parallel product); this rank keeps the SUM over the group of
+    #         its own sequence slice [s/t, b, h] (dim 0, not hidden).
+    # HINT 2: Chunk = s / t (divide), allocate [chunk, b, h], and dist.reduce_scatter_single the contiguous input into
+    #         it over `group`.
     chunk = divide(input_.shape[0], world, "sequence length")
     output = torch.empty((chunk, *input_.shape[1:]), dtype=input_.dtype, device=input_.device)
     dist.reduce_scatter_single(output, input_.contiguous(), group=group)
@@ -103,6 +115,10 @@ class _CopyToModelParallelRegion(torch.autograd.Function):
     def backward(ctx, grad_output):
         # EXERCISE tp.copy_to_region: the backward of f sums the gradient over the TP group
         ### BEGIN SOLUTION
+        # HINT 1: f copies X to every rank's branch; each branch's backward yields only part of dX, and the true
+        #         gradient is their SUM over the tensor-parallel group.
+        # HINT 2: Return the all-reduced gradient (the module's _reduce helper, on ctx.group) and None for the group
+        #         argument.
         return _reduce(grad_output, ctx.group), None
         ### END SOLUTION
 
@@ -114,6 +130,10 @@ class _ReduceFromModelParallelRegion(torch.autograd.Function):
     def forward(ctx, input_, group):
         # EXERCISE tp.reduce_from_region: the forward of g sums the partial results over the TP group
         ### BEGIN SOLUTION
+        # HINT 1: g sits after a row-parallel matmul: each rank holds a partial sum of the output, the full output is
+        #         their SUM over the tensor-parallel group (not the mean).
+        # HINT 2: All-reduce on the given group: the module's _reduce helper (it clones first, because autograd may
+        #         still need the input).
         return _reduce(input_, group)
         ### END SOLUTION
 

@@ -36,6 +36,14 @@ class CheckpointFunction(torch.autograd.Function):
     def backward(ctx, *grad_outputs):
         # EXERCISE model.recompute: re-run the region with the forward's RNG state and autograd on, backprop through it
         ### BEGIN SOLUTION
+        # HINT 1: backward must rebuild the graph forward threw away: run run_function again on the saved inputs, with
+        #         autograd on and the random state the forward started from, then backprop grad_outputs through it.
+        # HINT 2: Detach the saved tensors (keeping requires_grad); inside
+        #         torch.random.fork_rng(devices=ctx.cuda_devices) restore ctx.cpu_rng_state (and the CUDA states)
+        #         and re-run under torch.enable_grad; torch.autograd.backward the outputs that require grad; return
+        #         None for run_function, then each argument's .grad (None for non-tensors).
+        # HINT 3: backward runs with grad mode off; and fork_rng puts the RNG back when it exits, so the replay
+        #         leaves the random draws that follow untouched.
         args = list(ctx.non_tensor_args)
         for i, saved in zip(ctx.tensor_indices, ctx.saved_tensors):
             args[i] = saved.detach().requires_grad_(saved.requires_grad)

@@ -53,6 +53,13 @@ class CoreAttention(nn.Module):
         s, b, np_, hn = query.shape
         # EXERCISE model.core_attention: scores = q k^T / sqrt(hn), causal mask, softmax, dropout, times v
         ### BEGIN SOLUTION
+        # HINT 1: Each query attends to itself and to earlier positions only: the scores q . k / sqrt(hn) for every
+        #         (query, key) pair of one head, -inf where the key comes after the query, a softmax over the keys, then
+        #         the probability-weighted sum of the values.
+        # HINT 2: Reshape q, k, v from [s, b, np, hn] to [b * np, s, hn] and use torch.bmm twice. The causal mask is the
+        #         strict upper triangle of an [s, s] boolean matrix (triu with diagonal 1), applied with masked_fill
+        #         before torch.softmax over the last dimension; F.dropout on the probabilities; back to [s, b, np * hn].
+        # HINT 3: The scale is 1/sqrt(hn), the head dimension; the softmax normalises over the KEYS (the last dim).
         q = query.reshape(s, b * np_, hn).transpose(0, 1)  # [b*np, s, hn]
         k = key.reshape(s, b * np_, hn).transpose(0, 1)
         v = value.reshape(s, b * np_, hn).transpose(0, 1)

@@ -44,6 +44,10 @@ class MLP(nn.Module):
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:  # [s, b, h] -> [s, b, h]
         # EXERCISE model.mlp: fc1, activation (gated: act(first half) * second half), fc2
         ### BEGIN SOLUTION
+        # HINT 1: The MLP maps h -> ffn -> h: linear_fc1, the activation, linear_fc2. With a gated linear unit, fc1
+        #         produces two halves [gate; up] of ffn each, and only the gate goes through the activation.
+        # HINT 2: Gated: torch.chunk the fc1 output into two along the last dimension and multiply
+        #         activation_func(gate) by up. Otherwise apply activation_func to the whole of it. Then linear_fc2.
         intermediate = self.linear_fc1(hidden_states)  # [s, b, ffn] or [s, b, 2 ffn]
         if self.gated:
             gate, up = torch.chunk(intermediate, 2, dim=-1)

@@ -40,6 +40,10 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., h] -> [..., h]
         # EXERCISE model.norm: x / sqrt(mean(x^2) + eps) * weight, statistics in float32
         ### BEGIN SOLUTION
+        # HINT 1: RMSNorm divides each token's hidden vector by its root mean square (no mean subtracted, no bias), then
+        #         scales it by weight; eps keeps the division finite for tiny vectors.
+        # HINT 2: Upcast to float32, take the mean of the squares over the LAST dimension (keepdim=True), add eps and
+        #         multiply by torch.rsqrt of it; cast back to the input's dtype (type_as), then multiply by self.weight.
         x32 = x.float()
         normed = x32 * torch.rsqrt(x32.pow(2).mean(dim=-1, keepdim=True) + self.eps)
         return normed.type_as(x) * self.weight

@@ -92,6 +92,10 @@ def get_layer_range(num_layers: int, pp_size: int, pp_rank: int, chunk: int = 0,
                          f"use a multiple of {num_stages} layers")
     # EXERCISE pp.stage_split: the contiguous block of layers of virtual stage chunk*pp_size + pp_rank
     ### BEGIN SOLUTION
+    # HINT 1: Every virtual stage holds the same number of consecutive layers, and virtual stages are
+    #         numbered chunk * pp_size + pp_rank, so a rank's chunks are spread over the model.
+    # HINT 2: Layers per stage = num_layers // (pp_size * num_model_chunks); the stage number comes from
+    #         virtual_stage(...); the range starts at stage number times layers per stage and is half-open.
     per_stage = num_layers // num_stages
     start = virtual_stage(pp_size, pp_rank, chunk) * per_stage
     return start, start + per_stage

@@ -39,6 +39,12 @@ class TransformerLayer(nn.Module):
         # [s, b, h] -> [s, b, h]
         # EXERCISE model.layer_forward: norm, attention, dropout, residual add; norm, MLP, dropout, residual add
         ### BEGIN SOLUTION
+        # HINT 1: Pre-norm: each sub-layer reads a normalised copy of the residual stream and adds its output back onto
+        #         the stream itself (not onto the normalised copy).
+        # HINT 2: input_layernorm -> self_attention(..., rotary_pos_emb, packed_seq_params) -> F.dropout(hidden_dropout,
+        #         self.training) -> add the residual; then pre_mlp_layernorm -> mlp -> dropout -> add the new residual.
+        # HINT 3: The MLP's residual is the stream after the attention block, not the layer's input; add each
+        #         residual once.
         residual = hidden_states
         attention_output = self.self_attention(self.input_layernorm(hidden_states), rotary_pos_emb, packed_seq_params)
         hidden_states = residual + F.dropout(attention_output, self.hidden_dropout, self.training)

@@ -62,6 +62,12 @@ class PagedKVCache:
         """(block id, offset in block) of positions start .. start+n-1 through the block table."""
         # EXERCISE inference.paged_slots: map each position to (its block from the block table, its offset)
         ### BEGIN SOLUTION
+        # HINT 1: A sequence's positions live in fixed-size blocks scattered over the pool: position p is in
+        #         the (p // block_size)-th block OF ITS BLOCK TABLE, at offset p % block_size inside that block.
+        # HINT 2: Make the positions start .. start+n-1 with torch.arange, look the block ids up in the
+        #         sequence's block table (as a tensor on the cache's device), and take the remainders for the offsets.
+        # HINT 3: The quotient p // block_size indexes the block table (it is not a block id), and the positions start
+        #         at `start`, not 0.
         positions = torch.arange(start, start + n, device=self.key.device)
         table = torch.tensor(self.block_tables[seq_id], device=self.key.device)
         return table[positions // self.block_size], positions % self.block_size

@@ -83,6 +83,14 @@ class InferenceEngine:
         tokens = len(self.active)  # one decode token per active request
         # EXERCISE inference.schedule: admit in arrival order while batch size, token budget and KV cache allow
         ### BEGIN SOLUTION
+        # HINT 1: First come, first served: walk the waiting queue from the front and stop at the first
+        #         request that does not fit, so no later request overtakes it.
+        # HINT 2: While requests wait and the batch (active + admitted) is below max_batch_size: look at
+        #         the front request; stop if `tokens` plus its prompt length exceeds max_tokens, or if the cache
+        #         cannot fit the final lengths of active + admitted + it (cache.fits); else pop it, add its prompt
+        #         length to `tokens`.
+        # HINT 3: `tokens` already counts one decode token per active request, and a request that does
+        #         not fit ends the admission (break), it is not skipped.
         while self.waiting and len(self.active) + len(admitted) < self.max_batch_size:
             request = self.waiting[0]
             if tokens + len(request.prompt_tokens) > self.max_tokens:

@@ -64,6 +64,12 @@ def attend(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start:
     n, np_, hn = query.shape
     # EXERCISE inference.cached_attention: query i (position start+i) attends to cached keys 0..start+i
     ### BEGIN SOLUTION
+    # HINT 1: The n new queries sit at positions start .. start+n-1 of their sequence; query i sees the
+    #         cached keys 0 .. start+i, including earlier tokens of the same prefill but no later ones.
+    # HINT 2: Repeat each key/value group np/ng times along the head dim (repeat_interleave, as
+    #         CoreAttention does for GQA), build a [n, len] boolean mask key_position <= start + i, run
+    #         F.scaled_dot_product_attention with heads first ([np, n, hn]) and reshape back to [n, np * hn].
+    # HINT 3: The causal offset: with a cache the diagonal starts at column `start`, not 0.
     keys = keys.repeat_interleave(np_ // keys.shape[1], dim=1)  # GQA: each key/value group serves np/ng heads
     values = values.repeat_interleave(np_ // values.shape[1], dim=1)
     visible = torch.arange(keys.shape[0], device=query.device) <= start + torch.arange(n, device=query.device)[:, None]

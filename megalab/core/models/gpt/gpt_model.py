@@ -139,6 +139,11 @@ class GPTModel(nn.Module):
             position_ids = packed_position_ids(input_ids, position_ids, packed_seq_params)
         # EXERCISE model.gpt_forward: embed, (rotary angles), decoder, output layer (tied or not), logits or loss
         ### BEGIN SOLUTION
+        # HINT 1: embedding (first stage only) -> decoder -> output layer (last stage only): a chunk without pre_process
+        #         receives hidden states [s, b, h] in place of ids, one without post_process returns them.
+        # HINT 2: With RoPE, self.rotary_pos_emb(self.rotary_seq_len(hidden_states), packed_seq_params) gives the angles
+        #         for the decoder. self.output gives logits [s, b, V]: transpose to [b, s, V] (contiguous); with labels
+        #         return self.compute_language_model_loss instead.
         hidden_states = self.embedding(input_ids, position_ids) if self.pre_process else input_ids  # [s, b, h]
         rotary_pos_emb = None
         if self.rotary_pos_emb is not None:

@@ -72,6 +72,11 @@ def switch_load_balancing_loss_func(probs: torch.Tensor, tokens_per_expert: torc
     probs [T, E] (full scores, not just the top-k), tokens_per_expert [E]."""
     # EXERCISE moe.load_balancing_loss: coeff * E * sum_i (tokens_i / (T k)) * (sum_t probs_ti / T)
     ### BEGIN SOLUTION
+    # HINT 1: The loss is the dot product of two distributions over experts: the fraction of the T*k
+    #         assignments each expert got (f_i) and its mean router probability (P_i), scaled so that a perfectly
+    #         uniform router gives exactly coeff.
+    # HINT 2: Sum probs over tokens per expert (T * P_i), multiply by tokens_per_expert (T*k * f_i) and
+    #         sum; then scale by coeff * E / (k * T * T) to turn the counts into fractions and means.
     aggregated_probs_per_expert = probs.sum(dim=0)  # [E]
     return torch.sum(aggregated_probs_per_expert * tokens_per_expert) * (
         num_experts * moe_aux_loss_coeff / (topk * total_num_tokens * total_num_tokens))
@@ -107,6 +112,11 @@ def topk_softmax_with_capacity(logits: torch.Tensor, topk: int, capacity_factor:
     num_tokens, num_experts = logits.shape
     # EXERCISE moe.topk_routing: choose k experts per token and their weights (softmax or sigmoid scores)
     ### BEGIN SOLUTION
+    # HINT 1: Each token picks the k experts with the highest scores (per token: along the expert dim); the
+    #         weights of its k experts must sum to 1.
+    # HINT 2: softmax: torch.topk of the logits along dim 1, then softmax over those k values. sigmoid:
+    #         sigmoid scores, choose the top-k of score + expert_bias (when given), weigh by the chosen scores (not
+    #         the biased ones) renormalised to sum 1 when k > 1. Scatter weights and True into [T, E].
     if score_function == "softmax":
         scores, top_indices = torch.topk(logits, k=topk, dim=1)
         top_probs = torch.softmax(scores, dim=-1, dtype=torch.float32).type_as(logits)
@@ -126,6 +136,11 @@ def topk_softmax_with_capacity(logits: torch.Tensor, topk: int, capacity_factor:
     capacity = get_capacity(num_tokens * topk, num_experts, capacity_factor)
     # EXERCISE moe.capacity: keep each expert's first `capacity` tokens; with padding, fill up to capacity with unrouted tokens
     ### BEGIN SOLUTION
+    # HINT 1: An expert serves at most `capacity` tokens, first come first served in token order; the ones
+    #         after that are dropped (weight 0). Padding fills the free slots with unrouted tokens of weight 0.
+    # HINT 2: A cumulative sum of routing_map down the tokens gives each token's arrival number at each
+    #         expert; keep those below capacity. For padding, the same trick on the unrouted pairs, limited to the
+    #         free slots (capacity minus kept). Then mask probs and return the kept map.
     position = routing_map.long().cumsum(dim=0) - 1  # [T, E]: arrival order of each token at each expert
     keep = routing_map & (position < capacity)
     if pad_to_capacity:
@@ -165,6 +180,11 @@ def permute(tokens: torch.Tensor, routing_map: torch.Tensor, probs: torch.Tensor
     (N = routing_map.sum(), sorted_indices[j] = the token row j came from)."""
     # EXERCISE moe.permute: token indices per expert from routing_map.T, then gather the rows (and the probs)
     ### BEGIN SOLUTION
+    # HINT 1: Group the token copies expert by expert: all of expert 0's tokens (in token order), then
+    #         expert 1's, ..., one copy per chosen expert.
+    # HINT 2: Transpose routing_map to [E, T] so that expert-major order is the memory order;
+    #         masked_select a [E, T] grid of token indices (arange expanded) to get sorted_indices; index_select the
+    #         token rows with them; the probs the same way through probs.t().
     mask = routing_map.t()  # [E, T]
     sorted_indices = torch.arange(tokens.shape[0], device=tokens.device).expand_as(mask).masked_select(mask)
     permuted_probs = probs.t().masked_select(mask) if probs is not None else None

@@ -63,6 +63,15 @@ class MoEAlltoAllTokenDispatcher:
         permuted, self.permuted_probs, self.sorted_indices = permute(hidden, routing_map, probs)
         # EXERCISE moe.alltoall_dispatch: exchange counts, a2a the permuted tokens, sort the chunks by local expert
         ### BEGIN SOLUTION
+        # HINT 1: Before the all-to-all every rank must know how many rows it sends to and receives from
+        #         each rank; afterwards the received rows are ordered [source rank][local expert] and the experts want
+        #         them [local expert][source rank].
+        # HINT 2: all_gather the per-expert counts over the EP group -> [ep, E]; my columns
+        #         (local_expert_indices) give what each rank sends me; input_splits = my counts summed per destination
+        #         rank, output_splits = my columns summed per source rank; all_to_all(group, tokens, output_splits,
+        #         input_splits); then sort_chunks_by_idxs to regroup by local expert.
+        # HINT 3: all_to_all takes the OUTPUT splits first; swapping them works only when they happen to be
+        #         equal.
         if ep > 1:
             counts = [torch.empty_like(num_local_tokens_per_expert) for _ in range(ep)]
             dist.all_gather(counts, num_local_tokens_per_expert, group=self.ep_group)

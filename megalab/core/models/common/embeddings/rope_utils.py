@@ -26,6 +26,12 @@ def rotate_interleaved(x: torch.Tensor) -> torch.Tensor:
     """(x0, x1, x2, x3, ...) -> (-x1, x0, -x3, x2, ...): each pair (x_{2i}, x_{2i+1}) turned by 90 degrees."""
     # EXERCISE model.rope_interleaved: rotate each interleaved pair (x_{2i}, x_{2i+1}) to (-x_{2i+1}, x_{2i})
     ### BEGIN SOLUTION
+    # HINT 1: The idea. Channels pair up as neighbours (x0, x1), (x2, x3), ...; turning a pair (a, b) by 90 degrees
+    #         gives (-b, a). With cos and sin in apply_rotary_pos_emb this is Meta's complex product (a + ib) e^(ia).
+    # HINT 2: The approach. Take the even and the odd channels with strided slices of the last dim, put each turned
+    #         pair side by side in a new last dim (torch.stack), then flatten those two dims back into one.
+    # HINT 3: A pitfall. Concatenating the two slices gives (-x1, -x3, ..., x0, x2, ...): each pair must stay
+    #         neighbours in the output, and the minus sign goes on the odd (second) channel of the pair.
     even, odd = x[..., 0::2], x[..., 1::2]
     return torch.stack((-odd, even), dim=-1).flatten(-2)
     ### END SOLUTION

@@ -1,0 +1,552 @@
+"""How long one training step takes, from first principles — and why it is never "FLOPs / peak".
+
+A step on one GPU is a sum of pieces a learner can check one at a time:
+
+    step = m · t_mb                       compute: m micro-batches through the slowest pipeline stage
+         + (p − 1)/v · t_mb               the pipeline bubble (interleaved: v model chunks per GPU)
+         + exposed communication          what overlap cannot hide: DP grads/params, TP/SP, CP, EP, PP
+         + optimizer                      Adam reads and writes every parameter it owns (memory-bound)
+
+    t_mb = forward + backward (+ recompute) of the stage's layers, each layer being
+           GEMMs            at a matmul efficiency that depends on the GEMM's shape (gemm_time)
+           attention        the s×s scores: two batched GEMMs and the softmax in memory, or FlashAttention
+           elementwise      norms, activations, dropout, residual adds: bytes / memory bandwidth
+           + TP/SP, CP and EP collectives of that micro-batch that are on the critical path
+
+Calibration is data, one record per GPU type (`GPU`) and per link (`Link`), each with its source;
+nothing is tuned per run. A GEMM's efficiency is the GPU's best measured matmul efficiency (a published
+benchmark) times the fraction of useful work in whole waves of whole output tiles (wave and tile
+quantisation, Anthony et al. 2024, "The Case for Co-Designing Model Architectures with Hardware"),
+capped by the memory roofline:
+
+    gemm_time(m, n, k) = max(2mnk / (peak · best · sustained · useful), bytes / HBM bandwidth) + launch
+
+Communication that Megatron overlaps (DP grad reduce and param gather when enabled, the CP ring,
+TP with tp_comm_overlap, ZeRO-3's prefetch) is not free: compute beside it slows down, so
+overlapped(comm, compute) = max(comm − compute, f · comm) is exposed. Which link a collective uses
+follows Megatron's rank order tp-cp-ep-dp-pp (`spans_nodes`): a group inside one node runs on
+NVLink, a group that spans nodes is bound by each GPU's own NIC.
+
+Checked against published runs (published_runs.py, tests/test_step_time.py, benchmarks/
+planner_validation.py): Narayanan et al. 2021 Tables 1 and 2, Korthikanti et al. 2022 Table 5.
+
+API (stable; the laptop calibration builds its own Hardware on it):
+
+    GPU(name, peak_flops, matmul_efficiency, num_sms, memory_bandwidth, memory_gb, memory_efficiency=0.85,
+        sustained=0.9, overlap_slowdown=0.45, attention_efficiency=0.6, tiles=..., kernel_overhead=4e-6,
+        source="", efficiency_curve=None)                  efficiency_curve: measured (m, n, k) -> fraction of peak
+    Link(name, bandwidth, latency, efficiency=1.0, source="")   bytes/s each GPU sends, s per message step
+    Hardware(name, gpu, intra_node, inter_node, gpus_per_node=8)
+    hardware(name_or_Hardware) -> Hardware      known: HARDWARE; unknown -> ValueError naming the fields
+    matmul_efficiency(m, n, k, gpu, batch=1) -> fraction of peak
+    gemm_time(m, n, k, gpu, dtype_bytes=2, batch=1) -> s
+    elementwise_time(nbytes, gpu) -> s
+    attention_time(b, heads, s_q, s_kv, head_dim, gpu, *, flash, causal=True, value_dim=None) -> s (forward)
+    collective_time(kind, nbytes, group_size, link) -> s    kind: all_reduce, all_gather,
+                                                            reduce_scatter, all_to_all, send_recv
+    overlapped(comm, compute, gpu) -> exposed s
+    bubble(pp, num_microbatches, vpp=1) -> (p − 1)/(v m)
+    step_time(model, layout, train, hw=None) -> StepTime: compute, recompute, bubble, comm{tp,cp,ep,pp,dp},
+                                                optimizer, total, mfu, hfu, parts()
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field, fields
+
+BF16 = 2
+
+
+# ---------------------------------------------------------------------------------------- calibration
+@dataclass(frozen=True)
+class GPU:
+    """One GPU type: datasheet numbers and the measured fractions of them that training reaches."""
+
+    name: str
+    peak_flops: float  # dense 16-bit tensor-core FLOP/s (datasheet)
+    matmul_efficiency: float  # the best fraction of peak a large, well-shaped GEMM reaches (measured)
+    num_sms: int  # streaming multiprocessors: one wave runs one output tile on each
+    memory_bandwidth: float  # HBM bytes/s (datasheet)
+    memory_gb: float
+    memory_efficiency: float = 0.85  # fraction of HBM bandwidth streaming kernels reach
+    sustained: float = 0.9  # fraction of the short benchmark's matmul rate held through a long run (an estimate)
+    # compute speed lost while a collective runs beside it: NCCL's thread blocks take SMs (one per
+    # channel) and its copies take HBM bandwidth
+    overlap_slowdown: float = 0.45
+    # fraction of peak a fused (Flash) attention kernel reaches, forward and backward together:
+    # FlashAttention-2 (Dao 2023) 50-73% on A100, FlashAttention-3 (Shah et al. 2024) up to 75% on H100
+    attention_efficiency: float = 0.6
+    tiles: tuple[tuple[int, int], ...] = ((256, 128), (128, 256), (128, 128))  # cuBLAS output tiles
+    kernel_overhead: float = 4e-6  # s between two kernels (launch, tail)
+    source: str = ""
+    # a measured curve instead of the wave model: (m, n, k) -> fraction of peak (e.g. a CPU's)
+    efficiency_curve: Callable[[int, int, int], float] | None = None
+
+    @property
+    def achievable_bandwidth(self) -> float:
+        return self.memory_bandwidth * self.memory_efficiency
+
+
+@dataclass(frozen=True)
+class Link:
+    """A path between GPUs: the bytes/s each GPU can send while it receives as much (line rate), the
+    fraction of it NCCL's rings reach (their "bus bandwidth"), and the latency of one message step."""
+
+    name: str
+    bandwidth: float
+    latency: float
+    efficiency: float = 1.0
+    source: str = ""
+
+    @property
+    def achievable_bandwidth(self) -> float:
+        return self.bandwidth * self.efficiency
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """A cluster: GPUs, the link inside a node (NVLink) and each GPU's path between nodes (its NIC)."""
+
+    name: str
+    gpu: GPU
+    intra_node: Link
+    inter_node: Link
+    gpus_per_node: int = 8
+
+
+_FRACTIONS = ("memory_efficiency 0.85 (streaming kernels reach ~85% of HBM), sustained 0.9 and overlap_slowdown "
+              "0.45: estimates, chosen once against the published runs (published_runs.py), the same for every run")
+A100_80GB = GPU(
+    "A100-SXM4-80GB", peak_flops=312e12, matmul_efficiency=267.9 / 312, num_sms=108, memory_bandwidth=2.039e12,
+    memory_gb=80.0,
+    source="peak and HBM: NVIDIA A100 datasheet (312 TFLOP/s bf16 dense, 2,039 GB/s); best GEMM 267.9 TFLOP/s "
+           "(85.9%, shape 6912x16384x2048): S. Bekman, ml-engineering, 'Maximum Achievable Matmul FLOPS' table; "
+           + _FRACTIONS)
+A100_40GB = dataclasses.replace(A100_80GB, name="A100-SXM4-40GB", memory_bandwidth=1.555e12, memory_gb=40.0,
+                                source="as A100-80GB, HBM2 1,555 GB/s (NVIDIA A100 datasheet)")
+H100_SXM = GPU(
+    "H100-SXM5-80GB", peak_flops=989e12, matmul_efficiency=792.1 / 989, num_sms=132, memory_bandwidth=3.35e12,
+    memory_gb=80.0,
+    source="peak and HBM: NVIDIA H100 datasheet (989 TFLOP/s bf16 dense, 3.35 TB/s); best GEMM 792.1 TFLOP/s "
+           "(80.1%, shape 6144x17920x2816): S. Bekman, ml-engineering, 'Maximum Achievable Matmul FLOPS' table; "
+           "the fractions as A100's (not validated on H100 runs)")
+
+_NCCL = "; NCCL rings reach ~80% of NVLink and ~88% of an InfiniBand NIC's line rate (typical nccl-tests bus bandwidth)"
+NVLINK3 = Link("NVLink 3 (A100)", bandwidth=300e9, latency=8e-6, efficiency=0.8,
+               source="12 links x 25 GB/s = 300 GB/s per direction per GPU (NVIDIA A100 datasheet)" + _NCCL)
+NVLINK4 = Link("NVLink 4 (H100)", bandwidth=450e9, latency=8e-6, efficiency=0.8,
+               source="18 links x 25 GB/s = 450 GB/s per direction per GPU (NVIDIA H100 datasheet)" + _NCCL)
+HDR_IB = Link("InfiniBand HDR, one 200 Gb/s NIC per GPU", bandwidth=25e9, latency=15e-6, efficiency=0.88,
+              source="Selene / DGX A100: 8 x 200 Gb/s HDR compute NICs per node (Narayanan et al. 2021, Section 5)" + _NCCL)
+NDR_IB = Link("InfiniBand NDR, one 400 Gb/s NIC per GPU", bandwidth=50e9, latency=15e-6, efficiency=0.88,
+              source="DGX H100: 8 x 400 Gb/s NDR ConnectX-7 per node (NVIDIA DGX H100 datasheet)" + _NCCL)
+
+HARDWARE: dict[str, Hardware] = {hw.name: hw for hw in (
+    Hardware("A100-80GB (Selene)", A100_80GB, NVLINK3, HDR_IB),
+    Hardware("A100-40GB (DGX A100)", A100_40GB, NVLINK3, HDR_IB),
+    Hardware("H100-SXM (DGX H100)", H100_SXM, NVLINK4, NDR_IB),
+)}
+
+
+def hardware(spec: str | Hardware) -> Hardware:
+    """A Hardware from its name in HARDWARE (or itself); a clear error for a GPU type without calibration."""
+    if isinstance(spec, Hardware):
+        return spec
+    if spec in HARDWARE:
+        return HARDWARE[spec]
+    gpu_fields = ", ".join(f.name for f in fields(GPU) if f.name not in ("name", "source"))
+    raise ValueError(
+        f"no calibration for hardware {spec!r}; known: {', '.join(HARDWARE)}. To model another GPU, build "
+        f"Hardware(name, GPU(name, {gpu_fields}), intra_node=Link(name, bandwidth, latency, efficiency), "
+        f"inter_node=Link(...), gpus_per_node) from its datasheet and a measured matmul curve, and pass it instead")
+
+
+# ------------------------------------------------------------------------------------ compute pieces
+def matmul_efficiency(m: int, n: int, k: int, gpu: GPU, batch: int = 1) -> float:
+    """Fraction of peak a [m, k] x [k, n] GEMM (`batch` of them) reaches when compute-bound.
+
+    The GPU computes the output in tiles (tm x tn), one per SM per wave; the last wave and the
+    tiles hanging over the matrix edge do wasted work. cuBLAS picks the tile that wastes least:
+
+        useful = m n batch / (ceil(tiles / SMs) · SMs · tm · tn),   efficiency = best · useful
+    """
+    if gpu.efficiency_curve is not None:
+        return gpu.efficiency_curve(m, n, k)
+    useful = 0.0
+    for tm, tn in gpu.tiles:
+        tiles = math.ceil(m / tm) * math.ceil(n / tn) * batch
+        waves = math.ceil(tiles / gpu.num_sms)
+        useful = max(useful, m * n * batch / (waves * gpu.num_sms * tm * tn))
+    return gpu.matmul_efficiency * gpu.sustained * useful
+
+
+def gemm_time(m: int, n: int, k: int, gpu: GPU, dtype_bytes: int = BF16, batch: int = 1) -> float:
+    """Seconds for `batch` GEMMs [m, k] x [k, n]: compute- or memory-bound (the roofline), plus a launch."""
+    if min(m, n, k, batch) <= 0:
+        return 0.0
+    compute = 2 * m * n * k * batch / (gpu.peak_flops * matmul_efficiency(m, n, k, gpu, batch))
+    memory = dtype_bytes * batch * (m * k + k * n + m * n) / gpu.achievable_bandwidth
+    return max(compute, memory) + gpu.kernel_overhead
+
+
+def elementwise_time(nbytes: float, gpu: GPU) -> float:
+    """Seconds to stream `nbytes` through HBM (norms, activations, dropout, softmax: memory-bound)."""
+    return nbytes / gpu.achievable_bandwidth
+
+
+# bytes read + written per element by Megatron's fused memory-bound kernels (16-bit tensors, 1-byte masks)
+NORM_BYTES = 4  # read x, write y
+BIAS_DROPOUT_ADD_BYTES = 7  # read x and the residual, write y and the dropout mask
+ACTIVATION_BYTES = {False: 4, True: 6}  # bias-GeLU: read, write; SwiGLU: read two halves, write
+SOFTMAX_DROPOUT_BYTES = 9  # fused scale-mask-softmax (read, write) + attention dropout (read, write, mask)
+BACKWARD_FACTOR = 2.0  # backward does twice the forward's matmul work and memory traffic
+FLASH_BACKWARD_FACTOR = 2.5  # FlashAttention's backward also recomputes the scores it never stored
+
+
+def attention_time(b: int, heads: int, s_q: int, s_kv: int, head_dim: int, gpu: GPU, *, flash: bool,
+                   causal: bool = True, value_dim: int | None = None) -> float:
+    """One forward of the attention core (q kᵀ, softmax, probabilities x v) for `heads` heads on one GPU.
+
+    Unfused (Megatron 2021-22): two batched GEMMs whose [s_q, s_kv] scores go through HBM, and the
+    fused softmax + dropout over them; the causal mask is applied, not skipped. FlashAttention keeps
+    the scores on chip: its time is the GEMM FLOPs (half of them with a causal mask) at the fraction of
+    peak fused attention kernels reach (`attention_efficiency`).
+    """
+    dv = value_dim or head_dim
+    if flash:
+        flops = 2 * b * heads * s_q * s_kv * (head_dim + dv) * (0.5 if causal else 1.0)
+        return flops / (gpu.peak_flops * gpu.attention_efficiency * gpu.sustained) + gpu.kernel_overhead
+    scores = gemm_time(s_q, s_kv, head_dim, gpu, batch=b * heads)  # [s_q, d] x [d, s_kv] per head
+    softmax = elementwise_time(SOFTMAX_DROPOUT_BYTES * b * heads * s_q * s_kv, gpu)
+    values = gemm_time(s_q, dv, s_kv, gpu, batch=b * heads)  # [s_q, s_kv] x [s_kv, dv] per head
+    return scores + softmax + values
+
+
+# ------------------------------------------------------------------------------------ communication
+def collective_time(kind: str, nbytes: float, group_size: int, link: Link) -> float:
+    """Seconds for one collective of `nbytes` (the full tensor: the all-reduced tensor, the gathered
+    output, the scattered input; for send_recv the message) among `group_size` ranks, ring algorithms:
+
+        all_reduce        2 (n−1)/n · bytes / bw + 2 (n−1) · latency
+        all_gather,       (n−1)/n · bytes / bw + (n−1) · latency
+        reduce_scatter
+        all_to_all        (n−1)/n · bytes / bw + latency      (every pair exchanges at once, one round)
+        send_recv         bytes / bw + latency
+    """
+    n = group_size
+    if kind == "send_recv":
+        return nbytes / link.achievable_bandwidth + link.latency
+    kinds = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
+    if kind not in kinds:
+        raise ValueError(f"collective kind must be one of {', '.join([*kinds, 'send_recv'])}, got {kind!r}")
+    if n <= 1:
+        return 0.0
+    wire = (n - 1) / n * nbytes / link.achievable_bandwidth
+    if kind == "all_to_all":
+        return wire + link.latency
+    steps = 2 if kind == "all_reduce" else 1
+    return steps * (wire + (n - 1) * link.latency)
+
+
+def overlapped(comm: float, compute: float, gpu: GPU) -> float:
+    """Exposed seconds of `comm` launched beside `compute`. While both run, compute loses
+    `overlap_slowdown` f of its speed, so the pair takes max(comm, compute + f·comm):
+
+        exposed = max(comm − compute, f · comm)       (f = 0: perfect overlap, max(0, comm − compute))
+    """
+    return max(comm - compute, gpu.overlap_slowdown * comm)
+
+
+def bubble(pp: int, num_microbatches: int, vpp: int = 1) -> float:
+    """Pipeline bubble over ideal compute time: (p − 1)/(v·m) (Narayanan et al. 2021, Section 2.2)."""
+    return (pp - 1) / (vpp * num_microbatches) if pp > 1 else 0.0
+
+
+# --------------------------------------------------------------------------------------- the step
+@dataclass
+class StepTime:
+    """One step's seconds on the slowest GPU, by piece, and what they mean for utilisation."""
+
+    compute: float  # forward + backward of all micro-batches (the model's own work)
+    recompute: float  # the extra forward work of activation recomputation
+    bubble: float  # pipeline fill and drain
+    comm: dict[str, float] = field(default_factory=dict)  # exposed (not hidden) seconds per kind
+    optimizer: float = 0.0
+    model_flops: float = 0.0  # per step, whole model, all GPUs (Megatron's count: no recompute)
+    hardware_flops: float = 0.0  # model_flops + recomputed FLOPs
+    num_gpus: int = 1
+    peak_flops: float = 1.0
+    per_microbatch: dict[str, float] = field(default_factory=dict)  # the stage's seconds per micro-batch
+
+    @property
+    def exposed_comm(self) -> float:
+        return sum(self.comm.values())
+
+    @property
+    def total(self) -> float:
+        return self.compute + self.recompute + self.bubble + self.exposed_comm + self.optimizer
+
+    @property
+    def mfu(self) -> float:
+        return self.model_flops / (self.total * self.num_gpus * self.peak_flops)
+
+    @property
+    def hfu(self) -> float:
+        return self.hardware_flops / (self.total * self.num_gpus * self.peak_flops)
+
+    def parts(self) -> dict[str, float]:
+        """Seconds per piece, for a stacked bar: compute, recompute, bubble, then each exposed kind."""
+        return {"compute": self.compute, "recompute": self.recompute, "bubble": self.bubble,
+                **{f"{k} comm": v for k, v in self.comm.items()}, "optimizer": self.optimizer}
+
+
+def _gemms_per_layer(model, layout, tokens: int, moe: bool) -> list[tuple[int, int, int, int]]:
+    """(m, n, k, batch) of one layer's weight GEMMs on one GPU, forward. Tensor parallel splits n (column-
+    parallel: qkv, fc1) or k (row-parallel: proj, fc2); expert GEMMs see the tokens routed to this GPU."""
+    h, t = model.hidden_size, layout.tp
+    if model.kv_lora_rank is None:
+        q, kv = model.num_attention_heads * model.head_dim, 2 * model.groups * model.head_dim
+        gemms = [(tokens, (q + kv) // t, h, 1), (tokens, h, q // t, 1)]  # linear_qkv, linear_proj
+    else:  # multi-latent attention: all its projections as one GEMM of the same weights
+        gemms = [(tokens, round(model.attention_params() / h / t), h, 1)]
+    gate = 2 if model.swiglu else 1
+    if not moe:
+        return gemms + [(tokens, gate * model.ffn_hidden_size // t, h, 1), (tokens, h, model.ffn_hidden_size // t, 1)]
+    # MoE: this GPU's share of the tokens (sequence parallel), top-k copies each, spread over the experts;
+    # it holds num_experts/ep experts, each sliced by etp (which gathers etp ranks' tokens)
+    local_experts = model.num_experts // layout.ep
+    routed = max(1, tokens // t * model.moe_router_topk * layout.etp * layout.ep // model.num_experts)
+    ffn = model.moe_ffn_hidden_size // layout.etp
+    gemms += [(tokens // t, model.num_experts, h, 1),  # router
+              (routed, gate * ffn, h, local_experts), (routed, h, ffn, local_experts)]
+    if model.moe_shared_expert_intermediate_size:
+        shared = model.moe_shared_expert_intermediate_size
+        gemms += [(tokens, gate * shared // t, h, 1), (tokens, h, shared // t, 1)]
+    return gemms
+
+
+def _layer_forward(model, layout, train, hw: Hardware, moe: bool) -> dict[str, float]:
+    gpu, t, b = hw.gpu, layout.tp, train.micro_batch_size
+    s_q = train.seq_length // layout.cp
+    tokens = b * s_q
+    gemms = _gemms_per_layer(model, layout, tokens, moe)
+    gemm = sum(gemm_time(m, n, k, gpu, batch=batch) for m, n, k, batch in gemms)
+    # backward of Y[m, n] = X[m, k] W[k, n]: dX = dY Wᵀ (m, k, n) and dW = Xᵀ dY (k, n, m), which
+    # accumulates into the fp32 main_grad (read + write 8 bytes per weight)
+    gemm_bwd = sum(gemm_time(m, k, n, gpu, batch=batch) + gemm_time(k, n, m, gpu, batch=batch)
+                   + elementwise_time(8 * k * n * batch, gpu) for m, n, k, batch in gemms)
+    heads = model.num_attention_heads // t
+    if model.kv_lora_rank is None:
+        d, dv = model.head_dim, model.head_dim
+    else:
+        d, dv = model.qk_head_dim + model.qk_pos_emb_head_dim, model.v_head_dim
+    attention = attention_time(b, heads, s_q, train.seq_length, d, gpu, flash=train.flash_attention, value_dim=dv)
+    sp = t if train.sequence_parallel and t > 1 else 1
+    h = model.hidden_size
+    if not moe:
+        ffn_elements, permute = tokens * model.ffn_hidden_size / t, 0.0
+    else:
+        routed = tokens / t * model.moe_router_topk
+        ffn_elements = routed * model.moe_ffn_hidden_size + tokens * (model.moe_shared_expert_intermediate_size or 0) / t
+        permute = 2 * 2 * BF16 * routed * h  # token permutation before and after the experts (read + write)
+    elementwise = elementwise_time(
+        (2 * NORM_BYTES + 2 * BIAS_DROPOUT_ADD_BYTES) * tokens * h / sp
+        + ACTIVATION_BYTES[model.swiglu] * ffn_elements + permute, gpu)
+    return {"gemm": gemm, "gemm_backward": gemm_bwd, "attention": attention, "elementwise": elementwise,
+            "core_attention": 0.0 if train.flash_attention else attention}
+
+
+def layer_forward(model, layout, train, hw: Hardware) -> dict[str, float]:
+    """Seconds of one layer's forward for one micro-batch on one GPU (averaged over dense and MoE layers):
+    'gemm' (and 'gemm_backward', its two backward GEMMs), 'attention', 'elementwise', and 'core_attention'
+    (what selective recomputation redoes: the attention core, unless FlashAttention)."""
+    moe_share = model.num_moe_layers / model.num_layers
+    parts = [(share, _layer_forward(model, layout, train, hw, moe))
+             for moe, share in ((False, 1 - moe_share), (True, moe_share)) if share]
+    return {k: sum(share * f[k] for share, f in parts) for k in parts[0][1]}
+
+
+def spans_nodes(layout, gpus_per_node: int) -> dict[str, bool]:
+    """Whether each kind's groups span nodes, in Megatron's rank order tp-cp-ep-dp-pp (tp fastest): a
+    group of n ranks that are `stride` apart covers stride · n consecutive ranks. "dp" is the dp-cp
+    group gradients are reduced over; expert layers order their ranks etp-ep-edp-pp."""
+    stride = {"tp": 1, "cp": layout.tp, "dp": layout.tp, "pp": layout.tp * layout.cp * layout.dp, "ep": layout.etp}
+    size = {"tp": layout.tp, "cp": layout.cp, "dp": layout.dp * layout.cp, "pp": layout.pp, "ep": layout.ep}
+    return {k: stride[k] * size[k] > gpus_per_node for k in stride}
+
+
+def _link(kind: str, layout, hw: Hardware) -> Link:
+    """NVLink when the kind's group stays inside a node, else each GPU's NIC."""
+    return hw.inter_node if spans_nodes(layout, hw.gpus_per_node)[kind] else hw.intra_node
+
+
+def layer_comm(model, layout, train, hw: Hardware, fwd: dict[str, float]) -> dict[str, float]:
+    """Exposed seconds of one layer's collectives for one micro-batch, forward + backward (+ recompute).
+
+    tp  2 all-reduces forward and 2 backward of [s b, h] (SP: all-gather + reduce-scatter, the same
+        volume); on the critical path unless tp_comm_overlap hides them under the layer's GEMMs
+    cp  ring attention: cp − 1 K/V blocks forward, K/V + dK/dV backward, each hidden behind one block
+        of attention when the block computes longer than it travels
+    ep  token dispatch and combine all-to-alls, forward and backward
+    """
+    b, t, cp = train.micro_batch_size, layout.tp, layout.cp
+    tokens = b * train.seq_length // cp
+    h = model.hidden_size
+    out = {"tp": 0.0, "cp": 0.0, "ep": 0.0}
+    if t > 1:
+        kind = "all_gather" if train.sequence_parallel else "all_reduce"
+        one = collective_time(kind, BF16 * tokens * h, t, _link("tp", layout, hw))
+        if train.sequence_parallel:  # each all-reduce becomes an all-gather + a reduce-scatter
+            one *= 2
+        passes = 2 + (1 if train.recompute == "full" else 0)  # forward, backward, (recomputed forward)
+        comm = 2 * one * passes
+        if train.tp_comm_overlap:  # userbuffers: the collectives run in chunks under the GEMMs
+            comm = overlapped(comm, fwd["gemm"] + fwd["gemm_backward"], hw.gpu)
+        out["tp"] = comm
+    if cp > 1:
+        kv = BF16 * 2 * b * (train.seq_length // cp) * max(1, model.groups // t) * model.head_dim
+        hop = collective_time("send_recv", kv, 2, _link("cp", layout, hw))
+        block = fwd["attention"] / cp
+        out["cp"] = (cp - 1) * (overlapped(hop, block, hw.gpu) + overlapped(2 * hop, BACKWARD_FACTOR * block, hw.gpu))
+    if model.num_experts is not None and layout.ep > 1 and model.num_moe_layers:
+        routed = BF16 * tokens // t * model.moe_router_topk * h
+        share = model.num_moe_layers / model.num_layers  # per layer, averaged like layer_forward
+        out["ep"] = share * 4 * collective_time("all_to_all", routed, layout.ep, _link("ep", layout, hw))
+    return out
+
+
+def forward_flops(model, seq_length: int) -> dict[str, float]:
+    """Matmul FLOPs of one sequence's forward, by part: the layers' weights (2 per weight per token, active
+    experts only), the attention core (q kᵀ and probabilities x v over the full s x s square, Megatron's
+    convention) and the logit layer."""
+    s, h, L = seq_length, model.hidden_size, model.num_layers
+    attention = model.attention_params()
+    dense_mlp = model.mlp_params(model.ffn_hidden_size)
+    moe_layers = model.num_moe_layers
+    if moe_layers:
+        moe_mlp = (model.moe_router_topk * model.mlp_params(model.moe_ffn_hidden_size)
+                   + model.mlp_params(model.moe_shared_expert_intermediate_size or 0) + model.num_experts * h)
+    else:
+        moe_mlp = 0.0
+    weights = (L - moe_layers) * (attention + dense_mlp) + moe_layers * (attention + moe_mlp)
+    if model.kv_lora_rank is None:
+        qk = v = model.head_dim
+    else:
+        qk, v = model.qk_head_dim + model.qk_pos_emb_head_dim, model.v_head_dim
+    return {"layers": 2 * weights * s, "attention": 2 * s * s * model.num_attention_heads * (qk + v) * L,
+            "logits": 2 * model.vocab_size * h * s}
+
+
+def model_flops(model, train, num_sequences: int) -> float:
+    """Forward + backward (3x the forward) over `num_sequences`: Megatron's model FLOPs, which for GPT
+    are Korthikanti et al. 2022, Eq. 7: 72 B s l h² (1 + s/(6h) + V/(12 h l))."""
+    return 3 * sum(forward_flops(model, train.seq_length).values()) * num_sequences
+
+
+def recomputed_flops(model, train, num_sequences: int) -> float:
+    """FLOPs activation recomputation adds: the layers' forward ("full") or the attention core's
+    forward ("selective", unless FlashAttention, which never stored the scores)."""
+    f = forward_flops(model, train.seq_length)
+    extra = {"full": f["layers"] + f["attention"], "none": 0.0,
+             "selective": 0.0 if train.flash_attention else f["attention"]}[train.recompute]
+    return extra * num_sequences
+
+
+def step_time(model, layout, train, hw: Hardware | str | None = None) -> StepTime:
+    """The step's seconds on the slowest GPU (the last pipeline stage: its layers and the logit layer).
+    The layout is taken as valid (planner.check_layout says why one is not)."""
+    hw = hardware(hw if hw is not None else train.hardware)
+    gpu, t, p, v = hw.gpu, layout.tp, layout.pp, layout.vpp
+    m, rest = divmod(train.global_batch_size, train.micro_batch_size * layout.dp)  # micro-batches per step
+    if rest or not m:
+        raise ValueError(f"global batch {train.global_batch_size} is not a whole number of micro-batches "
+                         f"({train.micro_batch_size}) times dp={layout.dp}")
+    layers = model.num_layers / p
+    fwd = layer_forward(model, layout, train, hw)
+    layer_fwd = fwd["gemm"] + fwd["attention"] + fwd["elementwise"]
+    attention_bwd = (FLASH_BACKWARD_FACTOR if train.flash_attention else BACKWARD_FACTOR) * fwd["attention"]
+    layer_bwd = fwd["gemm_backward"] + BACKWARD_FACTOR * fwd["elementwise"] + attention_bwd
+    recompute = {"full": layer_fwd, "selective": fwd["core_attention"], "none": 0.0}[train.recompute]
+    tokens = train.micro_batch_size * train.seq_length // layout.cp
+    logits = gemm_time(tokens, model.vocab_size // t, model.hidden_size, gpu) * (1 + BACKWARD_FACTOR) \
+        + elementwise_time(3 * 4 * tokens * model.vocab_size / t, gpu)  # fp32 softmax cross-entropy
+    comm = layer_comm(model, layout, train, hw, fwd)
+    mb_compute = layers * (layer_fwd + layer_bwd) + logits
+    mb_recompute = layers * recompute
+    mb_comm = {k: layers * c for k, c in comm.items()}
+    t_mb = mb_compute + mb_recompute + sum(mb_comm.values())
+    exposed = {k: m * c for k, c in mb_comm.items()}
+
+    # pipeline: one activation forward and one gradient backward per micro-batch and model chunk,
+    # scattered over the tp ranks (Narayanan 2021, Section 4.1) and received before the stage can run
+    exposed["pp"] = 0.0
+    if p > 1:
+        hop = collective_time("send_recv", BF16 * tokens * model.hidden_size / t, 2, _link("pp", layout, hw))
+        exposed["pp"] = 2 * m * v * hop
+
+    exposed["dp"] = _data_parallel(model, layout, train, hw, m, mb_compute / (1 + BACKWARD_FACTOR), t_mb)
+    optimizer = elementwise_time(ADAM_BYTES_PER_PARAM * _optimizer_params(model, layout, train), gpu)
+
+    sequences = train.global_batch_size
+    flops = model_flops(model, train, sequences)
+    return StepTime(compute=m * mb_compute, recompute=m * mb_recompute, bubble=bubble(p, m, v) * m * t_mb,
+                    comm=exposed, optimizer=optimizer, model_flops=flops,
+                    hardware_flops=flops + recomputed_flops(model, train, sequences),
+                    num_gpus=layout.world_size, peak_flops=gpu.peak_flops,
+                    per_microbatch={"compute": mb_compute, "recompute": mb_recompute, **mb_comm})
+
+
+ADAM_BYTES_PER_PARAM = 4 * 4 + 3 * 4 + 2  # read fp32 param, grad, m, v; write param, m, v; write the bf16 copy
+
+
+def _params_on_gpu(model, layout) -> tuple[float, float]:
+    """(dense, expert) parameters on a GPU of the first stage: its layers' dense weights / tp, its experts
+    / (ep·etp), the word embedding / tp."""
+    per_layer, layers = model.layer_params(), model.num_layers / layout.pp
+    dense = layers * per_layer["dense"] / layout.tp + model.embedding_params() / layout.tp
+    return dense, layers * per_layer["expert"] / (layout.ep * layout.etp)
+
+
+def _optimizer_params(model, layout, train) -> float:
+    """Parameters this GPU's Adam updates: all it holds, or its shard with the distributed optimizer
+    (dense parameters over dp·cp, experts over the expert-data-parallel group tp·cp·dp/(ep·etp))."""
+    dense, expert = _params_on_gpu(model, layout)
+    if train.use_distributed_optimizer or train.zero_stage == 3:
+        dense /= layout.dp * layout.cp
+        expert /= layout.tp * layout.cp * layout.dp // (layout.ep * layout.etp)
+    return dense + expert
+
+
+def _data_parallel(model, layout, train, hw: Hardware, m: int, mb_forward: float, t_mb: float) -> float:
+    """Exposed seconds of data-parallel communication.
+
+    Megatron: one gradient all-reduce (distributed optimizer: reduce-scatter, then an all-gather of the
+    updated bf16 params) per step over dp·cp. overlap_grad_reduce hides it behind the last micro-batch's
+    backward, overlap_param_gather behind the next step's first forward. ZeRO-3 (zero_stage=3, as
+    DeepSpeed): every micro-batch gathers the params for its forward (and recomputed forward) and its
+    backward and reduce-scatters its grads, prefetched under that micro-batch's compute.
+    """
+    d = layout.dp * layout.cp
+    if d == 1:
+        return 0.0
+    link = _link("dp", layout, hw)
+    params = sum(_params_on_gpu(model, layout))
+    if train.zero_stage == 3:
+        gathers = 2 + (1 if train.recompute == "full" else 0)
+        per_mb = (gathers * collective_time("all_gather", train.param_bytes * params, d, link)
+                  + collective_time("reduce_scatter", train.grad_bytes * params, d, link))
+        return m * overlapped(per_mb, t_mb, hw.gpu)
+    backward = BACKWARD_FACTOR * mb_forward
+    if train.use_distributed_optimizer:
+        grads = collective_time("reduce_scatter", train.grad_bytes * params, d, link)
+        gather = collective_time("all_gather", train.param_bytes * params, d, link)
+    else:
+        grads, gather = collective_time("all_reduce", train.grad_bytes * params, d, link), 0.0
+    if train.overlap_grad_reduce:
+        grads = overlapped(grads, backward, hw.gpu)
+    if train.overlap_param_gather:
+        gather = overlapped(gather, mb_forward, hw.gpu)
+    return grads + gather

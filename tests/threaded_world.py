@@ -1,0 +1,263 @@
+"""A world of N ranks as N threads of this process: fast, focused checks of multi-rank exercises.
+
+The exercise tests check each multi-rank exercise FIRST here, in a fraction of a second (no torchrun, no
+process start-up), so a wrong answer is named at once; the real multi-process launches (gloo, real
+torchrun) come after, in the same test files. `torch.distributed`'s functions that the exercises call
+are swapped, for the duration of `run`, for thread-aware stand-ins (the way megalab/extras/p2p_model.py
+records streams):
+
+    point-to-point   isend, irecv, send, recv, P2POp, batch_isend_irecv   (gloo-like: sends never block;
+                     FIFO per (src, dst, tag); use p2p_model to check NCCL's stricter rules)
+    collectives      all_gather, all_to_all_single, all_reduce, barrier
+    queries          get_rank, get_world_size, get_process_group_ranks, get_global_rank, get_backend, ...
+
+Nothing can hang: every wait has a timeout, and `run` raises `WorldStuck` naming what each stuck rank was
+waiting for ("rank 1: irecv from rank 0 (tag 0), never sent"), which a test turns into a named mistake.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections import deque
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+
+class WorldStuck(RuntimeError):
+    """Some rank waited longer than the timeout; `stuck` maps rank -> what it waited for."""
+
+    def __init__(self, stuck: dict[int, str]):
+        super().__init__("; ".join(f"rank {r}: {what}" for r, what in sorted(stuck.items())))
+        self.stuck = stuck
+
+
+class Group:
+    """A process group of the threaded world: its global ranks, in group order."""
+
+    def __init__(self, ranks: list[int]):
+        self.ranks = list(ranks)
+
+    def size(self) -> int:
+        return len(self.ranks)
+
+    def __repr__(self) -> str:
+        return f"<threaded group {self.ranks}>"
+
+
+class _Request:
+    def __init__(self, wait: Callable[[], None] | None = None):
+        self._wait, self.done = wait, wait is None
+
+    def wait(self, *args, **kwargs) -> bool:
+        if not self.done:
+            self._wait()
+            self.done = True
+        return True
+
+    def is_completed(self) -> bool:
+        return self.done
+
+
+class _P2POp:
+    def __init__(self, op, tensor, peer=None, group=None, tag=0, group_peer=None):
+        self.op, self.tensor, self.group, self.tag = op, tensor, group, tag
+        self.peer = peer if peer is not None else group.ranks[group_peer]
+
+
+class World:
+    """N ranks as threads; `run(fn)` calls fn(rank, world_group) on every rank and returns {rank: result}."""
+
+    def __init__(self, size: int, timeout: float = 20.0):
+        self.size, self.timeout = size, timeout
+        self.world = Group(list(range(size)))
+        self._local = threading.local()
+        self._cond = threading.Condition()
+        self._mail: dict[tuple, deque] = {}  # (src, dst, tag) -> sent tensors, in order
+        self._slots: dict[tuple, dict] = {}  # (group ranks, call number) -> {rank: contribution}
+        self._calls: dict[tuple, int] = {}  # (rank, group ranks) -> collectives this rank called on the group
+        self._waiting: dict[int, str] = {}
+        self._failed = False
+        self.log: list[tuple] = []  # (rank, collective, its arguments) of the collectives called, for diagnosis
+
+    # ------------------------------------------------------------------ helpers
+    @property
+    def rank(self) -> int:
+        return self._local.rank
+
+    def _group(self, group) -> Group:
+        return self.world if group is None or group is dist.group.WORLD else group
+
+    def _wait_for(self, ready: Callable[[], bool], what: str) -> None:
+        with self._cond:
+            self._waiting[self.rank] = what
+            if not self._cond.wait_for(lambda: ready() or self._failed, timeout=self.timeout) or self._failed:
+                self._failed = True
+                self._cond.notify_all()
+                raise TimeoutError(what)
+            del self._waiting[self.rank]
+
+    # ------------------------------------------------------------------ point to point
+    def _send(self, tensor, dst, tag):
+        if not 0 <= dst < self.size or dst == self.rank:
+            raise ValueError(f"rank {self.rank} sends to rank {dst} in a world of {self.size}")
+        with self._cond:
+            self._mail.setdefault((self.rank, dst, tag), deque()).append(tensor.detach().clone())
+            self._cond.notify_all()
+        return _Request()
+
+    def _recv(self, tensor, src, tag):
+        if not 0 <= src < self.size or src == self.rank:
+            raise ValueError(f"rank {self.rank} receives from rank {src} in a world of {self.size}")
+        key, me = (src, self.rank, tag), self.rank
+
+        def wait():
+            self._wait_for(lambda: bool(self._mail.get(key)), f"irecv from rank {src} (tag {tag}): never sent")
+            with self._cond:
+                message = self._mail[key].popleft()
+            if message.shape != tensor.shape or message.dtype != tensor.dtype:
+                raise RuntimeError(f"rank {me} receives a {tuple(tensor.shape)} {tensor.dtype} buffer from rank {src}, "
+                                   f"which sent {tuple(message.shape)} {message.dtype}")
+            with torch.no_grad():
+                tensor.copy_(message)
+
+        return _Request(wait)
+
+    # ------------------------------------------------------------------ collectives
+    def _exchange(self, group: Group, contribution, what: str) -> dict:
+        """Every rank of `group` deposits its contribution; returns them all, {group rank: contribution}."""
+        ranks = tuple(group.ranks)
+        with self._cond:
+            n = self._calls.get((self.rank, ranks), 0)
+            self._calls[(self.rank, ranks)] = n + 1
+            slot = self._slots.setdefault((ranks, n), {})
+            slot[ranks.index(self.rank)] = contribution
+            self._cond.notify_all()
+        self._wait_for(lambda: len(slot) == len(ranks), f"{what} on ranks {list(ranks)}: not every rank joined")
+        return slot
+
+    def namespace(self) -> dict:
+        world = self
+
+        def get_rank(group=None):
+            group = world._group(group)
+            return group.ranks.index(world.rank) if world.rank in group.ranks else -1
+
+        def isend(tensor, dst=None, group=None, tag=0, group_dst=None):
+            return world._send(tensor, dst if dst is not None else world._group(group).ranks[group_dst], tag)
+
+        def irecv(tensor, src=None, group=None, tag=0, group_src=None):
+            return world._recv(tensor, src if src is not None else world._group(group).ranks[group_src], tag)
+
+        def send(tensor, dst=None, group=None, tag=0, group_dst=None):
+            isend(tensor, dst, group, tag, group_dst).wait()
+
+        def recv(tensor, src=None, group=None, tag=0, group_src=None):
+            irecv(tensor, src, group, tag, group_src).wait()
+
+        def batch_isend_irecv(ops):
+            sends = [o for o in ops if o.op in (isend, dist.isend)]  # sends first: a batch never waits on itself
+            requests = {id(o): world._send(o.tensor, o.peer, o.tag) for o in sends}
+            requests.update({id(o): world._recv(o.tensor, o.peer, o.tag) for o in ops if id(o) not in requests})
+            return [requests[id(o)] for o in ops]
+
+        def all_gather(tensor_list, tensor, group=None, async_op=False):
+            world.log.append((world.rank, "all_gather", dict(size=len(tensor_list))))
+            got = world._exchange(world._group(group), tensor.detach().clone(), "all_gather")
+            with torch.no_grad():
+                for i, t in enumerate(tensor_list):
+                    t.copy_(got[i])
+            return _Request() if async_op else None
+
+        def all_reduce(tensor, op=None, group=None, async_op=False):
+            got = world._exchange(world._group(group), tensor.detach().clone(), "all_reduce")
+            with torch.no_grad():
+                tensor.copy_(torch.stack([got[i] for i in sorted(got)]).sum(0))
+            return _Request() if async_op else None
+
+        def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=None, group=None,
+                              async_op=False):
+            group = world._group(group)
+            n, me = len(group.ranks), group.ranks.index(world.rank)
+            ins = list(input_split_sizes) if input_split_sizes is not None else [input.shape[0] // n] * n
+            outs = list(output_split_sizes) if output_split_sizes is not None else [output.shape[0] // n] * n
+            world.log.append((world.rank, "all_to_all_single", dict(output_split_sizes=outs, input_split_sizes=ins)))
+            got = world._exchange(group, (list(torch.split(input.detach(), ins)), outs), "all_to_all_single")
+            pieces = []
+            for src in range(n):
+                piece, expected = got[src][0][me], outs[src]
+                if piece.shape[0] != expected:
+                    raise RuntimeError(f"all_to_all_single: rank {group.ranks[me]} expects {expected} rows from rank "
+                                       f"{group.ranks[src]}, which sends {piece.shape[0]} (output_split_sizes of one "
+                                       "rank must equal the input_split_sizes the others send it)")
+                pieces.append(piece)
+            with torch.no_grad():
+                output.copy_(torch.cat(pieces))
+            return _Request() if async_op else None
+
+        def barrier(group=None, async_op=False, device_ids=None):
+            world._exchange(world._group(group), None, "barrier")
+            return _Request() if async_op else None
+
+        return dict(
+            get_rank=get_rank, get_world_size=lambda group=None: len(world._group(group).ranks),
+            get_process_group_ranks=lambda group: list(world._group(group).ranks),
+            get_global_rank=lambda group, group_rank: world._group(group).ranks[group_rank],
+            get_group_rank=lambda group, global_rank: world._group(group).ranks.index(global_rank),
+            get_backend=lambda group=None: "gloo", is_initialized=lambda: True, is_available=lambda: True,
+            isend=isend, irecv=irecv, send=send, recv=recv, P2POp=_P2POp, batch_isend_irecv=batch_isend_irecv,
+            all_gather=all_gather, all_reduce=all_reduce, all_to_all_single=all_to_all_single, barrier=barrier,
+        )
+
+    # ------------------------------------------------------------------ running
+    @contextlib.contextmanager
+    def installed(self):
+        """torch.distributed's functions swapped for this world's, restored afterwards."""
+        saved = {name: getattr(dist, name, None) for name in self.namespace()}
+        try:
+            for name, value in self.namespace().items():
+                setattr(dist, name, value)
+            yield self
+        finally:
+            for name, value in saved.items():
+                setattr(dist, name, value)
+
+    def run(self, fn: Callable[[int, Group], object]) -> dict[int, object]:
+        """fn(rank, world group) on every rank, each in its thread; {rank: what it returned}. Raises WorldStuck
+        when a rank waited too long, else the first rank's exception (with `.rank` set)."""
+        results, errors, stuck = {}, {}, {}
+
+        def body(rank):
+            self._local.rank = rank
+            try:
+                results[rank] = fn(rank, self.world)
+            except TimeoutError as e:
+                stuck[rank] = str(e)
+            except BaseException as e:  # noqa: BLE001  (handed to the caller below)
+                errors[rank] = e
+                with self._cond:
+                    self._failed = True
+                    self._cond.notify_all()
+
+        with self.installed():
+            threads = [threading.Thread(target=body, args=(r,), daemon=True) for r in range(self.size)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(self.timeout * 3)
+        alive = [r for r, t in enumerate(threads) if t.is_alive()]
+        if errors:
+            rank = min(errors)
+            errors[rank].rank = rank
+            raise errors[rank]
+        if stuck or alive:
+            stuck.update({r: self._waiting.get(r, "still running") for r in alive})
+            raise WorldStuck(stuck)
+        return results
+
+
+def run(size: int, fn: Callable[[int, Group], object], timeout: float = 20.0) -> dict[int, object]:
+    """World(size, timeout).run(fn)."""
+    return World(size, timeout).run(fn)
