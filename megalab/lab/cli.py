@@ -90,7 +90,7 @@ def _grade(args: argparse.Namespace) -> int:
 
 def _translate(args: argparse.Namespace) -> int:
     from megalab.lab.exercises import find_root
-    from megalab.lab.translate import GENERATED, TranslationError, build, status, stub
+    from megalab.lab.translate import GENERATED, TranslationError, build, glossary, glossary_problems, status, stub
 
     root = find_root()
     try:
@@ -104,17 +104,24 @@ def _translate(args: argparse.Namespace) -> int:
             print(f"wrote {len(written)} notebook(s) under {out}")
             return 0
         rows = status(root, args.lang, args.notebooks or None)
+        problems, terms = glossary_problems(root, args.lang, args.notebooks or None), glossary(root, args.lang)
     except TranslationError as exc:
         print(f"megalab translate: {exc}", file=sys.stderr)
         return 2
-    total = sum(r.cells for r in rows)
-    done = sum(r.done for r in rows)
     for r in rows:
         flag = "ok" if r.ok else f"{len(r.missing)} missing, {len(r.stale)} stale" + (
             f", {len(r.orphans)} orphaned" if r.orphans else "")
-        print(f"{r.notebook:70} {r.done:>3} / {r.cells:<3} {flag}")
-    print(f"\n{done} of {total} markdown cells translated and current ({args.lang})")
-    return 0 if all(r.ok for r in rows) else 1
+        print(f"{r.notebook:66} {r.done:>3} / {r.cells:<3} {r.exercises_done:>2} / {r.exercises:<2} {flag}")
+        for key in r.missing + r.stale + r.orphans:
+            if args.notebooks:  # asked about these notebooks: name each section to (re)translate
+                state = "missing" if key in r.missing else "stale" if key in r.stale else "orphaned (cell gone)"
+                print(f"    {key}: {state}")
+    for line in problems:
+        print(f"glossary: {line}")
+    print(f"\n{sum(r.done for r in rows)} of {sum(r.cells for r in rows)} markdown cells and "
+          f"{sum(r.exercises_done for r in rows)} of {sum(r.exercises for r in rows)} exercises (task and hints) "
+          f"translated and current ({args.lang}); glossary: {len(terms)} terms, {len(problems)} miss(es)")
+    return 0 if all(r.ok for r in rows) and not problems else 1
 
 
 def _hint(args: argparse.Namespace) -> int:

@@ -1,14 +1,19 @@
 """Translations of the course, kept in step with the English: one source of truth, generated notebooks.
 
 The English notebooks are the source. A translation is a Markdown file per notebook beside the glossary,
-course/<lang>/<chapter>/<notebook>.md, one section per markdown cell of the English notebook:
+course/<lang>/<chapter>/<notebook>.md, one section per markdown cell of the English notebook, then one per
+exercise the notebook teaches (its task and hints, as `megalab student --lang` writes them into the code):
 
     <!-- cell 5f3a1c2e · en 9b1d0c44e2a7 -->
-    ## 数据并行 (data parallelism)
+    ## 数据并行
     每个 rank 持有完整的模型 ...
 
-`cell` is the English cell's id, `en` the first 12 hex digits of the SHA-256 of its source when it was
-translated. `megalab translate status` lists what is missing or stale (the English changed since);
+    <!-- exercise dp.bucket_grads · en 41c0aa9e07d3 -->
+    task: 把每个参数的梯度 ...
+    hint 1: ...
+
+`cell` is the English cell's id (an exercise's is its id), `en` the first 12 hex digits of the SHA-256 of
+the English text when it was translated. `megalab translate status` lists what is missing or stale (the English changed since);
 `megalab translate build` writes the translated notebooks: the English notebook with each markdown
 cell's source replaced, code cells and their outputs untouched, so they are graded exactly like the
 English ones. `megalab translate stub NOTEBOOK` appends a section (the English text, to be replaced)
@@ -25,7 +30,9 @@ from pathlib import Path
 
 LANGS = {"zh": "简体中文"}
 COURSE = "course"
-_SECTION = re.compile(r"^<!-- cell (?P<id>[\w-]+) · en (?P<sha>[0-9a-f]{12}) -->[ \t]*$", re.MULTILINE)
+_SECTION = re.compile(r"^<!-- (?P<kind>cell|exercise) (?P<id>[\w.-]+) · en (?P<sha>[0-9a-f]{12}) -->[ \t]*$",
+                      re.MULTILINE)
+_EXERCISE_LINE = re.compile(r"^(?:task|hint (?P<level>\d+)):[ \t]*(?P<text>.*)$")
 GENERATED = "build/{lang}"  # where `build` writes the translated course (a tree like the repository's)
 
 
@@ -39,9 +46,14 @@ def en_hash(source: str) -> str:
 
 @dataclass
 class Section:
-    cell: str
+    cell: str  # the English cell's id, or the exercise's
     en: str  # hash of the English source it translates
     text: str
+    kind: str = "cell"  # or "exercise"
+
+    @property
+    def key(self) -> str:
+        return self.cell if self.kind == "cell" else f"exercise {self.cell}"
 
 
 @dataclass
@@ -49,13 +61,20 @@ class NotebookStatus:
     notebook: str  # the English notebook, relative to the root
     cells: int  # markdown cells in the English notebook
     done: int  # translated and current
-    missing: list[str] = field(default_factory=list)  # cell ids without a translation
+    missing: list[str] = field(default_factory=list)  # cell ids without a translation ("exercise ID" for one)
     stale: list[str] = field(default_factory=list)  # cell ids whose English changed since
     orphans: list[str] = field(default_factory=list)  # sections for cells the notebook no longer has
+    exercises: int = 0  # exercises the notebook teaches
+    exercises_done: int = 0
 
     @property
     def ok(self) -> bool:
         return not (self.missing or self.stale or self.orphans)
+
+
+def _todo(s: Section, lang: str) -> bool:
+    """A section `stub` wrote and nobody has translated yet."""
+    return re.search(rf"^TODO\({lang}\):", s.text, re.MULTILINE) is not None
 
 
 def _check_lang(lang: str) -> None:
@@ -80,16 +99,80 @@ def read_sections(path: Path) -> dict[str, Section]:
     sections = {}
     for m, nxt in zip(marks, marks[1:] + [None]):
         body = text[m.end() : nxt.start() if nxt else len(text)].strip("\n")
-        if m["id"] in sections:
-            raise TranslationError(f"{path}: cell {m['id']} is translated twice; keep one section")
-        sections[m["id"]] = Section(m["id"], m["sha"], body)
+        s = Section(m["id"], m["sha"], body, m["kind"])
+        if s.key in sections:
+            raise TranslationError(f"{path}: {m['kind']} {m['id']} is translated twice; keep one section")
+        sections[s.key] = s
     return sections
 
 
 def write_sections(path: Path, sections: list[Section]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("\n\n".join(f"<!-- cell {s.cell} · en {s.en} -->\n{s.text.strip()}" for s in sections) + "\n",
-                    encoding="utf-8")
+    path.write_text("\n\n".join(f"<!-- {s.kind} {s.cell} · en {s.en} -->\n{s.text.strip()}" for s in sections)
+                    + "\n", encoding="utf-8")
+
+
+# --------------------------------------------------------------------------- exercises: task and hints
+
+
+def exercise_english(ex) -> str:
+    """An exercise's text as its translation section holds it: `task:` then `hint n:` lines."""
+    return "\n".join([f"task: {ex.task}"] + [f"hint {i}: {h}" for i, h in enumerate(ex.hints, 1)])
+
+
+def parse_exercise(text: str, where: str, levels: int) -> tuple[str, list[str]]:
+    """`task: ...` / `hint n: ...` lines (a line that starts with neither continues the one above)."""
+    task, hints = None, []
+    for line in text.strip().splitlines():
+        m = _EXERCISE_LINE.match(line)
+        if m is None and (task is not None) and line.strip():
+            if hints:
+                hints[-1] += " " + line.strip()
+            else:
+                task += " " + line.strip()
+            continue
+        if m is None:
+            continue
+        if m["level"] is None:
+            task = m["text"].strip()
+        elif int(m["level"]) != len(hints) + 1:
+            raise TranslationError(f"{where}: `hint {m['level']}` comes after {len(hints)} hint(s); number them 1, 2, ...")
+        else:
+            hints.append(m["text"].strip())
+    if not task:
+        raise TranslationError(f"{where}: no `task:` line")
+    if len(hints) != levels:
+        raise TranslationError(f"{where}: {len(hints)} hint(s), the English has {levels}; translate each level")
+    return task, hints
+
+
+def _exercises_by_notebook(root: Path) -> dict[str, list]:
+    from megalab.lab.exercises import load
+
+    out: dict[str, list] = {}
+    for ex in load(root).exercises.values():
+        if ex.notebook:
+            out.setdefault(ex.notebook, []).append(ex)
+    return out
+
+
+def exercise_translations(root: Path, lang: str, allow_missing: bool = False) -> dict[str, tuple[str, list[str]]]:
+    """{exercise id: (task, hints)} in `lang`, for every exercise (stale or missing ones raise, or are left out)."""
+    _check_lang(lang)
+    out = {}
+    for notebook, exercises in _exercises_by_notebook(root).items():
+        path = source_of(root, notebook, lang)
+        sections = read_sections(path)
+        for ex in exercises:
+            s = sections.get(f"exercise {ex.id}")
+            if s is None or s.en != en_hash(exercise_english(ex)) or _todo(s, lang):
+                if allow_missing:
+                    continue
+                why = "has no translation" if s is None else "changed since it was translated"
+                raise TranslationError(f"exercise {ex.id} (task or hints) {why}; run `megalab translate stub "
+                                       f"{notebook}` and translate it in {path.relative_to(root)}")
+            out[ex.id] = parse_exercise(s.text, f"{path.relative_to(root)}: exercise {ex.id}", len(ex.hints))
+    return out
 
 
 def _markdown_cells(nb) -> list:
@@ -118,13 +201,23 @@ def status(root: Path, lang: str, notebooks: list[str] | None = None) -> list[No
         st = NotebookStatus(rel, len(cells), 0)
         for c in cells:
             s = sections.get(c.id)
-            if s is None or s.text.startswith(f"TODO({lang})"):
+            if s is None or _todo(s, lang):
                 st.missing.append(c.id)
             elif s.en != en_hash(c.source):
                 st.stale.append(c.id)
             else:
                 st.done += 1
-        st.orphans = sorted(set(sections) - {c.id for c in cells})
+        exercises = _exercises_by_notebook(root).get(rel, [])
+        for ex in exercises:
+            s = sections.get(f"exercise {ex.id}")
+            if s is None or _todo(s, lang):
+                st.missing.append(f"exercise {ex.id}")
+            elif s.en != en_hash(exercise_english(ex)):
+                st.stale.append(f"exercise {ex.id}")
+            else:
+                st.exercises_done += 1
+        st.exercises = len(exercises)
+        st.orphans = sorted(set(sections) - {c.id for c in cells} - {f"exercise {ex.id}" for ex in exercises})
         out.append(st)
     return out
 
@@ -138,7 +231,7 @@ def translated(root: Path, notebook: str, lang: str, allow_missing: bool = False
     sections = read_sections(source_of(root, notebook, lang))
     for c in _markdown_cells(nb):
         s = sections.get(c.id)
-        if s is None or s.en != en_hash(c.source) or s.text.startswith(f"TODO({lang})"):
+        if s is None or s.en != en_hash(c.source) or _todo(s, lang):
             if allow_missing:
                 continue
             why = "has no translation" if s is None else "changed since it was translated"
@@ -148,6 +241,67 @@ def translated(root: Path, notebook: str, lang: str, allow_missing: bool = False
     nb.metadata["language_info_human"] = LANGS[lang]
     nb.metadata.setdefault("megalab", {})["translated_from"] = notebook
     return nb
+
+
+# --------------------------------------------------------------------------- the glossary
+
+GLOSSARY = "course/{lang}/GLOSSARY.md"
+_ROW = re.compile(r"^\|\s*(?P<en>[^|]+?)\s*\|\s*(?P<tr>[^|]+?)\s*\|")
+_NOT_PROSE = re.compile(r"```.*?```|`[^`\n]*`|\]\([^)]*\)|<!--.*?-->|https?://\S+|\$[^$\n]+\$", re.DOTALL)
+
+
+@dataclass
+class Term:
+    english: list[str]  # alternatives
+    translation: str
+
+    @property
+    def pattern(self) -> re.Pattern:
+        words = "|".join(r"[ -]?".join(map(re.escape, re.split(r"[ -]", alt))) for alt in self.english)
+        return re.compile(rf"(?<!\w)(?:{words})(?:s|es|ism|isms)?(?!\w)", re.IGNORECASE)
+
+
+def glossary(root: Path, lang: str) -> list[Term]:
+    """The glossary's terms: the table rows `| English / alternative | translation | note |`."""
+    path = root / GLOSSARY.format(lang=lang)
+    if not path.is_file():
+        raise TranslationError(f"{path.relative_to(root)} is missing; the translation's terms are fixed there")
+    terms = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        m = _ROW.match(line)
+        if m and not set(m["en"]) <= set("-: ") and m["en"] != "English":
+            terms.append(Term([alt.strip() for alt in m["en"].split(" / ")], m["tr"]))
+    return terms
+
+
+def _squash(text: str) -> str:
+    return re.sub(r"[\s-]", "", text.lower())
+
+
+def glossary_misses(terms: list[Term], english: str, translation: str) -> list[str]:
+    """The glossary terms `english` uses in prose whose fixed translation `translation` lacks."""
+    prose, target = _NOT_PROSE.sub(" ", english), _squash(translation)
+    return [f"{t.pattern.search(prose)[0]!r} -> {t.translation}" for t in terms
+            if t.pattern.search(prose) and _squash(t.translation) not in target]
+
+
+def glossary_problems(root: Path, lang: str, notebooks: list[str] | None = None) -> list[str]:
+    """Every current translation that leaves a glossary term out: `notebook: cell ID: 'term' -> 译法`."""
+    import nbformat
+
+    terms, problems = glossary(root, lang), []
+    by_notebook = _exercises_by_notebook(root)
+    for rel in notebooks or english_notebooks(root):
+        sections = read_sections(source_of(root, rel, lang))
+        pairs = [(c.id, c.source) for c in _markdown_cells(nbformat.read(root / rel, as_version=4))]
+        pairs += [(f"exercise {ex.id}", exercise_english(ex)) for ex in by_notebook.get(rel, [])]
+        for key, english in pairs:
+            s = sections.get(key)
+            if s is None or _todo(s, lang) or s.en != en_hash(english):
+                continue  # missing or stale: `status` says so
+            problems += [f"{rel}: {'cell ' if s.kind == 'cell' else ''}{key}: {miss}"
+                         for miss in glossary_misses(terms, english, s.text)]
+    return problems
 
 
 def build(root: Path, lang: str, out: Path | None = None, allow_missing: bool = False) -> list[Path]:
@@ -179,6 +333,13 @@ def stub(root: Path, notebook: str, lang: str) -> int:
         if s is None or s.en != en_hash(c.source):
             note = "" if s is None else f"<!-- was: {json.dumps(s.text[:60], ensure_ascii=False)} -->\n"
             s = Section(c.id, en_hash(c.source), f"{note}TODO({lang}):\n{c.source}")
+            added += 1
+        ordered.append(s)
+    for ex in _exercises_by_notebook(root).get(notebook, []):
+        s, english = sections.get(f"exercise {ex.id}"), exercise_english(ex)
+        if s is None or s.en != en_hash(english):
+            note = "" if s is None else f"<!-- was: {json.dumps(s.text[:60], ensure_ascii=False)} -->\n"
+            s = Section(ex.id, en_hash(english), f"{note}TODO({lang}):\n{english}", "exercise")
             added += 1
         ordered.append(s)
     write_sections(path, ordered)
