@@ -10,6 +10,18 @@ PORT ?= 8888
 ROOT_FLAG := $(if $(filter 0,$(shell id -u)),--allow-root,)
 FIRST_NOTEBOOK := course/01_foundations/01_setup_and_torchrun.ipynb
 WORKSPACE_DIR ?= $(HOME)/megalab-workspace
+# The course's language: `make lab LANG=zh` (or COURSE_LANG=zh) for 简体中文. LANG given on the command line is
+# taken for the course and not passed on as the locale (the recipes run with C.UTF-8 then).
+ifeq ($(origin LANG),command line)
+COURSE_LANG := $(LANG)
+override LANG := C.UTF-8
+export LANG
+endif
+COURSE_LANG ?= en
+LANG_FLAG := $(if $(filter-out en,$(COURSE_LANG)),--lang $(COURSE_LANG),)
+# In the reference repository a translated course is generated under build/<lang>/ (megalab translate build);
+# a workspace made with --lang already holds its translated notebooks in course/.
+LAB_DIR := $(if $(and $(filter-out en,$(COURSE_LANG)),$(if $(WORKSPACE),,1)),build/$(COURSE_LANG)/,)
 
 .PHONY: setup lab workspace test unit nbval notebooks student grade bench lint clean gpu-test
 
@@ -31,12 +43,15 @@ $(STAMP): pyproject.toml
 # JupyterLab at the root of this tree (course/ and megalab/ side by side), on the first notebook; the kernel
 # and every rank import this tree's megalab (PYTHONPATH), `megalab` is on the terminal's PATH.
 lab: setup
+ifneq ($(LAB_DIR),)
+	$(VENV)/bin/megalab translate build --lang $(COURSE_LANG)
+endif
 	PYTHONPATH=$(CURDIR) PATH=$(abspath $(VENV))/bin:$$PATH $(VENV)/bin/jupyter lab --ServerApp.root_dir=. \
-		--LabApp.default_url=/lab/tree/$(FIRST_NOTEBOOK) --ip=127.0.0.1 --port=$(PORT) $(ROOT_FLAG)
+		--LabApp.default_url=/lab/tree/$(LAB_DIR)$(FIRST_NOTEBOOK) --ip=127.0.0.1 --port=$(PORT) $(ROOT_FLAG)
 
 # Learners start here: your own copy of the course with every exercise blank, in seconds (DIR=... to choose).
 workspace: setup
-	$(VENV)/bin/megalab workspace $(or $(DIR),$(WORKSPACE_DIR))
+	$(VENV)/bin/megalab workspace $(or $(DIR),$(WORKSPACE_DIR)) $(LANG_FLAG)
 
 # Every unit test and every notebook under strict nbval (outputs must match the committed ones), on two
 # pytest workers: a multi-rank test spends about half its time waiting (rank start-up, rendezvous, I/O), so
@@ -61,7 +76,7 @@ notebooks: setup
 	$(VENV)/bin/megalab notebooks course
 
 student: setup
-	$(VENV)/bin/megalab student $(or $(DIR),../megalab-student)
+	$(VENV)/bin/megalab student $(or $(DIR),../megalab-student) $(LANG_FLAG)
 
 # Per-exercise table for this tree (a workspace or the reference): ID=dist.shard_bounds, CHAPTER=01, or all.
 grade: setup

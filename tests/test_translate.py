@@ -1,6 +1,8 @@
 """Translations (megalab/lab/translate.py): keyed by cell id and the English text's hash; a changed English
 cell makes its translation stale; built notebooks keep code cells and outputs byte for byte."""
 
+import re
+
 import nbformat
 import pytest
 
@@ -53,7 +55,8 @@ def test_stub_translate_build_and_stale(tree):
         translated(tree, NB, "zh")
     assert stub(tree, NB, "zh") == 1
     sections = read_sections(source_of(tree, NB, "zh"))
-    assert sections[en.cells[2].id].en == en_hash(en.cells[2].source) and "was:" in sections[en.cells[2].id].text
+    assert sections[en.cells[2].id].en == en_hash(en.cells[2].source)
+    assert sections[en.cells[2].id].text.startswith('TODO(zh): was "## 小结\\n对梯度做 all-reduce。"\n## Recap')
 
 
 def test_bad_input_is_said(tree, capsys, monkeypatch):
@@ -67,3 +70,129 @@ def test_bad_input_is_said(tree, capsys, monkeypatch):
     monkeypatch.chdir(tree)
     assert cli.main(["translate", "status"]) == 2
     assert "megalab translate:" in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------- a learner's Chinese workspace
+
+TWICE = '''\
+def double(x):
+    """Twice x."""
+    # EXERCISE twice.double: return 2 * x
+    ### BEGIN SOLUTION
+    # HINT 1: The idea. Add x to itself.
+    # HINT 2: A pitfall. Return it, don't print it.
+    return 2 * x
+    ### END SOLUTION
+'''
+TWICE_TESTS = '''\
+import pytest
+from megalab.twice import double
+
+@pytest.mark.exercise("twice.double")
+def test_double():
+    assert double(3) == 6, f"double(3) is {double(3)}, expected 6"
+'''
+TWICE_NB = "course/01_x/02_twice.ipynb"
+ZH = {"# Doubling\n**Exercise `twice.double`**: data parallel ranks all-reduce.": "# 翻倍\n**练习 `twice.double`**：数据并行的各个 rank 做 all-reduce。",
+      "task: return 2 * x\nhint 1: The idea. Add x to itself.\nhint 2: A pitfall. Return it, don't print it.":
+      "task: 返回 2 * x\nhint 1: 思路：把 x 和自己相加。\nhint 2: 陷阱：要 return，不要 print。"}
+
+
+def _fill(root, notebook, table):
+    """Translate the stub sections of `notebook` by `table` (English text -> Chinese)."""
+    stub(root, notebook, "zh")
+    path = source_of(root, notebook, "zh")
+    text = path.read_text()
+    for en, zh in table.items():
+        text = re.sub(rf"^TODO\(zh\):.*\n{re.escape(en)}$", lambda m: zh, text, flags=re.MULTILINE)
+    path.write_text(text)
+
+
+@pytest.fixture
+def zh_ref(tmp_path):
+    from tests.test_exercises import _notebook, _toy_tree
+
+    ref = _toy_tree(tmp_path / "ref")
+    (ref / "megalab" / "twice.py").write_text(TWICE)
+    (ref / "tests" / "test_twice.py").write_text(TWICE_TESTS)
+    _notebook(ref / TWICE_NB, next(iter(ZH)), "from megalab.twice import double\nprint('double(3) =', double(3))",
+              "double(3) = 6\n")
+    for rel in translate_status_notebooks(ref):  # the toy tree's other notebooks: kept in English
+        _fill(ref, rel, {c: c for c in _markdown_sources(ref, rel)})
+    _fill(ref, TWICE_NB, ZH)
+    assert all(st.ok for st in status(ref, "zh"))
+    return ref
+
+
+def translate_status_notebooks(root):
+    return [st.notebook for st in status(root, "zh") if st.notebook != TWICE_NB]
+
+
+def _markdown_sources(root, rel):
+    from megalab.lab.exercises import load
+    from megalab.lab.translate import exercise_english
+
+    nb = nbformat.read(root / rel, as_version=4)
+    sources = [c.source for c in nb.cells if c.cell_type == "markdown"]
+    return sources + [exercise_english(ex) for ex in load(root).exercises.values() if ex.notebook == rel]
+
+
+def test_a_chinese_workspace_has_chinese_notebooks_tasks_and_hints(zh_ref, tmp_path, monkeypatch):
+    from megalab.lab.grading import grade
+    from megalab.lab.progress import hint
+    from megalab.lab.workspace import create, open_workspace, restore, update
+
+    create(zh_ref, tmp_path / "ws", lang="zh")
+    ws = open_workspace(tmp_path / "ws")
+    assert ws.config["lang"] == "zh"
+    en, zh = nbformat.read(zh_ref / TWICE_NB, as_version=4), nbformat.read(ws.root / TWICE_NB, as_version=4)
+    assert zh.cells[0].source.startswith("# 翻倍") and zh.cells[1] == en.cells[1]  # code and outputs as in English
+    code = (ws.root / "megalab/twice.py").read_text()
+    assert "    # EXERCISE twice.double: 返回 2 * x\n" in code
+    assert 'raise NotImplementedError("exercise twice.double: 返回 2 * x — 见 course/01_x/02_twice.ipynb")' in code
+    assert hint(ws.root, "twice.double")[2] == "思路：把 x 和自己相加。"
+    assert hint(ws.root, "twice.double")[2] == "陷阱：要 return，不要 print。"
+
+    monkeypatch.chdir(ws.root)
+    [row] = grade(".", "twice.double", timeout=60).exercises
+    assert (row.status, row.detail) == ("not implemented", "NotImplementedError: exercise twice.double: 返回 2 * x — "
+                                        "见 course/01_x/02_twice.ipynb")
+    (ws.root / "megalab/twice.py").write_text(code.replace('raise NotImplementedError("exercise twice.double: 返回 '
+                                                            '2 * x — 见 course/01_x/02_twice.ipynb")', "return x + x"))
+    report = grade(".", TWICE_NB, timeout=120)  # its exercise, and the Chinese notebook against its outputs
+    assert [r.status for r in report.exercises] == ["passed"] and report.ok, (report.exercises, report.notebooks)
+
+    (ws.root / TWICE_NB).write_text("{}")  # a broken save: restore brings back the Chinese notebook
+    restore(ws, ws.root / TWICE_NB)
+    assert nbformat.read(ws.root / TWICE_NB, as_version=4).cells[0].source.startswith("# 翻倍")
+
+    # the course changes its English and its translation: update brings the new Chinese, keeps the solution
+    nb = nbformat.read(zh_ref / TWICE_NB, as_version=4)
+    nb.cells[0].source += "\nNow with more."
+    nbformat.write(nb, zh_ref / TWICE_NB)
+    _fill(zh_ref, TWICE_NB, {nb.cells[0].source: "# 翻倍（新版）\n**练习 `twice.double`**：数据并行的各个 rank 做 all-reduce。"})
+    update(ws)
+    assert nbformat.read(ws.root / TWICE_NB, as_version=4).cells[0].source.startswith("# 翻倍（新版）")
+    assert "return x + x" in (ws.root / "megalab/twice.py").read_text()
+
+
+def test_a_chinese_copy_refuses_a_missing_translation(zh_ref, tmp_path):
+    from megalab.lab.exercises import ExerciseError, write_student
+
+    (zh_ref / "megalab/twice.py").write_text(TWICE.replace("Add x to itself.", "Add x to x."))  # hint changed
+    with pytest.raises(ExerciseError, match="the zh edition is not complete: exercise twice.double .task or hints. "
+                                            "changed since it was translated; run `megalab translate stub"):
+        write_student(zh_ref, tmp_path / "student", lang="zh")
+    assert status(zh_ref, "zh")[[st.notebook for st in status(zh_ref, "zh")].index(TWICE_NB)].stale == [
+        "exercise twice.double"]
+
+
+def test_the_glossary_check_reads_prose_only():
+    from megalab.lab.translate import Term, glossary_misses
+
+    terms = [Term(["data parallel"], "数据并行"), Term(["all-reduce"], "all-reduce"), Term(["recompute", "recomputation"], "重计算")]
+    english = "With **data-parallel** training (`data_parallel_size`), ranks all-reduce; see [recomputation](x.md)."
+    assert glossary_misses(terms, english, "数据并行训练中各 rank 做 All Reduce；见[重计算](x.md)。") == []
+    assert glossary_misses(terms, english, "数据平行训练中各 rank 做 allreduce；见[重算](x.md)。") == [
+        "'data-parallel' -> 数据并行", "'recomputation' -> 重计算"]
+    assert glossary_misses(terms, "Call `all_reduce` in `recompute()`.", "调用 `all_reduce`。") == []  # code spans

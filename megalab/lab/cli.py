@@ -8,6 +8,8 @@ import sys
 import time
 from pathlib import Path
 
+from megalab.lab.translate import LANGS
+
 
 def _doctor(args: argparse.Namespace) -> int:
     from megalab.lab.doctor import report
@@ -53,7 +55,7 @@ def _student(args: argparse.Namespace) -> int:
     from megalab.lab.exercises import ExerciseError, find_root, write_student
 
     try:
-        ws = write_student(find_root(), args.dir, force=args.force)
+        ws = write_student(find_root(), args.dir, force=args.force, lang=None if args.lang == "en" else args.lang)
     except ExerciseError as exc:
         print(f"megalab student: {exc}", file=sys.stderr)
         return 1
@@ -159,12 +161,17 @@ def _workspace(args: argparse.Namespace) -> int:
 
     start = time.perf_counter()
     try:
-        ws = create(find_root(), args.dir, force=args.force)
+        ws = create(find_root(), args.dir, force=args.force, lang=None if args.lang == "en" else args.lang)
     except (ExerciseError, WorkspaceError) as exc:
         print(f"megalab workspace: {exc}", file=sys.stderr)
         return 1
     for warning in ws.warnings:
         print(f"warning: {warning}", file=sys.stderr)
+    if args.lang == "zh":
+        print(f"你的工作区已就绪：{ws.dest}（{time.perf_counter() - start:.1f} 秒），megalab/ 中有 {len(ws.blanked)} 个练习"
+              f"待实现。\n\n下一步：\n  cd {ws.dest}\n  make lab          # 在这里打开 JupyterLab，从 {FIRST_NOTEBOOK} 开始"
+              f"\n  megalab grade dist.shard_bounds   # 检查一个练习（或在 notebook 中用 %grade ID）")
+        return 0
     print(f"Your workspace is ready in {ws.dest} ({time.perf_counter() - start:.1f} s): {len(ws.blanked)} exercises "
           f"to implement, in megalab/.\n\nNext:\n  cd {ws.dest}\n  make lab          # JupyterLab here, on "
           f"{FIRST_NOTEBOOK}\n  megalab grade dist.shard_bounds   # check one exercise (or %grade ID in a notebook)")
@@ -257,11 +264,15 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("student", help="instructors: a plain blank copy of this repository (learners: `workspace`)")
     p.add_argument("dir", help="an empty folder to create the workspace in")
     p.add_argument("--force", action="store_true", help="write into a non-empty folder (overwrites its files)")
+    p.add_argument("--lang", choices=["en", *LANGS], default="en",
+                   help="the course's language: zh = 简体中文 (notebooks, exercise tasks and hints; code stays English)")
     p.set_defaults(func=_student)
 
     p = sub.add_parser("workspace", help="learners start here: write your workspace (every exercise blank) in DIR")
     p.add_argument("dir", help="an empty folder for the workspace, e.g. ~/megalab-work")
     p.add_argument("--force", action="store_true", help="write into a non-empty folder (overwrites its files)")
+    p.add_argument("--lang", choices=["en", *LANGS], default="en",
+                   help="the course's language: zh = 简体中文 (notebooks, exercise tasks and hints; code stays English)")
     p.set_defaults(func=_workspace)
 
     p = sub.add_parser("restore", help="put a notebook's expected outputs back (your copy is kept in .megalab/backup)")

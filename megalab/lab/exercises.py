@@ -45,7 +45,7 @@ import json
 import re
 import shutil
 import subprocess
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 SOURCE_DIR, COURSE_DIR, TESTS_DIR = "megalab", "course", "tests"
@@ -59,6 +59,8 @@ _HINT_MORE = re.compile(r"^[ \t]*#   +(?P<text>\S.*)$")  # a hint's next line: i
 NOT_FOR_STUDENTS = ("tests/mistakes/",)  # typical wrong answers, each one edit from the solution: the grader's only
 _SKIP_DIRS = {".git", ".venv", "venv", "__pycache__", ".pytest_cache", ".ruff_cache", ".ipynb_checkpoints", ".megalab",
               "node_modules", "build", "dist"}
+
+HINTS = ".megalab/hints.json"  # a student copy's hints (blanking takes them out of the code)
 
 
 class ExerciseError(ValueError):
@@ -82,6 +84,7 @@ class Exercise:
     buggy: list[str] | None = None  # a bug hunt: the code the learner starts from (uncommented), else None
     notebook: str | None = None
     tests: list[str] = field(default_factory=list)
+    lang: str = "en"  # the language of `task` and `hints` (a translated student copy: megalab/lab/translate.py)
 
     @property
     def where(self) -> str:
@@ -93,7 +96,9 @@ class Exercise:
         return Path(self.notebook).parts[1] if self.notebook else None
 
     def message(self) -> str:
-        return f"exercise {self.id}: {self.task} — see {self.notebook or COURSE_DIR + '/'}"
+        """The blank region's NotImplementedError text (the grader reads `exercise <id>:` at its start)."""
+        see = {"zh": "见"}.get(self.lang, "see")
+        return f"exercise {self.id}: {self.task} — {see} {self.notebook or COURSE_DIR + '/'}"
 
 
 # --------------------------------------------------------------------------- parsing
@@ -354,11 +359,14 @@ def load(root: str | Path = ".") -> Registry:
 
 def blank(text: str, exercises: list[Exercise]) -> str:
     """`text` with each exercise's BEGIN..END block (hints included) replaced by a raise at the region's
-    indentation, or, in a bug hunt, by the bug the learner starts from."""
+    indentation, or, in a bug hunt, by the bug the learner starts from. A translated exercise's
+    `# EXERCISE` line takes its translated task."""
     lines = text.splitlines(keepends=True)
     for ex in sorted(exercises, key=lambda ex: ex.line, reverse=True):
         begin, end = ex.solution
         newline = lines[begin][len(lines[begin].rstrip("\r\n")):] or "\n"
+        if ex.lang != "en":
+            lines[ex.line - 1] = f"{ex.indent}# EXERCISE {ex.id}: {ex.task}{newline}"
         if ex.buggy is not None:
             lines[begin : end + 1] = [line + newline for line in ex.buggy]
             continue
@@ -395,11 +403,14 @@ class StudentWorkspace:
     warnings: list[str]
 
 
-def write_student(root: str | Path, dest: str | Path, force: bool = False) -> StudentWorkspace:
+def write_student(root: str | Path, dest: str | Path, force: bool = False, lang: str | None = None
+                  ) -> StudentWorkspace:
     """Copy the repository at `root` into `dest`, blanking every exercise region.
 
     Refuses a non-empty `dest` unless `force` (then files are overwritten, others left alone).
-    Broken markers raise ExerciseError; exercises without a test or notebook only warn.
+    Broken markers raise ExerciseError; exercises without a test or notebook only warn. With `lang`
+    (e.g. "zh") the notebooks are the translated ones (same paths; code cells and outputs unchanged) and
+    the exercises' tasks and hints are translated; a missing or stale translation is an error.
     """
     import nbformat
 
@@ -416,20 +427,34 @@ def write_student(root: str | Path, dest: str | Path, force: bool = False) -> St
         "(is this already a student workspace?)" for ex in registry.exercises.values() if ex.solution is None]
     if errors:
         raise ExerciseError(errors)
+    exercises = list(registry.exercises.values())
+    notebooks: dict = {}  # English notebook -> its translation
+    if lang:
+        from megalab.lab import translate
+
+        try:
+            words = translate.exercise_translations(root, lang)
+            notebooks = {rel: translate.translated(root, rel, lang) for rel in translate.english_notebooks(root)}
+        except translate.TranslationError as exc:
+            raise ExerciseError([f"the {lang} edition is not complete: {exc}"]) from None
+        exercises = [replace(ex, task=words[ex.id][0], hints=words[ex.id][1], lang=lang) for ex in exercises]
     by_path: dict[str, list[Exercise]] = {}
-    for ex in registry.exercises.values():
+    for ex in exercises:
         by_path.setdefault(ex.path, []).append(ex)
 
     files = [rel for rel in repository_files(root, exclude=dest) if not rel.startswith(NOT_FOR_STUDENTS)]
     for rel in files:
         src, out = root / rel, dest / rel
         out.parent.mkdir(parents=True, exist_ok=True)
-        if rel not in by_path:
+        if rel in notebooks and rel not in by_path:
+            out.write_text(nbformat.writes(notebooks[rel]), encoding="utf-8")
+            shutil.copymode(src, out)
+        elif rel not in by_path:
             if out.is_symlink() or out.exists():
                 out.unlink()
             shutil.copy2(src, out, follow_symlinks=False)
         elif rel.endswith(".ipynb"):
-            nb = nbformat.read(src, as_version=nbformat.NO_CONVERT)
+            nb = notebooks.get(rel) or nbformat.read(src, as_version=nbformat.NO_CONVERT)
             for cell_index, cell_exercises in _group(by_path[rel], lambda ex: ex.cell).items():
                 cell = nb.cells[cell_index]
                 cell.source = blank(cell.source, cell_exercises)
@@ -439,9 +464,9 @@ def write_student(root: str | Path, dest: str | Path, force: bool = False) -> St
             out.write_text(blank(src.read_text(encoding="utf-8"), by_path[rel]), encoding="utf-8")
             shutil.copymode(src, out)
     blanked = [ex for rel in files for ex in by_path.get(rel, [])]
-    hints = dest / ".megalab" / "hints.json"  # blanking took them out of the code; `megalab hint` reads them here
+    hints = dest / HINTS  # blanking took them out of the code; `megalab hint` reads them here
     hints.parent.mkdir(exist_ok=True)
-    hints.write_text(json.dumps({ex.id: ex.hints for ex in registry.exercises.values()}, indent=1, ensure_ascii=False))
+    hints.write_text(json.dumps({ex.id: ex.hints for ex in exercises}, indent=1, ensure_ascii=False))
     if not (hints.parent / ".gitignore").exists():
         (hints.parent / ".gitignore").write_text("*\n")
     missing = sorted(set(by_path) - set(files))

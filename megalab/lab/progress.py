@@ -21,10 +21,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from megalab.lab.exercises import load
+from megalab.lab.exercises import HINTS, load
 
 STATE = ".megalab/progress.json"
-HINTS = ".megalab/hints.json"
 
 
 class HintError(ValueError):
@@ -81,10 +80,12 @@ def all_hints(root: Path) -> dict[str, list[str]]:
 
     root = Path(root)
     ws = open_workspace(root)
+    if ws is not None and ws.config.get("lang", "en") != "en" and (root / HINTS).is_file():
+        return json.loads((root / HINTS).read_text(encoding="utf-8"))  # the translated hints
     if ws is not None and ws.reference.is_dir():
         return {ex.id: ex.hints for ex in load(ws.reference).exercises.values()}
     if (root / HINTS).is_file():
-        return json.loads((root / HINTS).read_text())
+        return json.loads((root / HINTS).read_text(encoding="utf-8"))
     return {ex.id: ex.hints for ex in load(root).exercises.values()}
 
 
