@@ -1,13 +1,17 @@
 """Translations (megalab/lab/translate.py): keyed by cell id and the English text's hash; a changed English
 cell makes its translation stale; built notebooks keep code cells and outputs byte for byte."""
 
+import json
 import re
+from pathlib import Path
 
 import nbformat
 import pytest
 
 from megalab.lab import cli
-from megalab.lab.translate import TranslationError, build, en_hash, read_sections, source_of, status, stub, translated
+from megalab.lab.exercises import load
+from megalab.lab.translate import (TranslationError, build, en_hash, english_notebooks, glossary_problems,
+                                   read_sections, source_of, status, stub, translated)
 
 NB = "course/01_x/01_toy.ipynb"
 
@@ -196,3 +200,56 @@ def test_the_glossary_check_reads_prose_only():
     assert glossary_misses(terms, english, "数据平行训练中各 rank 做 allreduce；见[重算](x.md)。") == [
         "'data-parallel' -> 数据并行", "'recomputation' -> 重计算"]
     assert glossary_misses(terms, "Call `all_reduce` in `recompute()`.", "调用 `all_reduce`。") == []  # code spans
+
+
+# --------------------------------------------------------------------------- the course's Chinese edition
+
+REPO = Path(__file__).resolve().parent.parent
+CJK = re.compile(r"[\u4e00-\u9fff]")
+
+
+def test_every_cell_and_exercise_of_the_course_is_translated_and_current():
+    """Fails when an English cell or exercise changed since its translation, or has none: run
+    `megalab translate status` to see which, `megalab translate stub NOTEBOOK` to mark them for translation."""
+    rows = status(REPO, "zh")
+    assert len(rows) == len(english_notebooks(REPO)) >= 35
+    behind = {r.notebook: r.missing + r.stale + r.orphans for r in rows if not r.ok}
+    assert not behind, f"translations missing or stale (megalab translate status): {behind}"
+    assert sum(r.exercises for r in rows) == len(load(REPO).exercises)
+    misses = glossary_problems(REPO, "zh")
+    assert not misses, "terms not as course/zh/GLOSSARY.md fixes them:\n" + "\n".join(misses)
+
+
+def test_the_chinese_notebooks_have_the_english_code_and_outputs(tmp_path):
+    """The Chinese notebooks are graded like the English ones because their code cells (source, outputs,
+    execution counts, metadata) and every cell's id, type and place are the English notebooks' byte for byte;
+    only the markdown differs, and it is Chinese."""
+    written = build(REPO, "zh", tmp_path)
+    assert len(written) == len(english_notebooks(REPO))
+    for path in written:
+        rel = path.relative_to(tmp_path).as_posix()
+        en, zh = nbformat.read(REPO / rel, as_version=4), nbformat.read(path, as_version=4)
+        assert [(c.id, c.cell_type) for c in zh.cells] == [(c.id, c.cell_type) for c in en.cells], rel
+        for c_en, c_zh in zip(en.cells, zh.cells):
+            if c_en.cell_type == "code":
+                assert json.dumps(c_zh, sort_keys=True) == json.dumps(c_en, sort_keys=True), f"{rel} cell {c_en.id}"
+        prose = [c.source for c in zh.cells if c.cell_type == "markdown"]
+        assert sum(bool(CJK.search(p)) for p in prose) >= len(prose) - 2, f"{rel}: markdown not in Chinese"
+
+
+def test_a_chinese_student_copy_of_the_course(tmp_path):
+    from megalab.lab.exercises import write_student
+
+    copy = write_student(REPO, tmp_path / "student", lang="zh")
+    registry = load(REPO)
+    hints = json.loads((copy.dest / ".megalab/hints.json").read_text(encoding="utf-8"))
+    assert hints.keys() == registry.exercises.keys()
+    for ex in registry.exercises.values():
+        assert len(hints[ex.id]) == len(ex.hints) and all(CJK.search(h) for h in hints[ex.id]), ex.id
+    blanked = [ex for ex in copy.blanked if ex.buggy is None]
+    for ex in blanked:  # every blank raises its task in Chinese, after the `exercise <id>:` the grader reads
+        text = (copy.dest / ex.path).read_text(encoding="utf-8")
+        raise_line = next(line for line in text.splitlines() if f'NotImplementedError("exercise {ex.id}:' in line)
+        assert CJK.search(raise_line) and "— 见 course/" in raise_line, raise_line
+    first = nbformat.read(copy.dest / "course/01_foundations/01_setup_and_torchrun.ipynb", as_version=4)
+    assert CJK.search(first.cells[0].source)

@@ -32,6 +32,7 @@ LANGS = {"zh": "简体中文"}
 COURSE = "course"
 _SECTION = re.compile(r"^<!-- (?P<kind>cell|exercise) (?P<id>[\w.-]+) · en (?P<sha>[0-9a-f]{12}) -->[ \t]*$",
                       re.MULTILINE)
+_EXERCISE_KEYWORD = re.compile(r"^(?:task|hint \d+):", re.MULTILINE)
 _EXERCISE_LINE = re.compile(r"^(?:task|hint (?P<level>\d+)):[ \t]*(?P<text>.*)$")
 GENERATED = "build/{lang}"  # where `build` writes the translated course (a tree like the repository's)
 
@@ -298,8 +299,9 @@ def glossary_problems(root: Path, lang: str, notebooks: list[str] | None = None)
             s = sections.get(key)
             if s is None or _todo(s, lang) or s.en != en_hash(english):
                 continue  # missing or stale: `status` says so
+            prose = _EXERCISE_KEYWORD.sub("", english) if s.kind == "exercise" else english  # not `hint 1:`
             problems += [f"{rel}: {'cell ' if s.kind == 'cell' else ''}{key}: {miss}"
-                         for miss in glossary_misses(terms, english, s.text)]
+                         for miss in glossary_misses(terms, prose, s.text)]
     return problems
 
 
