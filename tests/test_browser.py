@@ -2,8 +2,9 @@
 Playwright, every cell of real notebooks run through JupyterLab's own "Run All Cells".
 
 Checks what nbval cannot: that `%%torchrun` output, a matplotlib figure and an ipywidgets widget
-render in JupyterLab, and that a cell meant to raise (tag `raises-exception`) shows its rank's
-error without stopping the notebook. Needs Debian's `chromium` and the `playwright` package
+render in JupyterLab, that a cell meant to raise (tag `raises-exception`) shows its rank's
+error without stopping the notebook, and that a Chinese workspace's notebook shows its text in real
+glyphs (a machine without a CJK font draws every character as the same empty box: `.ci/run` installs one). Needs Debian's `chromium` and the `playwright` package
 (`.ci/run` installs both); skipped without them unless MEGALAB_REQUIRE_BROWSER=1, as in CI.
 """
 
@@ -194,16 +195,33 @@ def test_notebooks_run_in_jupyterlab_in_chromium(lab):
             browser.close()
 
 
-def test_make_lab_in_a_workspace_opens_it_on_the_first_notebook(tmp_path):
+# Draws each distinct CJK character of an element's text in the element's own font on a canvas: with a font
+# that has them, every character is a different shape; without one, every one is the same missing-glyph box.
+GLYPHS = """(el) => {
+    const chars = [...new Set([...el.innerText].filter(ch => /[\u4e00-\u9fff]/.test(ch)))].slice(0, 12);
+    const canvas = document.createElement('canvas');
+    canvas.width = canvas.height = 48;
+    const g = canvas.getContext('2d', {willReadFrequently: true});
+    g.font = `32px ${getComputedStyle(el).fontFamily}`;
+    g.textBaseline = 'top';
+    const shape = ch => { g.clearRect(0, 0, 48, 48); g.fillText(ch, 4, 4);
+                          return g.getImageData(0, 0, 48, 48).data.join(','); };
+    return {chars: chars.join(''), shapes: new Set(chars.map(shape)).size, font: g.font};
+}"""
+
+
+@pytest.mark.parametrize("lang", ["en", "zh"])
+def test_make_lab_in_a_workspace_opens_it_on_the_first_notebook(tmp_path, lang):
     """A learner's `make workspace` then `make lab`: JupyterLab at the workspace root (course/ and megalab/
-    both in the file browser), on the first notebook, with a kernel that imports the workspace's megalab."""
+    both in the file browser), on the first notebook, with a kernel that imports the workspace's megalab.
+    In Chinese (`make workspace LANG=zh`): the notebook's text is Chinese and renders in real glyphs."""
     from playwright.sync_api import sync_playwright
 
     from megalab.lab.exercises import load
     from megalab.lab.workspace import FIRST_NOTEBOOK, create
 
     _need_browser()
-    ws = create(REPO, tmp_path / "megalab-workspace").dest
+    ws = create(REPO, tmp_path / "megalab-workspace", lang=None if lang == "en" else lang).dest
     port, token = free_port(), "megalab-browser-test"
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "MAKEFLAGS", "MAKELEVEL")}
     env.update(JUPYTER_TOKEN=token, BROWSER="true", JUPYTER_PATH=str(_kernelspec(tmp_path)),
@@ -217,6 +235,14 @@ def test_make_lab_in_a_workspace_opens_it_on_the_first_notebook(tmp_path):
             page.locator(".jp-NotebookPanel:not(.lm-mod-hidden) .jp-Cell").first.wait_for(timeout=60_000)
             assert "/lab/tree/" + FIRST_NOTEBOOK in page.url
             assert page.locator(".lm-TabBar-tab.jp-mod-current", has_text=Path(FIRST_NOTEBOOK).name).count() >= 1
+            if lang == "zh":
+                heading = page.locator(".jp-NotebookPanel:not(.lm-mod-hidden) .jp-RenderedMarkdown").first
+                heading.wait_for(timeout=30_000)
+                glyphs = heading.evaluate(GLYPHS)
+                assert len(glyphs["chars"]) >= 8, f"the first notebook's text is not Chinese: {heading.inner_text()!r}"
+                assert glyphs["shapes"] == len(glyphs["chars"]), (
+                    f"{glyphs['chars']} drawn as {glyphs['shapes']} distinct shape(s) in {glyphs['font']}: no CJK "
+                    "font (Debian: apt-get install fonts-wqy-microhei)")
             page.locator(".jp-BreadCrumbs-home").first.click()  # the file browser at the server's root
             listing = page.locator(".jp-DirListing-itemText")
             listing.filter(has_text="megalab").first.wait_for(timeout=30_000)
@@ -235,6 +261,6 @@ def test_make_lab_in_a_workspace_opens_it_on_the_first_notebook(tmp_path):
             exercises = len(load(REPO).exercises)
             assert f"{ws}/megalab · 0 of {exercises} exercises implemented" in banner.first.inner_text()
         finally:
-            page.screenshot(path=str(tmp_path / "workspace.png"), full_page=True)
-            print(f"screenshot {tmp_path / 'workspace.png'}")
+            page.screenshot(path=str(tmp_path / f"workspace-{lang}.png"), full_page=True)
+            print(f"screenshot {tmp_path / f'workspace-{lang}.png'}")
             browser.close()

@@ -103,19 +103,21 @@ def test_study_time_is_parsed():
     assert study_minutes(nb) is None
 
 
-def test_readme_course_timings_are_current():
-    """README's timings table lists every chapter with its study time, and a run time close to the recorded one."""
-    readme = (ROOT / "README.md").read_text()
+@pytest.mark.parametrize("readme, whole", [("README.md", "**whole course**"), ("README.zh.md", "**全部课程**")])
+def test_readme_course_timings_are_current(readme, whole):
+    """README's timings table (and the Chinese README's) lists every chapter with its study time, and a run
+    time close to the recorded one."""
     listed = {}
-    for line in readme.splitlines():
+    for line in (ROOT / readme).read_text(encoding="utf-8").splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
         if len(cells) == 4 and cells[3].endswith(" min") and cells[1].isdigit():
             listed[cells[0]] = cells
     expected = timings_table(course_timings(ROOT / "course")).splitlines()[2:]
-    fix = "update README.md with the table `megalab timings` prints"
+    fix = f"update {readme} with the table `megalab timings` prints"
     for line in expected:
         chapter, count, study, run = (c.strip() for c in line.strip("|").split("|"))
-        assert chapter in listed, f"README's timings table lacks {chapter}: {fix}"
-        assert listed[chapter][1:3] == [count, study], f"README's timings for {chapter} are stale: {fix}"
+        chapter = whole if chapter == "**whole course**" else chapter
+        assert chapter in listed, f"{readme}'s timings table lacks {chapter}: {fix}"
+        assert listed[chapter][1:3] == [count, study], f"{readme}'s timings for {chapter} are stale: {fix}"
         recorded, shown = float(run.split()[0]), float(listed[chapter][3].split()[0])
-        assert abs(shown - recorded) <= max(0.5, 0.3 * recorded), f"README's run time for {chapter} is stale: {fix}"
+        assert abs(shown - recorded) <= max(0.5, 0.3 * recorded), f"{readme}'s run time for {chapter} is stale: {fix}"
