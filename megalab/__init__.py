@@ -115,5 +115,9 @@ def banner(root) -> str:
     if open_workspace(root) is None and done == total:
         return f"megalab {__version__} · the reference implementation · every exercise solved"
     where = str(root).replace(str(Path.home()), "~", 1) if str(root).startswith(str(Path.home())) else str(root)
+    ws = open_workspace(root)
+    if ws is not None and ws.config.get("lang") == "zh":
+        return (f"megalab {__version__} · 你的工作区 {where}/megalab · 已实现 {done} / {total} 个练习 · "
+                "%grade ID 检查一个练习，%hint ID 给出提示，%progress 查看进度")
     return (f"megalab {__version__} · your workspace {where}/megalab · {done} of {total} exercises implemented · "
             "%grade ID checks one, %hint ID helps, %progress shows where you are")

@@ -161,6 +161,11 @@ def test_a_chinese_workspace_has_chinese_notebooks_tasks_and_hints(zh_ref, tmp_p
     [row] = grade(".", "twice.double", timeout=60).exercises
     assert (row.status, row.detail) == ("not implemented", "NotImplementedError: exercise twice.double: 返回 2 * x — "
                                         "见 course/01_x/02_twice.ipynb")
+    verdict = grade(".", "twice.double", timeout=60).verdict()  # said in Chinese, statuses still readable
+    assert verdict.startswith("twice.double: 未实现 (not implemented)\n") and "你的代码：megalab/twice.py:3" in verdict
+    assert "；已用提示：2" in verdict  # the two hints seen above
+    from megalab import banner
+    assert f"你的工作区 {ws.root}/megalab · 已实现 0 / 3 个练习" in banner(ws.root)  # toy.double, toy.g and this one
     (ws.root / "megalab/twice.py").write_text(code.replace('raise NotImplementedError("exercise twice.double: 返回 '
                                                             '2 * x — 见 course/01_x/02_twice.ipynb")', "return x + x"))
     report = grade(".", TWICE_NB, timeout=120)  # its exercise, and the Chinese notebook against its outputs

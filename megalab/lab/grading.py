@@ -280,6 +280,16 @@ def choose(registry, target: str | None, root: Path) -> tuple[str | None, list[E
     return folder, registry.select(folder), None
 
 
+# A one-exercise verdict in the learner's language (statuses stay English in tables and JSON: tools read them).
+VERDICT_WORDS = {
+    "en": {"where": "your code: {where}; taught in {notebook}", "hints used": "; hints used: {n}",
+           "stuck": "; stuck? `megalab hint {id}`"},
+    "zh": {"passed": "通过 (passed)", "failed": "未通过 (failed)", "not implemented": "未实现 (not implemented)",
+           "not graded": "未评分 (not graded)", "where": "你的代码：{where}；讲解见 {notebook}",
+           "hints used": "；已用提示：{n}", "stuck": "；卡住了？试试 `megalab hint {id}`"},
+}
+
+
 @dataclass
 class Report:
     root: str
@@ -288,6 +298,7 @@ class Report:
     exercises: list[Row]
     notebooks: list[Row]
     problems: list[str]
+    lang: str = "en"  # the workspace's: a one-exercise verdict is said in it
 
     @property
     def ok(self) -> bool:
@@ -296,14 +307,15 @@ class Report:
     def verdict(self) -> str:
         """One exercise, said in full: status, the whole reason, where to work on it."""
         [r] = self.exercises
-        lines = [f"{r.name}: {r.status}"]
+        say = VERDICT_WORDS.get(self.lang, VERDICT_WORDS["en"])
+        lines = [f"{r.name}: {say.get(r.status, r.status)}"]
         if r.status != "passed":
             lines += [f"  {line}" for line in r.detail.splitlines()]
         else:
             lines += [f"  {r.detail}"]
-        hints = f"; hints used: {r.hints}" if r.hints else ("" if r.status == "passed" else
-                                                             f"; stuck? `megalab hint {r.name}`")
-        lines.append(f"  your code: {r.where}; taught in {r.notebook}{hints}  ({self.seconds:.1f} s)")
+        hints = say["hints used"].format(n=r.hints) if r.hints else (
+            "" if r.status == "passed" else say["stuck"].format(id=r.name))
+        lines.append("  " + say["where"].format(where=r.where, notebook=r.notebook) + f"{hints}  ({self.seconds:.1f} s)")
         return "\n".join(lines)
 
     def table(self, width: int = 150) -> str:
@@ -377,7 +389,7 @@ def grade(root: str | Path = ".", target: str | None = None, timeout: float = DE
         row.hints = int(used.get(ex.id, 0))
     record_grades(root, rows)  # `megalab progress` reads them
     return Report(str(root), label, time.perf_counter() - start, rows,
-                  notebook_rows(nb_paths, cells), registry.problems())
+                  notebook_rows(nb_paths, cells), registry.problems(), ws.config.get("lang", "en") if ws else "en")
 
 
 def grade_notebooks(root: Path, ws, notebooks: list[str], timeout: float) -> dict[str, Outcome]:
