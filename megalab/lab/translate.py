@@ -32,6 +32,7 @@ LANGS = {"zh": "简体中文"}
 COURSE = "course"
 _SECTION = re.compile(r"^<!-- (?P<kind>cell|exercise) (?P<id>[\w.-]+) · en (?P<sha>[0-9a-f]{12}) -->[ \t]*$",
                       re.MULTILINE)
+_EXERCISE_KEYWORD = re.compile(r"^(?:task|hint \d+):", re.MULTILINE)
 _EXERCISE_LINE = re.compile(r"^(?:task|hint (?P<level>\d+)):[ \t]*(?P<text>.*)$")
 GENERATED = "build/{lang}"  # where `build` writes the translated course (a tree like the repository's)
 
@@ -238,8 +239,7 @@ def translated(root: Path, notebook: str, lang: str, allow_missing: bool = False
             raise TranslationError(f"{notebook}: cell {c.id} {why}; run `megalab translate stub {notebook}` and "
                                    f"translate it in {source_of(root, notebook, lang).relative_to(root)}")
         c.source = s.text
-    nb.metadata["language_info_human"] = LANGS[lang]
-    nb.metadata.setdefault("megalab", {})["translated_from"] = notebook
+    nb.metadata.setdefault("megalab", {}).update(lang=lang, translated_from=notebook)
     return nb
 
 
@@ -299,8 +299,9 @@ def glossary_problems(root: Path, lang: str, notebooks: list[str] | None = None)
             s = sections.get(key)
             if s is None or _todo(s, lang) or s.en != en_hash(english):
                 continue  # missing or stale: `status` says so
+            prose = _EXERCISE_KEYWORD.sub("", english) if s.kind == "exercise" else english  # not `hint 1:`
             problems += [f"{rel}: {'cell ' if s.kind == 'cell' else ''}{key}: {miss}"
-                         for miss in glossary_misses(terms, english, s.text)]
+                         for miss in glossary_misses(terms, prose, s.text)]
     return problems
 
 
@@ -319,6 +320,11 @@ def build(root: Path, lang: str, out: Path | None = None, allow_missing: bool = 
     return written
 
 
+def _was(s: Section | None) -> str:
+    """On a stale section's TODO line: the start of its old translation, to rework rather than redo."""
+    return "" if s is None else f" was {json.dumps(s.text[:80], ensure_ascii=False)}"
+
+
 def stub(root: Path, notebook: str, lang: str) -> int:
     """Add a section (the English text, to translate) for each cell with none or a stale one; returns how many."""
     import nbformat
@@ -331,15 +337,13 @@ def stub(root: Path, notebook: str, lang: str) -> int:
     for c in cells:
         s = sections.get(c.id)
         if s is None or s.en != en_hash(c.source):
-            note = "" if s is None else f"<!-- was: {json.dumps(s.text[:60], ensure_ascii=False)} -->\n"
-            s = Section(c.id, en_hash(c.source), f"{note}TODO({lang}):\n{c.source}")
+            s = Section(c.id, en_hash(c.source), f"TODO({lang}):{_was(s)}\n{c.source}")
             added += 1
         ordered.append(s)
     for ex in _exercises_by_notebook(root).get(notebook, []):
         s, english = sections.get(f"exercise {ex.id}"), exercise_english(ex)
         if s is None or s.en != en_hash(english):
-            note = "" if s is None else f"<!-- was: {json.dumps(s.text[:60], ensure_ascii=False)} -->\n"
-            s = Section(ex.id, en_hash(english), f"{note}TODO({lang}):\n{english}", "exercise")
+            s = Section(ex.id, en_hash(english), f"TODO({lang}):{_was(s)}\n{english}", "exercise")
             added += 1
         ordered.append(s)
     write_sections(path, ordered)
