@@ -258,3 +258,13 @@ def test_a_chinese_student_copy_of_the_course(tmp_path):
         assert CJK.search(raise_line) and "— 见 course/" in raise_line, raise_line
     first = nbformat.read(copy.dest / "course/01_foundations/01_setup_and_torchrun.ipynb", as_version=4)
     assert CJK.search(first.cells[0].source)
+
+
+def test_a_chinese_paragraph_is_one_line_where_it_renders():
+    """A line break inside a paragraph renders as a space: between two Chinese characters it must go; code
+    blocks, headings, list items and a break before English keep their lines."""
+    from megalab.lab.translate import join_lines
+
+    text = "# 标题\n第一行，\n  第二行。\nEnglish 之后\n- 列表\n- 列表二\n\n```python\nx = 1  # 中文\n# 注释\n```"
+    assert join_lines(text) == ("# 标题\n第一行，第二行。\nEnglish 之后\n- 列表\n- 列表二\n\n"
+                                "```python\nx = 1  # 中文\n# 注释\n```")

@@ -223,6 +223,27 @@ def status(root: Path, lang: str, notebooks: list[str] | None = None) -> list[No
     return out
 
 
+_CJK = "\u3000-\u303f\u4e00-\u9fff\uff00-\uffef"  # CJK punctuation, ideographs, full-width forms
+_SOFT_BREAK = re.compile(rf"(?<=[{_CJK}])\n(?=[{_CJK}])")
+
+
+def join_lines(markdown: str) -> str:
+    """Join a paragraph's lines where both sides are Chinese: a browser shows a line break inside a paragraph
+    as a space, which Chinese text must not have. Code blocks and headings keep their lines."""
+    parts = re.split(r"(^```.*?^```[ \t]*$)", markdown, flags=re.MULTILINE | re.DOTALL)
+    for i in range(0, len(parts), 2):  # the even parts are outside code blocks
+        lines = parts[i].split("\n")
+        out = lines[:1]
+        for line in lines[1:]:
+            if out[-1] and not out[-1].lstrip().startswith("#") and _SOFT_BREAK.search(
+                    out[-1][-1:] + "\n" + line.lstrip()[:1]):
+                out[-1] += line.lstrip()
+            else:
+                out.append(line)
+        parts[i] = "\n".join(out)
+    return "".join(parts)
+
+
 def translated(root: Path, notebook: str, lang: str, allow_missing: bool = False):
     """The English notebook with its markdown in `lang` (code cells and outputs untouched)."""
     import nbformat
@@ -238,7 +259,7 @@ def translated(root: Path, notebook: str, lang: str, allow_missing: bool = False
             why = "has no translation" if s is None else "changed since it was translated"
             raise TranslationError(f"{notebook}: cell {c.id} {why}; run `megalab translate stub {notebook}` and "
                                    f"translate it in {source_of(root, notebook, lang).relative_to(root)}")
-        c.source = s.text
+        c.source = join_lines(s.text)
     nb.metadata.setdefault("megalab", {}).update(lang=lang, translated_from=notebook)
     return nb
 
@@ -247,7 +268,7 @@ def translated(root: Path, notebook: str, lang: str, allow_missing: bool = False
 
 GLOSSARY = "course/{lang}/GLOSSARY.md"
 _ROW = re.compile(r"^\|\s*(?P<en>[^|]+?)\s*\|\s*(?P<tr>[^|]+?)\s*\|")
-_NOT_PROSE = re.compile(r"```.*?```|`[^`\n]*`|\]\([^)]*\)|<!--.*?-->|https?://\S+|\$[^$\n]+\$", re.DOTALL)
+_NOT_PROSE = re.compile(r"```.*?```|`[^`]*`|\]\([^)]*\)|<!--.*?-->|https?://\S+|\$[^$\n]+\$", re.DOTALL)
 
 
 @dataclass
