@@ -268,3 +268,23 @@ def test_a_chinese_paragraph_is_one_line_where_it_renders():
     text = "# 标题\n第一行，\n  第二行。\nEnglish 之后\n- 列表\n- 列表二\n\n```python\nx = 1  # 中文\n# 注释\n```"
     assert join_lines(text) == ("# 标题\n第一行，第二行。\nEnglish 之后\n- 列表\n- 列表二\n\n"
                                 "```python\nx = 1  # 中文\n# 注释\n```")
+
+
+def test_the_translations_keep_every_code_span_block_and_link_of_the_english():
+    """Code, names, flags, paths, magics and link targets stay in English: each of the English cell's inline
+    code spans, fenced blocks and link targets is in its translation (line wrapping aside)."""
+    from megalab.lab.translate import join_lines
+
+    kept = re.compile(r"```.*?```|`[^`]+`|\]\([^)]+\)", re.DOTALL)
+
+    def items(text):
+        return sorted(" ".join(m.group(0).split()) for m in kept.finditer(text))
+
+    lost = []
+    for rel in english_notebooks(REPO):
+        sections = read_sections(source_of(REPO, rel, "zh"))
+        for cell in nbformat.read(REPO / rel, as_version=4).cells:
+            if cell.cell_type == "markdown":
+                zh = items(join_lines(sections[cell.id].text))
+                lost += [f"{rel} cell {cell.id}: {item[:80]}" for item in items(cell.source) if item not in zh]
+    assert not lost, "translations that lost or changed code, a block or a link:\n" + "\n".join(lost)
