@@ -73,7 +73,8 @@ def lab(tmp_path_factory):
         command.append("--allow-root")
     settings = _lab_settings(root)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
-           "JUPYTER_PATH": str(jupyter_path), "JUPYTERLAB_SETTINGS_DIR": str(settings)}
+           "JUPYTER_PATH": str(jupyter_path), "JUPYTERLAB_SETTINGS_DIR": str(settings),
+           "JUPYTERLAB_WORKSPACES_DIR": str(root / "lab-workspaces")}
     url = f"http://127.0.0.1:{port}"
     with _serving(command, root, env, url, token):
         yield url, token, root
@@ -225,7 +226,8 @@ def test_make_lab_in_a_workspace_opens_it_on_the_first_notebook(tmp_path, lang):
     port, token = free_port(), "megalab-browser-test"
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "MAKEFLAGS", "MAKELEVEL")}
     env.update(JUPYTER_TOKEN=token, BROWSER="true", JUPYTER_PATH=str(_kernelspec(tmp_path)),
-               JUPYTERLAB_SETTINGS_DIR=str(_lab_settings(tmp_path)))
+               JUPYTERLAB_SETTINGS_DIR=str(_lab_settings(tmp_path)),  # and the layout JupyterLab saves: not the
+               JUPYTERLAB_WORKSPACES_DIR=str(tmp_path / "lab-workspaces"))  # user's, nor another run's
     url = f"http://127.0.0.1:{port}"
     with _serving(["make", "lab", f"PORT={port}"], ws, env, url, token), sync_playwright() as p:
         browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_FLAGS)
@@ -256,10 +258,12 @@ def test_make_lab_in_a_workspace_opens_it_on_the_first_notebook(tmp_path, lang):
             first_code = page.locator(".jp-NotebookPanel:not(.lm-mod-hidden) .jp-CodeCell").first
             first_code.locator(".jp-InputArea-editor").click()
             page.keyboard.press("Shift+Enter")
-            banner = first_code.locator(".jp-OutputArea-output", has_text="your workspace")
+            banner = first_code.locator(".jp-OutputArea-output", has_text="/megalab · ")
             banner.first.wait_for(timeout=60_000)
             exercises = len(load(REPO).exercises)
-            assert f"{ws}/megalab · 0 of {exercises} exercises implemented" in banner.first.inner_text()
+            expected = {"en": f"your workspace {ws}/megalab · 0 of {exercises} exercises implemented",
+                        "zh": f"你的工作区 {ws}/megalab · 已实现 0 / {exercises} 个练习"}[lang]
+            assert expected in banner.first.inner_text()
         finally:
             page.screenshot(path=str(tmp_path / f"workspace-{lang}.png"), full_page=True)
             print(f"screenshot {tmp_path / f'workspace-{lang}.png'}")
