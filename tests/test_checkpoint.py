@@ -77,7 +77,7 @@ def _resume_worker(root: str):
     out["partial"] = _try(lambda: load(good, f"{root}/ckpt", 4))
     out["empty"] = _try(lambda: load(good, f"{root}/nothing"))
     for name in DAMAGE:
-        out[name] = _try(lambda: load(good, f"{root}/{name}"))
+        out[name] = _try(lambda name=name: load(good, f"{root}/{name}"))
     torch.distributed.barrier()
     return out
 

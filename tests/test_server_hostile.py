@@ -16,7 +16,11 @@ import torch
 from megalab.core.inference import InferenceEngine, PagedKVCache, SamplingParams
 from megalab.core.inference.sampling_params import make_generator, sample
 from megalab.core.inference.text_generation_server.text_generation_server import (
-    MAX_BODY_BYTES, ServerThread, _TextStream, create_app)
+    MAX_BODY_BYTES,
+    ServerThread,
+    _TextStream,
+    create_app,
+)
 from megalab.core.models.gpt.gpt_model import GPTModel
 from megalab.core.tokenizers.text.libraries.bytelevel_tokenizer import ByteTokenizer
 from megalab.core.transformer.transformer_config import TransformerConfig

@@ -10,8 +10,18 @@ import pytest
 
 from megalab.lab import cli
 from megalab.lab.exercises import load
-from megalab.lab.translate import (TranslationError, build, en_hash, english_notebooks, glossary_problems,
-                                   read_sections, source_of, status, stub, translated)
+from megalab.lab.translate import (
+    TranslationError,
+    build,
+    en_hash,
+    english_notebooks,
+    glossary_problems,
+    read_sections,
+    source_of,
+    status,
+    stub,
+    translated,
+)
 
 NB = "course/01_x/01_toy.ipynb"
 
@@ -108,7 +118,7 @@ def _fill(root, notebook, table):
     path = source_of(root, notebook, "zh")
     text = path.read_text()
     for en, zh in table.items():
-        text = re.sub(rf"^TODO\(zh\):.*\n{re.escape(en)}$", lambda m: zh, text, flags=re.MULTILINE)
+        text = re.sub(rf"^TODO\(zh\):.*\n{re.escape(en)}$", lambda m, zh=zh: zh, text, flags=re.MULTILINE)
     path.write_text(text)
 
 

@@ -140,7 +140,6 @@ def scratch_root() -> Path:
 def _remove_abandoned_runs(base: Path) -> None:
     """Folders of runs whose process is gone without cleaning up (a killed kernel)."""
     import shutil
-
     import time
 
     for folder in base.glob("run-*-*"):

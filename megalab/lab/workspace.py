@@ -35,8 +35,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from megalab.lab.exercises import (COURSE_DIR, HINTS, SOURCE_DIR, TESTS_DIR, Exercise, ExerciseError, load,
-                                   write_student)
+from megalab.lab.exercises import COURSE_DIR, HINTS, SOURCE_DIR, TESTS_DIR, Exercise, ExerciseError, load, write_student
 
 STATE_DIR = ".megalab"
 CONFIG = f"{STATE_DIR}/workspace.json"

@@ -41,7 +41,6 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from megalab.core.inference.engines.dynamic_engine import InferenceEngine
 from megalab.core.inference.sampling_params import SamplingParams
 
-
 MAX_BODY_BYTES = 1 << 20  # 1 MiB: far more than any prompt this model can take
 MAX_STOP = 4  # stop strings per request, as OpenAI
 
@@ -183,7 +182,7 @@ def parse_completion_request(raw: bytes) -> CompletionRequest:
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
-        raise BadRequest(f"the request body is not UTF-8 ({exc.reason} at byte {exc.start}): send UTF-8 JSON")
+        raise BadRequest(f"the request body is not UTF-8 ({exc.reason} at byte {exc.start}): send UTF-8 JSON") from None
     try:
         body = json.loads(text, parse_constant=_reject_constant)
     except (ValueError, RecursionError) as exc:
