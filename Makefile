@@ -56,9 +56,11 @@ workspace: setup
 # Every unit test and every notebook under strict nbval (outputs must match the committed ones), on two
 # pytest workers: a multi-rank test spends about half its time waiting (rank start-up, rendezvous, I/O), so
 # two test files at once keep both cores busy. A notebook's cells stay together on one worker (loadfile).
+# Files are handed out in collection order (--no-loadscope-reorder; xdist would otherwise put the files with the
+# most tests first), so the two longest files, put first by tests/conftest.py, start at once on the two workers.
 TEST_WORKERS ?= 2
 test: setup
-	$(PY) -m pytest tests course --nbval -q -n $(TEST_WORKERS) --dist loadfile
+	$(PY) -m pytest tests course --nbval -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 # On a GPU node: the gpu-marked tests and every notebook's cells on CUDA (NCCL where a cell's ranks fit the GPUs,
 # else gloo with the ranks sharing the GPUs), a table per notebook and the course/INSTRUCTORS.md row to paste.

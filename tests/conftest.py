@@ -11,8 +11,8 @@ if not torch.cuda.is_available():
 
 
 LONGEST_FIRST = ("tests/test_mistakes_dp_tp.py", "tests/test_mistakes.py")  # minutes each: started first, the two
-# pytest workers of `make test` (--dist loadfile hands out files in this order) finish together instead of one
-# worker running a long sweep alone at the end
+# pytest workers of `make test` (--dist loadfile --no-loadscope-reorder hands out files in this order) finish together
+# instead of one worker running a long sweep alone at the end
 
 
 def pytest_collection_modifyitems(config, items):

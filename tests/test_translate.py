@@ -195,13 +195,17 @@ def test_a_chinese_workspace_has_chinese_notebooks_tasks_and_hints(zh_ref, tmp_p
     assert "return x + x" in (ws.root / "megalab/twice.py").read_text()
 
 
-def test_a_chinese_copy_refuses_a_missing_translation(zh_ref, tmp_path):
-    from megalab.lab.exercises import ExerciseError, write_student
+def test_a_chinese_copy_refuses_a_missing_translation(zh_ref, tmp_path, monkeypatch, capsys):
+    from megalab.lab.workspace import WorkspaceError, create
 
     (zh_ref / "megalab/twice.py").write_text(TWICE.replace("Add x to itself.", "Add x to x."))  # hint changed
-    with pytest.raises(ExerciseError, match="the zh edition is not complete: exercise twice.double .task or hints. "
-                                            "changed since it was translated; run `megalab translate stub"):
-        write_student(zh_ref, tmp_path / "student", lang="zh")
+    said = ("the zh edition is not complete: exercise twice.double (task or hints) changed since it was translated; "
+            "run `megalab translate stub course/01_x/02_twice.ipynb`")
+    with pytest.raises(WorkspaceError, match=re.escape(said)):
+        create(zh_ref, tmp_path / "ws", lang="zh")
+    monkeypatch.chdir(zh_ref)
+    assert cli.main(["student", str(tmp_path / "student"), "--lang", "zh"]) == 1
+    assert said in capsys.readouterr().err and not (tmp_path / "student").exists()
     assert status(zh_ref, "zh")[[st.notebook for st in status(zh_ref, "zh")].index(TWICE_NB)].stale == [
         "exercise twice.double"]
 
@@ -254,8 +258,9 @@ def test_the_chinese_notebooks_have_the_english_code_and_outputs(tmp_path):
 
 def test_a_chinese_student_copy_of_the_course(tmp_path):
     from megalab.lab.exercises import write_student
+    from megalab.lab.translate import edition
 
-    copy = write_student(REPO, tmp_path / "student", lang="zh")
+    copy = write_student(REPO, tmp_path / "student", edition=edition(REPO, "zh"))
     registry = load(REPO)
     hints = json.loads((copy.dest / ".megalab/hints.json").read_text(encoding="utf-8"))
     assert hints.keys() == registry.exercises.keys()

@@ -53,10 +53,12 @@ def _exercises(args: argparse.Namespace) -> int:
 
 def _student(args: argparse.Namespace) -> int:
     from megalab.lab.exercises import ExerciseError, find_root, write_student
+    from megalab.lab.translate import TranslationError, edition
 
     try:
-        ws = write_student(find_root(), args.dir, force=args.force, lang=None if args.lang == "en" else args.lang)
-    except ExerciseError as exc:
+        root = find_root()
+        ws = write_student(root, args.dir, force=args.force, edition=None if args.lang == "en" else edition(root, args.lang))
+    except (ExerciseError, TranslationError) as exc:
         print(f"megalab student: {exc}", file=sys.stderr)
         return 1
     for ex in ws.blanked:

@@ -395,6 +395,14 @@ def repository_files(root: Path, exclude: Path | None = None) -> list[str]:
 
 
 @dataclass
+class Edition:
+    """A translated course, as `megalab.lab.translate.edition(root, lang)` reads it."""
+    lang: str
+    notebooks: dict  # English notebook path -> the translated notebook (nbformat)
+    words: dict[str, tuple[str, list[str]]]  # exercise id -> (task, hints)
+
+
+@dataclass
 class StudentWorkspace:
     dest: Path
     files: int  # files written
@@ -403,14 +411,14 @@ class StudentWorkspace:
     warnings: list[str]
 
 
-def write_student(root: str | Path, dest: str | Path, force: bool = False, lang: str | None = None
+def write_student(root: str | Path, dest: str | Path, force: bool = False, edition: Edition | None = None
                   ) -> StudentWorkspace:
     """Copy the repository at `root` into `dest`, blanking every exercise region.
 
     Refuses a non-empty `dest` unless `force` (then files are overwritten, others left alone).
-    Broken markers raise ExerciseError; exercises without a test or notebook only warn. With `lang`
-    (e.g. "zh") the notebooks are the translated ones (same paths; code cells and outputs unchanged) and
-    the exercises' tasks and hints are translated; a missing or stale translation is an error.
+    Broken markers raise ExerciseError; exercises without a test or notebook only warn. With an `edition`
+    (megalab/lab/translate.py) the notebooks are its translated ones (same paths; code cells and outputs
+    unchanged) and the exercises' tasks and hints are its words.
     """
     import nbformat
 
@@ -428,16 +436,10 @@ def write_student(root: str | Path, dest: str | Path, force: bool = False, lang:
     if errors:
         raise ExerciseError(errors)
     exercises = list(registry.exercises.values())
-    notebooks: dict = {}  # English notebook -> its translation
-    if lang:
-        from megalab.lab import translate
-
-        try:
-            words = translate.exercise_translations(root, lang)
-            notebooks = {rel: translate.translated(root, rel, lang) for rel in translate.english_notebooks(root)}
-        except translate.TranslationError as exc:
-            raise ExerciseError([f"the {lang} edition is not complete: {exc}"]) from None
-        exercises = [replace(ex, task=words[ex.id][0], hints=words[ex.id][1], lang=lang) for ex in exercises]
+    notebooks = edition.notebooks if edition else {}  # English notebook -> its translation
+    if edition:
+        exercises = [replace(ex, task=edition.words[ex.id][0], hints=edition.words[ex.id][1], lang=edition.lang)
+                     for ex in exercises]
     by_path: dict[str, list[Exercise]] = {}
     for ex in exercises:
         by_path.setdefault(ex.path, []).append(ex)

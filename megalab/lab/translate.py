@@ -326,6 +326,18 @@ def glossary_problems(root: Path, lang: str, notebooks: list[str] | None = None)
     return problems
 
 
+def edition(root: Path, lang: str):
+    """The whole course in `lang` for a learner's copy (`megalab workspace/student --lang`): every notebook and
+    every exercise's words; anything missing or stale is an error that says what to translate."""
+    from megalab.lab.exercises import Edition
+
+    try:
+        words = exercise_translations(root, lang)
+        return Edition(lang, {rel: translated(root, rel, lang) for rel in english_notebooks(root)}, words)
+    except TranslationError as exc:
+        raise TranslationError(f"the {lang} edition is not complete: {exc}") from None
+
+
 def build(root: Path, lang: str, out: Path | None = None, allow_missing: bool = False) -> list[Path]:
     """Write every translated notebook under `out` (default build/<lang>/), at the English notebook's path."""
     import nbformat

@@ -35,7 +35,17 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from megalab.lab.exercises import COURSE_DIR, HINTS, SOURCE_DIR, TESTS_DIR, Exercise, ExerciseError, load, write_student
+from megalab.lab.exercises import (
+    COURSE_DIR,
+    HINTS,
+    SOURCE_DIR,
+    TESTS_DIR,
+    Edition,
+    Exercise,
+    ExerciseError,
+    load,
+    write_student,
+)
 
 STATE_DIR = ".megalab"
 CONFIG = f"{STATE_DIR}/workspace.json"
@@ -143,9 +153,10 @@ def create(reference: str | Path, dest: str | Path, force: bool = False, lang: s
     if open_workspace(reference):
         raise WorkspaceError(f"{reference} is itself a workspace; make new workspaces from the reference repository "
                              f"({open_workspace(reference).source})")
-    written = write_student(reference, dest, force=force, lang=lang)
+    translation = _edition(reference, lang)
+    written = write_student(reference, dest, force=force, edition=translation)
     files = {rel: _sha(dest / rel) for rel in sorted(_tracked(dest))}  # as written: `update` tells your edits by them
-    _snapshot(reference, dest, lang)
+    _snapshot(reference, dest, translation)
     config = {"reference": str(reference), "venv": sys.prefix, "python": sys.executable, "lang": lang or "en",
               "commit": _git_commit(reference), "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "files": files}
     (dest / CONFIG).write_text(json.dumps(config, indent=1))
@@ -166,22 +177,33 @@ def _tracked(root: Path) -> list[str]:
     return out
 
 
-def _snapshot(reference: Path, dest: Path, lang: str | None = None) -> None:
-    """The grader's copy of the reference (its notebooks in `lang`: `restore` puts back the learner's edition)."""
+def _edition(reference: Path, lang: str | None) -> Edition | None:
+    """The course in `lang` (None for English); a missing or stale translation is a WorkspaceError."""
+    from megalab.lab.translate import TranslationError, edition
+
+    if not lang or lang == "en":
+        return None
+    try:
+        return edition(reference, lang)
+    except TranslationError as exc:
+        raise WorkspaceError(str(exc)) from None
+
+
+def _snapshot(reference: Path, dest: Path, translation: Edition | None = None) -> None:
+    """The grader's copy of the reference (its notebooks in the learner's language: what `restore` puts back)."""
     import nbformat
 
     from megalab.lab.exercises import repository_files
-    from megalab.lab.translate import english_notebooks, translated
 
     snap = dest / REFERENCE
     if snap.exists():
         shutil.rmtree(snap)
-    notebooks = set(english_notebooks(reference)) if lang and lang != "en" else set()
+    notebooks = translation.notebooks if translation else {}
     for rel in repository_files(reference, exclude=dest):
         if rel.split("/")[0] in KEPT:
             (snap / rel).parent.mkdir(parents=True, exist_ok=True)
             if rel in notebooks:  # same code cells and outputs as the English: graded alike
-                nbformat.write(translated(reference, rel, lang), snap / rel)
+                nbformat.write(notebooks[rel], snap / rel)
             else:
                 shutil.copy2(reference / rel, snap / rel)
 
@@ -237,8 +259,8 @@ def update(ws: Workspace) -> Update:
                              f"`megalab workspace` there, then copy your solutions over")
     with tempfile.TemporaryDirectory(prefix="megalab-update-") as tmp:
         fresh = Path(tmp) / "ws"
-        lang = ws.config.get("lang", "en")
-        written = write_student(source, fresh, lang=None if lang == "en" else lang)
+        translation = _edition(source, ws.config.get("lang"))
+        written = write_student(source, fresh, edition=translation)
         mine = {ex.id: ex for ex in load(ws.root).exercises.values()}
         yours = {ex.path: (ws.root / ex.path).read_text(encoding="utf-8") for ex in mine.values()}  # before any write
         stamp = time.strftime("%Y%m%d-%H%M%S")
@@ -284,7 +306,7 @@ def update(ws: Workspace) -> Update:
             _backup(ws, rel, stamp)
             backed = True
             (ws.root / rel).unlink()
-        _snapshot(source, ws.root, lang)
+        _snapshot(source, ws.root, translation)
         shutil.copy2(fresh / HINTS, ws.root / HINTS)  # the hints as the course now words them
         # each file as the course wrote it (never your edit): what the next update compares with
         ws.config.update(files={rel: _sha(fresh / rel) for rel in _tracked(fresh)}, commit=_git_commit(source),
