@@ -195,7 +195,7 @@ def status(root: Path, lang: str, notebooks: list[str] | None = None) -> list[No
     import nbformat
 
     _check_lang(lang)
-    out = []
+    out, by_notebook = [], _exercises_by_notebook(root)  # the registry, read once
     for rel in notebooks or english_notebooks(root):
         cells = _markdown_cells(nbformat.read(root / rel, as_version=4))
         sections = read_sections(source_of(root, rel, lang))
@@ -208,7 +208,7 @@ def status(root: Path, lang: str, notebooks: list[str] | None = None) -> list[No
                 st.stale.append(c.id)
             else:
                 st.done += 1
-        exercises = _exercises_by_notebook(root).get(rel, [])
+        exercises = by_notebook.get(rel, [])
         for ex in exercises:
             s = sections.get(f"exercise {ex.id}")
             if s is None or _todo(s, lang):
