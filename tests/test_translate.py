@@ -81,6 +81,9 @@ def test_bad_input_is_said(tree, capsys, monkeypatch):
     path.write_text("stray text\n<!-- cell abc · en 0123456789ab -->\nx\n")
     with pytest.raises(TranslationError, match="text before the first"):
         status(tree, "zh")
+    path.write_text("<!-- cell abc · en 0123456789ab -->\nx\n<!-- cell def · en 01234 -->\ny\n")  # a cut hash
+    with pytest.raises(TranslationError, match=r"01_toy.md:3: malformed section line '<!-- cell def · en 01234 -->'"):
+        status(tree, "zh")
     monkeypatch.chdir(tree)
     assert cli.main(["translate", "status"]) == 2
     assert "megalab translate:" in capsys.readouterr().err

@@ -73,9 +73,15 @@ class NotebookStatus:
         return not (self.missing or self.stale or self.orphans)
 
 
-def _todo(s: Section, lang: str) -> bool:
-    """A section `stub` wrote and nobody has translated yet."""
-    return re.search(rf"^TODO\({lang}\):", s.text, re.MULTILINE) is not None
+def _state(s: Section | None, english: str, lang: str) -> str:
+    """"missing" (none, or a `TODO(lang):` that `stub` wrote), "stale" (the English changed since) or "current"."""
+    if s is None or re.search(rf"^TODO\({lang}\):", s.text, re.MULTILINE):
+        return "missing"
+    return "current" if s.en == en_hash(english) else "stale"
+
+
+def _why(state: str) -> str:
+    return "has no translation" if state == "missing" else "changed since it was translated"
 
 
 def _check_lang(lang: str) -> None:
@@ -97,6 +103,11 @@ def read_sections(path: Path) -> dict[str, Section]:
     if text[: marks[0].start() if marks else len(text)].strip():
         raise TranslationError(f"{path}: text before the first `<!-- cell ID · en HASH -->` line; every section "
                                "starts with one")
+    for bad in re.finditer(r"^<!-- (?:cell|exercise)\b.*$", text, re.MULTILINE):
+        if not _SECTION.fullmatch(bad[0]):
+            line = text.count("\n", 0, bad.start()) + 1
+            raise TranslationError(f"{path}:{line}: malformed section line {bad[0]!r}; it must read "
+                                   "`<!-- cell ID · en HASH -->` (or `exercise ID`) as `megalab translate stub` wrote it")
     sections = {}
     for m, nxt in zip(marks, marks[1:] + [None]):
         body = text[m.end() : nxt.start() if nxt else len(text)].strip("\n")
@@ -157,8 +168,8 @@ def _exercises_by_notebook(root: Path) -> dict[str, list]:
     return out
 
 
-def exercise_translations(root: Path, lang: str, allow_missing: bool = False) -> dict[str, tuple[str, list[str]]]:
-    """{exercise id: (task, hints)} in `lang`, for every exercise (stale or missing ones raise, or are left out)."""
+def exercise_translations(root: Path, lang: str) -> dict[str, tuple[str, list[str]]]:
+    """{exercise id: (task, hints)} in `lang`, for every exercise; a missing or stale one raises."""
     _check_lang(lang)
     out = {}
     for notebook, exercises in _exercises_by_notebook(root).items():
@@ -166,11 +177,9 @@ def exercise_translations(root: Path, lang: str, allow_missing: bool = False) ->
         sections = read_sections(path)
         for ex in exercises:
             s = sections.get(f"exercise {ex.id}")
-            if s is None or s.en != en_hash(exercise_english(ex)) or _todo(s, lang):
-                if allow_missing:
-                    continue
-                why = "has no translation" if s is None else "changed since it was translated"
-                raise TranslationError(f"exercise {ex.id} (task or hints) {why}; run `megalab translate stub "
+            state = _state(s, exercise_english(ex), lang)
+            if state != "current":
+                raise TranslationError(f"exercise {ex.id} (task or hints) {_why(state)}; run `megalab translate stub "
                                        f"{notebook}` and translate it in {path.relative_to(root)}")
             out[ex.id] = parse_exercise(s.text, f"{path.relative_to(root)}: exercise {ex.id}", len(ex.hints))
     return out
@@ -191,34 +200,30 @@ def english_notebooks(root: Path) -> list[str]:
             if p.relative_to(root / COURSE).parts[0] not in LANGS and not p.name.startswith(".")]
 
 
-def status(root: Path, lang: str, notebooks: list[str] | None = None) -> list[NotebookStatus]:
+def _units(root: Path, notebook: str, by_notebook: dict[str, list]) -> list[tuple[str, str, str]]:
+    """What a notebook's translation holds, in order: (section key, kind, English) for each markdown cell, then
+    for each exercise it teaches."""
     import nbformat
 
+    units = [(c.id, "cell", c.source) for c in _markdown_cells(nbformat.read(root / notebook, as_version=4))]
+    return units + [(f"exercise {ex.id}", "exercise", exercise_english(ex)) for ex in by_notebook.get(notebook, [])]
+
+
+def status(root: Path, lang: str, notebooks: list[str] | None = None) -> list[NotebookStatus]:
     _check_lang(lang)
     out, by_notebook = [], _exercises_by_notebook(root)  # the registry, read once
     for rel in notebooks or english_notebooks(root):
-        cells = _markdown_cells(nbformat.read(root / rel, as_version=4))
-        sections = read_sections(source_of(root, rel, lang))
-        st = NotebookStatus(rel, len(cells), 0)
-        for c in cells:
-            s = sections.get(c.id)
-            if s is None or _todo(s, lang):
-                st.missing.append(c.id)
-            elif s.en != en_hash(c.source):
-                st.stale.append(c.id)
+        units, sections = _units(root, rel, by_notebook), read_sections(source_of(root, rel, lang))
+        st = NotebookStatus(rel, sum(kind == "cell" for _, kind, _ in units), 0,
+                            exercises=sum(kind == "exercise" for _, kind, _ in units))
+        for key, kind, english in units:
+            state = _state(sections.get(key), english, lang)
+            if state == "current":
+                st.done += kind == "cell"
+                st.exercises_done += kind == "exercise"
             else:
-                st.done += 1
-        exercises = by_notebook.get(rel, [])
-        for ex in exercises:
-            s = sections.get(f"exercise {ex.id}")
-            if s is None or _todo(s, lang):
-                st.missing.append(f"exercise {ex.id}")
-            elif s.en != en_hash(exercise_english(ex)):
-                st.stale.append(f"exercise {ex.id}")
-            else:
-                st.exercises_done += 1
-        st.exercises = len(exercises)
-        st.orphans = sorted(set(sections) - {c.id for c in cells} - {f"exercise {ex.id}" for ex in exercises})
+                (st.missing if state == "missing" else st.stale).append(key)
+        st.orphans = sorted(set(sections) - {key for key, _, _ in units})
         out.append(st)
     return out
 
@@ -253,12 +258,12 @@ def translated(root: Path, notebook: str, lang: str, allow_missing: bool = False
     sections = read_sections(source_of(root, notebook, lang))
     for c in _markdown_cells(nb):
         s = sections.get(c.id)
-        if s is None or s.en != en_hash(c.source) or _todo(s, lang):
+        state = _state(s, c.source, lang)
+        if state != "current":
             if allow_missing:
                 continue
-            why = "has no translation" if s is None else "changed since it was translated"
-            raise TranslationError(f"{notebook}: cell {c.id} {why}; run `megalab translate stub {notebook}` and "
-                                   f"translate it in {source_of(root, notebook, lang).relative_to(root)}")
+            raise TranslationError(f"{notebook}: cell {c.id} {_why(state)}; run `megalab translate stub {notebook}` "
+                                   f"and translate it in {source_of(root, notebook, lang).relative_to(root)}")
         c.source = join_lines(s.text)
     nb.metadata.setdefault("megalab", {}).update(lang=lang, translated_from=notebook)
     return nb
@@ -308,21 +313,16 @@ def glossary_misses(terms: list[Term], english: str, translation: str) -> list[s
 
 def glossary_problems(root: Path, lang: str, notebooks: list[str] | None = None) -> list[str]:
     """Every current translation that leaves a glossary term out: `notebook: cell ID: 'term' -> 译法`."""
-    import nbformat
-
     terms, problems = glossary(root, lang), []
     by_notebook = _exercises_by_notebook(root)
     for rel in notebooks or english_notebooks(root):
         sections = read_sections(source_of(root, rel, lang))
-        pairs = [(c.id, c.source) for c in _markdown_cells(nbformat.read(root / rel, as_version=4))]
-        pairs += [(f"exercise {ex.id}", exercise_english(ex)) for ex in by_notebook.get(rel, [])]
-        for key, english in pairs:
-            s = sections.get(key)
-            if s is None or _todo(s, lang) or s.en != en_hash(english):
+        for key, kind, english in _units(root, rel, by_notebook):
+            if _state(sections.get(key), english, lang) != "current":
                 continue  # missing or stale: `status` says so
-            prose = _EXERCISE_KEYWORD.sub("", english) if s.kind == "exercise" else english  # not `hint 1:`
-            problems += [f"{rel}: {'cell ' if s.kind == 'cell' else ''}{key}: {miss}"
-                         for miss in glossary_misses(terms, prose, s.text)]
+            prose = _EXERCISE_KEYWORD.sub("", english) if kind == "exercise" else english  # not `hint 1:`
+            problems += [f"{rel}: {'cell ' if kind == 'cell' else ''}{key}: {miss}"
+                         for miss in glossary_misses(terms, prose, sections[key].text)]
     return problems
 
 
@@ -359,24 +359,16 @@ def _was(s: Section | None) -> str:
 
 
 def stub(root: Path, notebook: str, lang: str) -> int:
-    """Add a section (the English text, to translate) for each cell with none or a stale one; returns how many."""
-    import nbformat
-
+    """Mark `TODO(lang):` (with the English to translate) every section that is missing or stale, in the
+    notebook's order; returns how many. Sections of cells the notebook no longer has are dropped."""
     _check_lang(lang)
     path = source_of(root, notebook, lang)
     sections = read_sections(path)
-    cells = _markdown_cells(nbformat.read(root / notebook, as_version=4))
     ordered, added = [], 0
-    for c in cells:
-        s = sections.get(c.id)
-        if s is None or s.en != en_hash(c.source):
-            s = Section(c.id, en_hash(c.source), f"TODO({lang}):{_was(s)}\n{c.source}")
-            added += 1
-        ordered.append(s)
-    for ex in _exercises_by_notebook(root).get(notebook, []):
-        s, english = sections.get(f"exercise {ex.id}"), exercise_english(ex)
+    for key, kind, english in _units(root, notebook, _exercises_by_notebook(root)):
+        s = sections.get(key)
         if s is None or s.en != en_hash(english):
-            s = Section(ex.id, en_hash(english), f"TODO({lang}):{_was(s)}\n{english}", "exercise")
+            s = Section(key.removeprefix("exercise "), en_hash(english), f"TODO({lang}):{_was(s)}\n{english}", kind)
             added += 1
         ordered.append(s)
     write_sections(path, ordered)
