@@ -18,9 +18,10 @@ chunks r and 2cp-1-r, so every rank does the same work (cp=2: rank 0 holds 0,3; 
     rank    0 1 1 0
 
 Backward runs the ring again: K/V travel once more (cp-1 hops) and their gradients dK/dV travel
-with them, each rank adding its share, until they are back home (cp hops). The all-gather variant
-(TE's AttnFuncWithCPAndKVAllGather) gathers all K/V instead, keeps them for backward, and
-reduce-scatters dK/dV: fewer messages, no overlap, the full K/V in memory on every rank.
+with them, each rank adding its share, until they are back home (cp hops). Our all-gather variant
+gathers all K/V instead, keeps them for backward, and reduce-scatters dK/dV: fewer messages, no
+overlap, the full K/V in memory on every rank. TE's AttnFuncWithCPAndKVAllGather saves only the local
+K/V and all-gathers them again in backward: re-communication instead of that memory.
 
 Megatron: the CP group is `get_context_parallel_group()` (rank order tp-cp-ep-dp-pp); the batch is
 split by `get_batch_on_this_cp_rank` (megatron/core/utils.py), RoPE angles by
@@ -173,11 +174,11 @@ def ring_step(tensor: torch.Tensor, group) -> tuple[torch.Tensor, list]:
 
     Send and receive go out as ONE batch (`dist.batch_isend_irecv`): a lone isend on every rank of the
     ring can wait forever under NCCL for a receive its neighbour posts only after its own send
-    (megalab/extras/p2p_model.py). TE's flash_attn_p2p_communicate batches too at cp = 2 (or with
-    NVTE_BATCH_MHA_P2P_COMM=1) and otherwise orders the two by rank parity (even ranks send first, odd
-    ranks receive first), also safe; its backward ring runs the other way (to rank − 1), carrying K/V
-    and dK/dV in one buffer, where ours sends them as two batches per step, in the same order on
-    every rank."""
+    (megalab/extras/p2p_model.py). TE's flash_attn_p2p_communicate batches too at cp = 2 on GPUs
+    before Blackwell (or with NVTE_BATCH_MHA_P2P_COMM=1) and otherwise orders the two by rank parity
+    (even ranks send first, odd ranks receive first), also safe; its backward ring runs the other way
+    (to rank − 1), carrying K/V and dK/dV in one buffer, where ours sends them as two batches per
+    step, in the same order on every rank."""
     ranks = dist.get_process_group_ranks(group)
     me = ranks.index(dist.get_rank())
     # EXERCISE cp.ring_step: one batch_isend_irecv: send to ranks[me+1], receive from ranks[me-1] (mod cp)

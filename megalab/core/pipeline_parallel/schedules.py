@@ -63,7 +63,8 @@ class OpRecord(NamedTuple):
 
 
 def check_interleaved(pp_size: int, num_microbatches: int, num_model_chunks: int) -> None:
-    """Megatron's constraints for the interleaved schedule, with an error that says what to change."""
+    """Megatron's constraints for the interleaved schedule with its default micro-batch group size
+    (microbatch_group_size_per_vp_stage = pp), with an error that says what to change."""
     if pp_size < 2 or num_model_chunks < 2:
         raise ValueError(f"the interleaved schedule needs pp_size >= 2 and num_model_chunks >= 2 "
                          f"(got pp_size={pp_size}, num_model_chunks={num_model_chunks}); use kind='1f1b' otherwise")
