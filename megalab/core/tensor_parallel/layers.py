@@ -120,7 +120,8 @@ class ColumnParallelLinear(nn.Module):
         self.output_size_per_partition = divide(output_size, dist.get_world_size(self.tp_group), "output_size")
         self.gather_output, self.sequence_parallel = gather_output, config.sequence_parallel
         if gather_output and self.sequence_parallel:
-            raise ValueError("gather_output=True does not combine with sequence_parallel (Megatron neither)")
+            raise ValueError("gather_output=True does not combine with sequence_parallel here "
+                             "(megalab's restriction; Megatron all-gathers the sequence, then the outputs)")
         master = Linear(input_size, output_size, config=config, init_method=init_method, bias=bias)
         self.weight = nn.Parameter(_split_master(master.weight, 0, self.tp_group, stride))  # [out/t, in]
         self.bias = nn.Parameter(_split_master(master.bias, 0, self.tp_group, stride)) if bias else None

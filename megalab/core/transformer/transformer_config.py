@@ -137,7 +137,8 @@ class TransformerConfig:
         self._check_choice("moe_token_dispatcher_type", MOE_TOKEN_DISPATCHER_TYPES)
         if self.moe_router_enable_expert_bias and self.moe_router_score_function != "sigmoid":
             raise ValueError('moe_router_enable_expert_bias needs moe_router_score_function="sigmoid" '
-                             "(DeepSeek-V3's aux-loss-free balancing, Megatron's rule)")
+                             "(DeepSeek-V3's aux-loss-free balancing; Megatron also accepts \"sqrtsoftplus\", "
+                             "not implemented here)")
         types, coeffs = self.moe_router_load_balancing_type, self.moe_aux_loss_coeff
         if isinstance(types, str) != (not isinstance(coeffs, (list, tuple))) or (
                 not isinstance(types, str) and len(types) != len(coeffs)):
