@@ -10,10 +10,10 @@ parameters (roughly the order backward produces their gradients):
     grad buffer  [ b3 w3 b2 | w2 b1 w1 | b0 w0 ]         (reversed: backward fills it left to right)
                    bucket 0    bucket 1   bucket 2
 
-A hook on every parameter (`register_post_accumulate_grad_hook`) adds the fresh gradient into
-the buffer; when the last gradient of a bucket arrives the hook launches an asynchronous
-all-reduce of that bucket, while backward keeps computing the earlier layers. `finish_grad_sync()`
-waits for all of them before the optimizer step.
+A hook on every parameter (`register_post_accumulate_grad_hook` here; Megatron hooks each parameter's
+`AccumulateGrad` node) adds the fresh gradient into the buffer; when the last gradient of a bucket
+arrives the hook launches an asynchronous all-reduce of that bucket, while backward keeps computing
+the earlier layers. `finish_grad_sync()` waits for all of them before the optimizer step.
 
 ZeRO (Rajbhandari et al. 2020) shards what every rank would otherwise repeat. Each bucket is
 padded to a multiple of the data-parallel size n; rank r owns the r-th of its n equal shards:
