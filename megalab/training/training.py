@@ -77,7 +77,7 @@ class TrainingConfig:
     lr_decay_iters: int | None = None  # default: train_iters
     lr_decay_style: str = "cosine"
     lr_wsd_decay_iters: int | None = None
-    lr_wsd_decay_style: str = "linear"
+    lr_wsd_decay_style: str = "exponential"  # Megatron's --lr-wsd-decay-style default
     weight_decay: float = 0.1
     adam_beta1: float = 0.9
     adam_beta2: float = 0.95
