@@ -297,3 +297,43 @@ def test_an_overflow_on_one_rank_skips_the_step_on_every_rank_of_the_group():
     returns = launch.run_function(_overflow_on_one_rank, 2, launch=dict(timeout=120)).returns
     assert [returns[r]["alone"] for r in (0, 1)] == [(True, 16.0), (False, 8.0)]  # the ranks would diverge
     assert [returns[r]["group"] for r in (0, 1)] == [(False, 8.0), (False, 8.0)]
+
+
+def _clip_a_tp_split_model():
+    """2 ranks as TP: one weight split in halves (tensor_model_parallel), one replicated bias; returns
+    (grad norm, the main grads after clipping) on this rank."""
+    import torch.distributed as dist
+
+    from megalab.lab import dist as mdist
+
+    rank, _ = mdist.init()
+    full_weight_grad = torch.arange(1.0, 9.0).reshape(4, 2)  # [4, 2]: rank r holds rows 2r, 2r + 1
+    weight = torch.nn.Parameter(torch.zeros(2, 2, dtype=torch.bfloat16))
+    weight.tensor_model_parallel, weight.partition_dim = True, 0
+    bias = torch.nn.Parameter(torch.zeros(2, dtype=torch.bfloat16))  # replicated: the same grad on both ranks
+    opt = mp.Float16OptimizerWithFloat16Params(torch.optim.SGD([weight, bias], lr=0.0), clip_grad=1.0,
+                                               found_inf_group=dist.group.WORLD, tp_rank=rank)
+    weight.grad = full_weight_grad[2 * rank: 2 * rank + 2].bfloat16()
+    bias.grad = torch.tensor([3.0, 4.0], dtype=torch.bfloat16)
+    _, norm = opt.step()
+    grads = [main.grad.clone() for main in opt.fp32_from_float16_groups[0]]
+    dist.barrier()
+    return norm, grads
+
+
+def test_fp16_optimizer_clips_by_the_whole_models_norm_under_tp():
+    """Megatron's MixedPrecisionOptimizer clips by get_grad_norm_fp32 over the model-parallel group, each TP
+    duplicate once: the norm of the unsplit model, and the same clip factor on every rank."""
+    returns = launch.run_function(_clip_a_tp_split_model, 2, launch=dict(timeout=120)).returns
+    full = torch.cat([torch.arange(1.0, 9.0), torch.tensor([3.0, 4.0])])
+    expected = float(full.norm())
+    norms = [returns[r][0] for r in (0, 1)]
+    require(close(norms, [expected, expected], "the fp16/bf16 optimizer's grad norm on ranks 0, 1 of a TP=2 model "
+                  "(the unsplit model's: squares summed over found_inf_group, the replicated bias counted once)",
+                  atol=1e-4))
+    factor = 1.0 / (expected + 1e-6)
+    for r in (0, 1):
+        weight_grad, bias_grad = returns[r][1]
+        require(close(weight_grad, torch.arange(1.0, 9.0).reshape(4, 2)[2 * r: 2 * r + 2] * factor,
+                      f"rank {r}'s clipped weight grad", atol=1e-6))
+        require(close(bias_grad, torch.tensor([3.0, 4.0]) * factor, f"rank {r}'s clipped bias grad", atol=1e-6))

@@ -113,6 +113,18 @@ def test_wsd_schedule(wsd_style):
 
 
 @pytest.mark.exercise("optimizer.get_lr")
+def test_wsd_default_decay_style_is_megatrons_exponential():
+    """Megatron's --lr-wsd-decay-style defaults to "exponential" (megatron/training/config/training_config.py)."""
+    from megalab.training.training import TrainingConfig
+
+    lrs = _schedule("WSD", wsd_decay_steps=10)
+    _require_schedule(lrs, [_expected(s, "WSD", 10, "exponential") for s in range(31)],
+                      "OptimizerParamScheduler(max 1, min 0.1, warmup 5, decay until 25, 'WSD', last 10 steps, "
+                      "default lr_wsd_decay_style: Megatron's 'exponential')")
+    assert TrainingConfig.__dataclass_fields__["lr_wsd_decay_style"].default == "exponential"
+
+
+@pytest.mark.exercise("optimizer.get_lr")
 def test_cosine_matches_torch_schedulers():
     """No warmup, min_lr 0.1: Megatron's cosine is torch's CosineAnnealingLR(T_max, eta_min) step for step."""
     ours = OptimizerParamScheduler(_sgd(), 1.0, 0.1, 0, 20, "cosine")

@@ -18,8 +18,12 @@ class OptimizerParamScheduler:
     warmup: init_lr -> max_lr linearly over lr_warmup_steps; decay over the next
     lr_decay_steps - lr_warmup_steps steps with lr_decay_style "constant", "linear", "cosine",
     "inverse-square-root" (max_lr * sqrt(warmup / step), at least min_lr) or "WSD" (stable at max_lr,
-    then the last wsd_decay_steps steps decay "linear", "cosine", "exponential" or "minus_sqrt" to
-    min_lr); min_lr after lr_decay_steps.
+    then the last wsd_decay_steps steps decay to min_lr); min_lr after lr_decay_steps.
+    lr = min_lr + coeff * (max_lr - min_lr), with r the fraction of the decay done (for WSD: of its
+    last wsd_decay_steps steps) and coeff:
+        "linear" 1 - r      "cosine" (1 + cos(pi r)) / 2
+        WSD's lr_wsd_decay_style: "linear" 1 - r, "cosine" (1 + cos(pi r)) / 2,
+        "exponential" 2 * 0.5^r - 1 (the default, as Megatron's --lr-wsd-decay-style), "minus_sqrt" 1 - sqrt(r).
     Weight decay (when start_wd is given): start_wd -> end_wd over wd_incr_steps, wd_incr_style
     "constant", "linear" or "cosine"; each group's weight_decay = that * its "wd_mult" (default 1).
     """
@@ -30,7 +34,7 @@ class OptimizerParamScheduler:
 
     def __init__(self, optimizer: torch.optim.Optimizer, max_lr: float, min_lr: float, lr_warmup_steps: int,
                  lr_decay_steps: int, lr_decay_style: str = "cosine", init_lr: float = 0.0,
-                 wsd_decay_steps: int | None = None, lr_wsd_decay_style: str = "linear",
+                 wsd_decay_steps: int | None = None, lr_wsd_decay_style: str = "exponential",
                  start_wd: float | None = None, end_wd: float | None = None, wd_incr_steps: int = 0,
                  wd_incr_style: str = "constant"):
         if lr_decay_style not in self.STYLES:

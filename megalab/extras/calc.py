@@ -254,8 +254,9 @@ def model_flops(config, batch_size: int, seq_length: int, training: bool = True)
 
     Per token, 2 FLOPs per active matmul weight (attention projections, the active MLP or experts and
     router, the logit layer; not the embedding lookup, norms or biases), plus attention 2 * 2 s np hn
-    per layer for q k^T and probs v over the full s x s square (Megatron's convention, no causal
-    discount). A dense GPT reduces to Korthikanti's 72 B s l h^2 (1 + s/(6h) + V/(12 h l)).
+    per layer for q k^T and probs v over the full s x s square, as the unfused kernel computes it (Megatron's
+    num_floating_point_operations halves this term for the causal mask).
+    A dense GPT reduces to Korthikanti's 72 B s l h^2 (1 + s/(6h) + V/(12 h l)).
     """
     h, L = config.hidden_size, config.num_layers
     np_, ng, hn = config.num_attention_heads, config.num_query_groups, config.kv_channels

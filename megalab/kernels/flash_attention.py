@@ -22,8 +22,9 @@ arithmetic (`tl.make_block_ptr` is gone in triton 3.9), int64 where b*h*s*d can 
 fp32 dots run in IEEE fp32 (Triton's default is TF32), and the tiles and pipeline stages are chosen per
 head dim and dtype to fit Hopper's 227 KB of shared memory per block (kernel_configs).
 
-Megatron-LM does not write its own attention kernel: `TEDotProductAttention` (megatron/core/extensions/transformer_engine.py) calls
-Transformer Engine, which dispatches to cuDNN's or Tri Dao's flash-attn kernels.
+Megatron-LM does not write its own dense attention kernel: `TEDotProductAttention` (megatron/core/extensions/transformer_engine.py)
+calls Transformer Engine, which dispatches to cuDNN's or Tri Dao's flash-attn kernels. (Its own attention kernels are
+TileLang ones for DeepSeek's sparse attention: megatron/core/transformer/experimental_attention_variant/ops/.)
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ writer per key, so the pipeline stages (and DP replicas) write disjoint parts in
                    rank 2,3 (stage 1) -> layers 2-3 (+ output layer)  .metadata for the lot
     tp1·pp4 load:  rank k reads layers k (any file), slices nothing; tp2 load slices its half
 
-On disk (Megatron's layout and tracker file):
+On disk (Megatron's folder names and tracker file; common.pt and the .tmp rename below are ours):
 
     save_dir/latest_checkpointed_iteration.txt       "20"  (written last, atomically)
     save_dir/iter_0000020/  __0_0.distcp ... .metadata  (DCP: model, optimizer, per-rank RNG)
@@ -18,17 +18,24 @@ On disk (Megatron's layout and tracker file):
                                                          model config; torch.load(weights_only=True))
 
 The distributed optimizer's AdamW state is sharded over DP as flat ranges; it is gathered per
-parameter before the save and each rank keeps its range after the load (Megatron's
-"dp_zero_gather_scatter" format), so the optimizer state, too, loads at any dp (or into a plain AdamW).
+parameter before the save and each rank keeps its range after the load, so the optimizer state, too,
+loads at any layout (or into a plain AdamW): Megatron's "fully_reshardable" format
+(--dist-ckpt-optim-fully-reshardable); its default, "dp_reshardable", saves the flat buckets and
+reshards over DP only.
 
 Atomic: every rank writes into iter_0000020.tmp; only when all finished does rank 0 rename it
 and then replace the tracker. A crash mid-save leaves a .tmp folder that loading never reads.
+Megatron (since 2026-07) stores the non-sharded state as one "common_state" object inside the DCP
+files (a common.pt is only read from older checkpoints), writes straight into iter_0000020/, ends
+with metadata.json and only then writes the tracker (rank 0).
 
 Checked on load, never modified: a missing or truncated shard, a damaged .metadata or common.pt, a
 missing tracker beside iter_* folders, a checkpoint of another model: each is a CheckpointError
 naming the file, on every rank. With checksums=True (the default) the CRC32 of every shard goes into
 common.pt at save (the ranks hash their share of the files in parallel, ~3.7 GB/s per core here) and
-is verified at load, so bit rot inside a shard is caught too; neither DCP nor Megatron keeps checksums.
+is verified at load, so bit rot inside a shard is caught too. DCP keeps none; Megatron's training loop
+keeps none either, though megatron.core.dist_checkpointing.save(verify_integrity=True) writes a SHA-256
+manifest that load(verify_integrity=True) checks.
 
 Megatron-LM: megatron/training/checkpointing.py (`save_checkpoint`, `load_checkpoint`,
 `get_checkpoint_tracker_filename`, `read_metadata`), megatron/core/dist_checkpointing/.
@@ -109,7 +116,8 @@ def _owned(model: nn.Module, params: list[nn.Parameter]) -> dict[str, nn.Paramet
 
 def _parameter_state(optimizer, params: list[nn.Parameter]) -> dict[nn.Parameter, dict[str, torch.Tensor]]:
     """Each parameter's optimizer state, shaped like the parameter (collective for a DistributedOptimizer:
-    its DP shards are gathered, Megatron's "dp_zero_gather_scatter" format, so any DP size can load it)."""
+    its DP shards are gathered into parameter shapes, as Megatron's "fully_reshardable" format does, so any
+    layout can load it)."""
     if isinstance(optimizer, DistributedOptimizer):
         init_optimizer_state(optimizer.optimizer)
         return optimizer.get_parameter_state()

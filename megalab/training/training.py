@@ -9,10 +9,10 @@
         train_step                                   one global batch = micro-batches x DP ranks
           ddp.zero_grad_buffer()
           forward_backward_pipelining(...)           chapter 03's executor; grads accumulate (no_sync)
-          finalize_model_grads(...)                  SP norms over TP, tied embeddings over the
-                                                     embedding group, then DDP: average over DP x CP
-                                                     (distributed optimizer: reduce-scatter, each
-                                                     rank keeps its shard)
+          finalize_model_grads(...)                  DDP first: average over DP x CP (distributed
+                                                     optimizer: reduce-scatter, each rank keeps its
+                                                     shard); then SP norms over TP, tied embeddings
+                                                     over the embedding group (Megatron's order)
           clip_grad_norm(...)                        global norm over TP x PP (and DP when sharded)
           optimizer.step(); scheduler.step()
         training_log                                 loss, lr, grad norm, tokens/s, MFU
@@ -77,7 +77,7 @@ class TrainingConfig:
     lr_decay_iters: int | None = None  # default: train_iters
     lr_decay_style: str = "cosine"
     lr_wsd_decay_iters: int | None = None
-    lr_wsd_decay_style: str = "linear"
+    lr_wsd_decay_style: str = "exponential"  # Megatron's --lr-wsd-decay-style default
     weight_decay: float = 0.1
     adam_beta1: float = 0.9
     adam_beta2: float = 0.95

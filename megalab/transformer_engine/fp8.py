@@ -101,7 +101,10 @@ def format_table() -> list[dict]:
 # ---------------------------------------------------------------- recipes and per-tensor scaling
 @dataclass(frozen=True)
 class DelayedScaling:
-    """Transformer Engine's DelayedScaling recipe (its defaults; TE also has `interval`, always 1 here)."""
+    """Transformer Engine's DelayedScaling recipe (its defaults; TE also has `interval`, always 1 here).
+
+    Megatron overrides two defaults (TransformerConfig.fp8_amax_history_len = 1, fp8_amax_compute_algo =
+    "most_recent"): DelayedScaling(amax_history_len=1, amax_compute_algo="most_recent") is Megatron's."""
 
     margin: int = 0
     fp8_format: str = "HYBRID"

@@ -5,9 +5,13 @@
 
 Greedy is top_k = 1 (Megatron's convention) or temperature = 0 (the OpenAI API's). Field names
 follow Megatron's SamplingParams (megatron/core/inference/sampling_params.py): top_k = 0 and
-top_p = 0.0 mean "off". `seed` and `termination_id` are ours (Megatron seeds globally and takes
-the termination id from the tokenizer). Megatron's sampling: TextGenerationController.sample_from_logits
-(megatron/core/inference/text_generation_controllers/text_generation_controller.py).
+top_p = 0.0 mean "off". `seed` is ours (Megatron seeds one generator per text-generation controller);
+Megatron's `termination_id` also defaults to None, which it reads as the tokenizer's end-of-document id.
+With top_k and top_p both set we apply top-k, then top-p; Megatron's default (torch) sampling refuses the
+pair ("Cannot have top-p and top-k both greater than zero"), only its FlashInfer backend combines them.
+Megatron's sampling: TextGenerationController.sample_from_logits
+(megatron/core/inference/text_generation_controllers/text_generation_controller.py), which calls
+TorchSampling (megatron/core/inference/sampling/torch_sampling.py) or FlashInferSampling.
 """
 
 from __future__ import annotations

@@ -30,6 +30,7 @@ import torch.distributed as dist
 from torch import nn
 
 from megalab.core import parallel_state as ps
+from megalab.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32, get_grad_norm_fp32
 from megalab.core.optimizer.grad_scaler import MegatronGradScaler
 
 HALF_DTYPES = (torch.float16, torch.bfloat16)
@@ -64,19 +65,24 @@ class Float16OptimizerWithFloat16Params:
     fp16: grad_scaler is required (Dynamic or Constant); the fp16 .grad is copied to a fp32
     main grad, unscaled and checked; an overflowing step is skipped.
     bf16: grad_scaler=None; with accumulate_grads_in_fp32 (Megatron's
-    --accumulate-allreduce-grads-in-fp32, always on for bf16) each backward adds the grad into
+    --accumulate-allreduce-grads-in-fp32, on by default for bf16) each backward adds the grad into
     an fp32 `param.main_grad` buffer (the job of Megatron's DDP) and the main params use it as
     their grad without a copy.
     found_inf_group: the ranks that hold different parts of the model (Megatron: the
     model-parallel group; by default the current state's, none when no state is current); an
-    overflow on any of them skips the step on all of them.
+    overflow on any of them skips the step on all of them, and the gradient norm (clipped to
+    clip_grad when > 0) is the whole model's: summed over that group, TP duplicates counted on
+    tp_rank 0 only (default: the current state's TP rank, else 0), as Megatron's clip_grad_norm.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, grad_scaler: MegatronGradScaler | None = None,
                  accumulate_grads_in_fp32: bool = False, clip_grad: float = 0.0,
-                 found_inf_group: dist.ProcessGroup | None = None):
+                 found_inf_group: dist.ProcessGroup | None = None, tp_rank: int | None = None):
         self.optimizer, self.grad_scaler, self.clip_grad = optimizer, grad_scaler, clip_grad
         self.found_inf_group = ps.resolve_group(found_inf_group, "tp-pp")
+        if tp_rank is None:
+            tp_rank = ps.get_tensor_model_parallel_rank() if ps.model_parallel_is_initialized() else 0
+        self.tp_rank = tp_rank
         self.float16_groups, self.fp32_from_float16_groups = [], []
         for group in optimizer.param_groups:
             model_params = list(group["params"])
@@ -89,6 +95,9 @@ class Float16OptimizerWithFloat16Params:
                                  "or small grads underflow to zero")
             main_params = [p.detach().clone().float() for p in model_params]
             for p, main in zip(model_params, main_params):
+                for attr in _NORM_ATTRIBUTES:  # the gradient norm reads them (Megatron copies them too)
+                    if hasattr(p, attr):
+                        setattr(main, attr, getattr(p, attr))
                 if accumulate_grads_in_fp32:
                     p.main_grad = torch.zeros_like(main)
                     p.register_post_accumulate_grad_hook(_accumulate_into_main_grad)
@@ -133,12 +142,17 @@ class Float16OptimizerWithFloat16Params:
             if found_inf:
                 return False, None
         main_params = [main for _, main in self._pairs()]
-        norm = float(nn.utils.clip_grad_norm_(main_params, self.clip_grad if self.clip_grad > 0 else float("inf")))
+        norm = get_grad_norm_fp32(main_params, self.found_inf_group, self.tp_rank)
+        if self.clip_grad > 0:
+            clip_grad_by_total_norm_fp32(main_params, self.clip_grad, norm)
         self.optimizer.step()
         # Megatron: _copy_main_params_to_model_params.
         for model_param, main_param in self._pairs():
             model_param.copy_(main_param)
         return True, norm
+
+
+_NORM_ATTRIBUTES = ("tensor_model_parallel", "partition_dim", "partition_stride", "shared")
 
 
 def _accumulate_into_main_grad(param: torch.Tensor) -> None:

@@ -10,9 +10,11 @@ Every error has OpenAI's shape {"error": {"message", "type", "param", "code"}}: 
 (a body that is not UTF-8 JSON, a wrong type, which is never coerced, an unknown or unsupported
 field, a value out of range, a prompt too long for the model) is a 400 naming the field; a request
 the engine fails is a 500 for that request alone, the others in its batch go on; a client that
-disconnects has its request cancelled and its KV blocks freed. It binds 127.0.0.1 unless told otherwise. Megatron serves with a Flask text-generation
-server (megatron/inference/text_generation_server.py) and an OpenAI-compatible endpoint in
-megatron/core/inference/text_generation_server/endpoints/completions.py.
+disconnects has its request cancelled and its KV blocks freed. It binds 127.0.0.1 unless told otherwise.
+Megatron has two servers: an OpenAI-compatible one
+for its dynamic engine on Quart + hypercorn (megatron/core/inference/text_generation_server/dynamic_text_gen_server/:
+/v1/completions, /v1/chat/completions, streamed or not), and a Flask one for its static engine
+(megatron/core/inference/text_generation_server/text_generation_server.py: PUT /api, POST /completions).
 """
 
 from __future__ import annotations
