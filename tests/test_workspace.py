@@ -198,7 +198,8 @@ def test_update_merges_a_course_fix_inside_a_function_you_implemented(ws, capsys
     assert "# EXERCISE chain.quadruple: double twice (new task wording)" in text
     assert _verdict("chain.quadruple")[0] == "passed"
     assert cli.main(["update"]) == 0
-    assert "0 file(s) changed" in (out := capsys.readouterr().out) and "kept" not in out  # nothing left behind
+    assert "0 file(s) changed" in capsys.readouterr().out
+    assert "x = int(x)  # course fix" in (ws.root / "megalab/chain.py").read_text()  # true now: nothing left behind
 
     _write(ws, "chain.double", "return x + x  # mine")
     chain.write_text(chain.read_text().replace('"""Twice x."""', '"""Twice x, for ints."""'))
