@@ -378,6 +378,16 @@ x32 = x.float()
 normed = x32 * torch.rsqrt(x32.pow(2).mean(dim=0, keepdim=True) + self.eps)
 return normed.type_as(x) * self.weight
 """),
+    Mistake("model.norm", "statistics in the input's dtype (no upcast: fp16 x^2 overflows)",
+            says="statistics in the input's dtype", code="""
+normed = x * torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + self.eps)
+return normed * self.weight
+"""),
+    Mistake("model.norm", "eps outside the square root", says="eps outside the square root", code="""
+x32 = x.float()
+normed = x32 / (x32.pow(2).mean(dim=-1, keepdim=True).sqrt() + self.eps)
+return normed.type_as(x) * self.weight
+"""),
     Mistake("model.norm", "subtracted the mean (that is LayerNorm, not RMSNorm)", says="subtracted the mean", code="""
 x32 = x.float()
 x32 = x32 - x32.mean(dim=-1, keepdim=True)
