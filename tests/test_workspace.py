@@ -253,3 +253,24 @@ def test_update_follows_a_module_the_course_moved(ws, capsys):
     assert any("# mine" in p.read_text() for p in (ws.root / BACKUP).rglob("chain.py"))
     assert progress(ws.root) == (1, 6)
     assert _verdict("chain.quadruple")[0] == "passed"
+
+
+def test_a_failed_notebook_names_the_blank_exercise_it_needs(ws):
+    """A notebook that dies of another error (a server answering 500, so the cell sees KeyError: 'choices')
+    while an exercise its code imports is still blank: the row says which exercise to implement first."""
+    from megalab.lab.exercises import load
+    from megalab.lab.grading import Outcome, blank_dependencies, notebook_rows
+
+    exercises = list(load(ws.reference).exercises.values())
+    assert {ex.id for ex in blank_dependencies(ws.root, NOTEBOOK, exercises)} == {
+        "chain.double", "chain.quadruple", "chain.first", "chain.second"}
+    cell = Outcome(f"{NOTEBOOK}::Cell 1", "failed", [], "KeyError: 'choices'")
+    needs = {NOTEBOOK: blank_dependencies(ws.root, NOTEBOOK, exercises)}
+    [row] = notebook_rows([NOTEBOOK], {cell.nodeid: cell}, needs)
+    assert row.status == "not implemented" and row.detail.startswith("needs chain.double ("), row.detail
+    assert "KeyError: 'choices'" in row.detail  # and what the notebook died of
+    for ex in ("chain.double", "chain.quadruple", "chain.first", "chain.second"):
+        _write(ws, ex, "return 0")
+    assert blank_dependencies(ws.root, NOTEBOOK, exercises) == []
+    [row] = notebook_rows([NOTEBOOK], {cell.nodeid: cell}, {NOTEBOOK: []})
+    assert row.status == "failed" and row.detail == "Cell 1: KeyError: 'choices'", row.detail
