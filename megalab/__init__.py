@@ -36,7 +36,19 @@ def load_ipython_extension(ipython):
     ipython.register_magic_function(progress_magic, "line", "progress")
     scratch_root()  # this kernel's own temp folder, which its %%torchrun ranks inherit
     install(ipython, here)  # saved edits to megalab take effect at the next cell, no restart
+    ipython.set_custom_exc((NotImplementedError,), _show_needs)  # a blank exercise: which one, and where it is taught
     print(banner(here))
+
+
+def _show_needs(shell, etype, value, tb, tb_offset=None):
+    """The usual traceback of a blank exercise's NotImplementedError, then which exercise to implement, where."""
+    from megalab.lab.exercises import needs_first
+
+    shell.showtraceback((etype, value, tb), tb_offset=tb_offset)
+    needs = needs_first(f"NotImplementedError: {value}")
+    if needs:
+        print(needs)
+    return None
 
 
 def grade_magic(line: str) -> None:
