@@ -38,6 +38,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import pluggy
+
 from megalab.lab.exercises import COURSE_DIR, Exercise, ExerciseError, load
 from megalab.lab.launch import HARD_TIMEOUT_FACTOR
 from megalab.lab.notebooks import find_notebooks
@@ -532,6 +534,20 @@ def _save() -> None:
     tmp = Path(os.environ[_OUT] + ".tmp")
     tmp.write_text(json.dumps(_recorded))
     tmp.replace(os.environ[_OUT])
+
+
+@pluggy.HookimplMarker("pytest")(hookwrapper=True)
+def pytest_pyfunc_call(pyfuncitem):
+    """While grading: an endless loop in a test (or in a rank it launches) fails it after CPU_LIMIT seconds of
+    CPU, naming the line; machine load cannot trigger it (megalab/lab/cpu_guard.py)."""
+    if _OUT not in os.environ:
+        yield
+        return
+    from megalab.lab.cpu_guard import CPU_LIMIT, ENV, cpu_limit
+
+    os.environ.setdefault(ENV, str(CPU_LIMIT))  # inherited by the ranks the test launches (megalab/lab/worker.py)
+    with cpu_limit(float(os.environ[ENV])):
+        yield
 
 
 def pytest_runtest_logreport(report):
