@@ -226,11 +226,16 @@ def run_fresh(root: Path, registry, m) -> Result:
     return _verdict(m, verdict, passed, selected, time.perf_counter() - start)
 
 
-def run(root: Path, mistakes: list) -> list[Result]:
-    """Every mistake's result, in the order given (the live ones share one pytest session)."""
+def run(root: Path, mistakes: list, first_test_only: bool = False) -> list[Result]:
+    """Every mistake's result, in the order given (the live ones share one pytest session). first_test_only:
+    each exercise's first test alone (its focused "first check", what names a mistake)."""
+    from dataclasses import replace
+
     from megalab.lab.exercises import load
 
     registry = load(root)
+    if first_test_only:
+        registry.exercises.update({k: replace(ex, tests=ex.tests[:1]) for k, ex in registry.exercises.items()})
     results: dict[int, Result] = {}
     live = []
     for i, m in enumerate(mistakes):
@@ -261,6 +266,19 @@ def run(root: Path, mistakes: list) -> list[Result]:
             for i in swappable:
                 results[i] = Result(mistakes[i].exercise, mistakes[i].name, mistakes[i].says, "error", 0.0, str(exc))
     return [results[i] for i in range(len(mistakes))]
+
+
+def check_solutions(root: Path, solutions: list, first_test_only: bool = False) -> list[Result]:
+    """Solutions written by someone else from the course's text alone (tests/blind/): each swapped in like a
+    mistake, and it must pass; a Result's status is "passed" or "FAILED" (with the grader's verdict)."""
+    from types import SimpleNamespace
+
+    as_mistakes = [SimpleNamespace(exercise=s["exercise"], name=s.get("name", "blind solution"), says="",
+                                   code=s["code"], fresh=s.get("fresh", False)) for s in solutions]
+    results = run(root, as_mistakes, first_test_only)
+    for r in results:
+        r.status = "passed" if r.status == "NOT CAUGHT" and r.verdict.endswith("test(s) passed") else "FAILED"
+    return results
 
 
 def _row(r: Result) -> str:
