@@ -290,10 +290,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--exercise", action="append", help="only this exercise's mistakes (repeatable)")
     p.add_argument("--file", action="append", help=f"only the mistakes in this file under {MISTAKES_DIR}/")
     p.add_argument("--json", help="write the results here")
+    p.add_argument("--solutions", action="append", help="a file of SOLUTIONS written from the course's text alone "
+                   "(tests/blind/): each must pass")
+    p.add_argument("--first-test-only", action="store_true", help="each exercise's first test only")
     args = p.parse_args(argv)
     from megalab.lab.exercises import find_root
 
     root = find_root(".")
+    if args.solutions:
+        return _main_solutions(root, args)
     mistakes = load_mistakes(root, args.file)
     if args.exercise:
         mistakes = [m for m in mistakes if m.exercise in args.exercise]
@@ -305,6 +310,32 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps([asdict(r) for r in results], indent=1))
     return 0 if named == len(results) else 1
+
+
+def load_solutions(root: Path, files: list[str]) -> list[dict]:
+    """Every dict in the SOLUTIONS lists of `files` (tests/blind/*.py): exercise, code, and how it was written."""
+    found = []
+    for rel in files:
+        spec = importlib.util.spec_from_file_location(f"_megalab_blind_{Path(rel).stem}", root / rel)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        found += list(module.SOLUTIONS)
+    return found
+
+
+def _main_solutions(root: Path, args) -> int:
+    solutions = load_solutions(root, args.solutions)
+    if args.exercise:
+        solutions = [s for s in solutions if s["exercise"] in args.exercise]
+    print(f"{'exercise':34} {'solution':44} {'verdict':18} {'time':>7}  the grader's line")
+    results = check_solutions(root, solutions, args.first_test_only)
+    for r in results:
+        print(_row(r), flush=True)
+    passed = sum(r.status == "passed" for r in results)
+    print(f"\n{passed} of {len(results)} solutions pass" + ("" if passed == len(results) else "; see above"))
+    if args.json:
+        Path(args.json).write_text(json.dumps([asdict(r) for r in results], indent=1))
+    return 0 if passed == len(results) else 1
 
 
 if __name__ == "__main__":
