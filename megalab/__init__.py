@@ -2,7 +2,8 @@
 
 `%load_ext megalab` in a notebook registers the `%%torchrun` cell magic, `%grade`, `%hint` and `%progress`
 (megalab/lab/magic.py, megalab/lab/progress.py)
-and says which `megalab` the kernel runs: the one of the workspace the notebook lives in. If the
+and makes every saved edit to megalab take effect at the next cell (megalab/lab/reload.py). It
+says which `megalab` the kernel runs: the one of the workspace the notebook lives in. If the
 kernel imported another (the reference's, from its editable install), it switches to the notebook's
 before anything else is imported, so the kernel and every rank run your code, never the solutions.
 Importing the package is cheap: torch is imported only by the modules that need it.
@@ -27,13 +28,27 @@ def load_ipython_extension(ipython):
 
     from megalab.lab.dist import scratch_root
     from megalab.lab.magic import TorchrunMagics
+    from megalab.lab.reload import install
 
     ipython.register_magics(TorchrunMagics)
     ipython.register_magic_function(grade_magic, "line", "grade")
     ipython.register_magic_function(hint_magic, "line", "hint")
     ipython.register_magic_function(progress_magic, "line", "progress")
     scratch_root()  # this kernel's own temp folder, which its %%torchrun ranks inherit
+    install(ipython, here)  # saved edits to megalab take effect at the next cell, no restart
+    ipython.set_custom_exc((NotImplementedError,), _show_needs)  # a blank exercise: which one, and where it is taught
     print(banner(here))
+
+
+def _show_needs(shell, etype, value, tb, tb_offset=None):
+    """The usual traceback of a blank exercise's NotImplementedError, then which exercise to implement, where."""
+    from megalab.lab.exercises import needs_first
+
+    shell.showtraceback((etype, value, tb), tb_offset=tb_offset)
+    needs = needs_first(f"NotImplementedError: {value}")
+    if needs:
+        print(needs)
+    return None
 
 
 def grade_magic(line: str) -> None:

@@ -193,9 +193,29 @@ class _Request:
         return self._wait is None
 
 
+class _Group:
+    """A subgroup of the threaded world: its global ranks, in group order."""
+
+    def __init__(self, ranks):
+        self.ranks = list(ranks)
+
+    def __repr__(self) -> str:
+        return f"the group {self.ranks}"
+
+
+def _global(peer, group):
+    """The global rank of group rank `peer` (of the whole world when `group` is not a subgroup)."""
+    if isinstance(group, _Group) and peer is not None:
+        if not 0 <= peer < len(group.ranks):
+            raise ValueError(f"group rank {peer} does not exist in {group} ({_learner_line()})")
+        return group.ranks[peer]
+    return peer
+
+
 class _Op:  # dist.P2POp's fields
     def __init__(self, op, tensor, peer=None, group=None, tag=0, group_peer=None):
-        self.op, self.tensor, self.peer, self.group, self.tag = op, tensor, peer if peer is not None else group_peer, group, tag
+        self.op, self.tensor, self.group, self.tag = op, tensor, group, tag
+        self.peer = peer if peer is not None else _global(group_peer, group)
 
 
 def _learner_line() -> str:
@@ -219,6 +239,7 @@ class ThreadedWorld:
         self.queues = collections.defaultdict(collections.deque)
         self.waiting, self.finished, self.stuck, self.errors = {}, set(), {}, {}
         self.sends = collections.Counter()
+        self.pairs = collections.Counter()  # (src, dst) -> messages sent
 
     def _peer(self, peer) -> int:
         rank = self.local.rank
@@ -228,14 +249,15 @@ class ThreadedWorld:
         return int(peer)
 
     def send(self, tensor, dst=None, group=None, tag=0, group_dst=None):
-        peer = self._peer(group_dst if dst is None else dst)
+        peer = self._peer(_global(group_dst, group) if dst is None else dst)
         with self.cond:
             self.queues[(self.local.rank, peer)].append(tensor.detach().clone())
             self.sends[self.local.rank] += 1
+            self.pairs[(self.local.rank, peer)] += 1
             self.cond.notify_all()
 
     def recv(self, tensor, src=None, group=None, tag=0, group_src=None):
-        rank, peer = self.local.rank, self._peer(group_src if src is None else src)
+        rank, peer = self.local.rank, self._peer(_global(group_src, group) if src is None else src)
         start = time.monotonic()
         with self.cond:
             queue = self.queues[(peer, rank)]
@@ -282,9 +304,14 @@ class ThreadedWorld:
             return call
 
         names = dict(send=self.send, recv=self.recv, isend=isend, irecv=irecv, batch_isend_irecv=batch_isend_irecv,
-                     P2POp=_Op, get_rank=lambda group=None: world.local.rank,
-                     get_world_size=lambda group=None: world.world, group=type("group", (), {"WORLD": object()}),
-                     get_global_rank=lambda group, group_rank: group_rank, is_initialized=lambda: True)
+                     P2POp=_Op, get_rank=lambda group=None: (group.ranks.index(world.local.rank) if world.local.rank
+                                                             in group.ranks else -1) if isinstance(group, _Group)
+                     else world.local.rank,
+                     get_world_size=lambda group=None: len(group.ranks) if isinstance(group, _Group) else world.world,
+                     group=type("group", (), {"WORLD": object()}), is_initialized=lambda: True,
+                     get_global_rank=lambda group, group_rank: _global(group_rank, group),
+                     get_group_rank=lambda group, global_rank: group.ranks.index(global_rank)
+                     if isinstance(group, _Group) else global_rank)
         for name in ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_single", "reduce_scatter_tensor",
                      "reduce_scatter_single", "broadcast", "reduce", "barrier", "all_to_all_single"):
             names[name] = unsupported(name)
@@ -406,6 +433,55 @@ def test_threaded_world_reports_deadlocks_stray_sends_and_misfits():
         assert world.run(ring) == {r: float((r - 1) % 4) for r in range(4)} and not world.stuck and not world.unreceived
 
 
+SUBGROUP = [2, 0, 3]  # of a 4-rank world: group rank i is global rank SUBGROUP[i], rank 1 stays out
+
+
+def _subgroup_verdict(name: str):
+    """comm.<name> on the subgroup [2, 0, 3] of 4 threaded ranks, where group ranks and global ranks differ
+    (the case above passed on the whole world, where they are equal): RIGHT or what went wrong, named."""
+    length, n = 7, len(SUBGROUP)
+    what = f"comm.{name} passes on the whole world but is wrong on the subgroup {SUBGROUP} of 4 threaded ranks"
+    group, chunks = _Group(SUBGROUP), [slice(*shard_bounds(length, n, r)) for r in range(n)]
+    positions = torch.arange(length)
+    total = sum(_encoded(positions, g) for g in range(n))  # group rank g contributes _encoded(., g)
+    expected = {"broadcast": lambda g: _encoded(positions, 1), "all_gather": lambda g: torch.cat(
+        [_encoded(positions[c], j) for j, c in enumerate(chunks)]), "reduce_scatter": lambda g: total[chunks[g]],
+        "ring_all_reduce": lambda g: total}[name]
+
+    def run(rank):
+        if rank not in SUBGROUP:
+            return None
+        g = SUBGROUP.index(rank)
+        if name == "broadcast":
+            return comm.broadcast(_encoded(positions, g), src=1, group=group).clone()
+        if name == "all_gather":
+            return comm.all_gather(torch.full((length,), -1), _encoded(positions[chunks[g]], g), group).clone()
+        if name == "reduce_scatter":
+            return comm.reduce_scatter(torch.zeros(chunks[g].stop - chunks[g].start, dtype=torch.long),
+                                       _encoded(positions, g), group).clone()
+        return comm.ring_all_reduce(_encoded(positions, g), group).clone()
+
+    world = ThreadedWorld(4)
+    cause = ("group ranks and global ranks mixed up: dist.get_rank(group) and dist.get_world_size(group) give the "
+             "position in the group; group_dst=/group_src= take group ranks, dst=/src= take global ones "
+             "(dist.get_global_rank(group, r) converts)")
+    got = world.run(run)
+    if any(r not in SUBGROUP for r in world.sends) or any(src not in SUBGROUP or dst not in SUBGROUP
+                                                         for src, dst in world.queues):
+        strays = sorted({(src, dst) for src, dst in world.queues if src not in SUBGROUP or dst not in SUBGROUP})
+        return mistake(cause, f"{what}: messages went to or from rank 1, which is not in the group: {strays}")
+    for exc in world.errors.values():
+        if isinstance(exc, ValueError):
+            return mistake(cause, f"{what}: {exc}")
+    if (verdict := _world_verdict(world, what)) is not None:
+        return mistake(cause, verdict.reason.removeprefix("likely mistake: "))
+    for g, rank in enumerate(SUBGROUP):
+        if not torch.equal(got[rank], expected(g)):
+            return mistake(cause, f"{what}: group rank {g} (global rank {rank}): "
+                                  f"{close(got[rank], expected(g), 'its result').reason}")
+    return RIGHT
+
+
 @pytest.mark.exercise("comm.broadcast")
 def test_broadcast_names_typical_mistakes():
     for world_size, src, length in [(4, 1, 5), (3, 2, 4), (8, 0, 3), (5, 3, 2), (2, 1, 3)]:
@@ -430,6 +506,17 @@ def test_broadcast_names_typical_mistakes():
             require(mistake("not a tree: src sends to every rank itself; in a binomial tree every rank that holds the "
                             "data sends, and src sends only ceil(log2 n) times",
                             f"{what}: src sent {world.sends[src]} messages, a tree needs {rounds}"))
+    require(_subgroup_verdict("broadcast"))
+
+
+def _reversed_ring(world: ThreadedWorld, what: str):
+    """The evidence of a ring turned the other way: every message went from rank r to rank r - 1."""
+    n = world.world
+    if n > 2 and world.pairs and all(dst == (src - 1) % n for src, dst in world.pairs):
+        return mistake("the ring turns the other way: every rank sent to rank - 1 and received from rank + 1; with "
+                       "the task's chunk indices the data must flow to rank + 1 (send to next = rank + 1, receive "
+                       "from prev = rank - 1)", f"{what}: messages went {sorted(world.pairs)[:4]}...")
+    return None
 
 
 def _all_gather_verdict(world_size: int, length: int):
@@ -443,6 +530,8 @@ def _all_gather_verdict(world_size: int, length: int):
     if (verdict := _world_verdict(world, what)) is not None:
         return verdict
     wrong = {r: [j for j, c in enumerate(chunks) if not torch.equal(t[c], expected[c])] for r, t in got.items()}
+    if any(wrong.values()) and (verdict := _reversed_ring(world, what)) is not None:
+        return verdict
     if not any(wrong.values()):
         return _first(_nccl_verdict(lambda rank, group: comm.all_gather(torch.empty(length), torch.ones(
             chunks[rank].stop - chunks[rank].start), group), world_size, what))
@@ -465,6 +554,7 @@ def _all_gather_verdict(world_size: int, length: int):
 def test_all_gather_names_typical_mistakes():
     for world_size, length in [(3, 6), (4, 8), (3, 7), (4, 10), (5, 3), (2, 5)]:  # equal chunks first
         require(_all_gather_verdict(world_size, length))
+    require(_subgroup_verdict("all_gather"))
 
 
 def _sum_verdict(name: str, world_size: int, length: int):
@@ -498,6 +588,8 @@ def _sum_verdict(name: str, world_size: int, length: int):
             def shape(rank, group):
                 return comm.ring_all_reduce(torch.ones(length), group)
         return _first(_nccl_verdict(shape, world_size, what))
+    if (verdict := _reversed_ring(world, what)) is not None:
+        return verdict
     decoded = {r: [_decode(int(v), int(i), world_size) for v, i in zip(got[r], positions_of[r])] for r in got}
     first = next(r for r in range(world_size) if not torch.equal(got[r], expected_of[r]))
     numbers = close(got[first], expected_of[first], f"rank {first}'s result").reason
@@ -529,15 +621,17 @@ def _sum_verdict(name: str, world_size: int, length: int):
 def test_reduce_scatter_names_typical_mistakes():
     for world_size, length in [(3, 6), (4, 8), (3, 7), (4, 10), (5, 3), (2, 5)]:
         require(_sum_verdict("reduce_scatter", world_size, length))
+    require(_subgroup_verdict("reduce_scatter"))
 
 
 @pytest.mark.exercise("comm.ring_all_reduce")
 def test_ring_all_reduce_names_typical_mistakes():
     for world_size, length in [(3, 6), (4, 8), (3, 7), (4, 10), (5, 3), (2, 5)]:
         require(_sum_verdict("ring_all_reduce", world_size, length))
+    require(_subgroup_verdict("ring_all_reduce"))
 
 
-@pytest.fixture(scope="module", params=[2, 3, 4], ids=lambda n: f"{n}ranks")
+@pytest.fixture(scope="module", params=[3, 4], ids=lambda n: f"{n}ranks")  # 4 ranks run the 2-rank groups too
 def collectives_report(request):
     try:  # a deadlock is called after 60 s of every rank waiting; ranks still computing get 540 s
         result = launch.run_function(_collectives_worker, request.param, launch=dict(timeout=60, hard_timeout=540))

@@ -191,6 +191,22 @@ def test_greedy_with_cache_equals_recompute_token_for_token(variant):
 
 
 # ------------------------------------------------------------------ sampling
+def _filter_reference_ties(logits, top_k, top_p):
+    """The rule as the task states it: top-k drops logits below the k-th largest value (ties stay), then top-p
+    keeps the shortest most-likely prefix of what is left with mass >= top_p."""
+    keep = sorted(range(len(logits)), key=lambda i: -logits[i])
+    if top_k:
+        kth = sorted(logits.tolist(), reverse=True)[min(top_k, len(logits)) - 1]
+        keep = [i for i in keep if logits[i] >= kth]
+    if top_p:
+        probs = torch.softmax(logits[keep], 0).tolist()
+        total, n = 0.0, 0
+        while total < top_p and n < len(keep):
+            total, n = total + probs[n], n + 1
+        keep = keep[:n]
+    return set(keep)
+
+
 def _filter_reference(logits, top_k, top_p):
     """Brute force: rank the tokens, keep the first top_k, then the shortest prefix with mass >= top_p."""
     order = sorted(range(len(logits)), key=lambda i: -logits[i])
@@ -209,16 +225,27 @@ def test_filter_logits_keeps_ties_and_the_crossing_token_and_names_the_mistake()
     def kept(logits, top_k, top_p):
         return sorted(torch.nonzero(filter_logits(logits, top_k, top_p) > float("-inf")).flatten().tolist())
 
+    distinct = torch.tensor([0.5, 3.0, 1.0, 2.0, -1.0], dtype=torch.float64)
     ties = torch.tensor([3.0, 1.0, 2.0, 2.0, 0.0, 2.0, -1.0], dtype=torch.float64)  # three logits tie at the 2nd place
     nucleus = torch.tensor([0.15, 0.5, 0.05, 0.3], dtype=torch.float64).log()  # probabilities, in vocabulary order
     then = torch.tensor([0.4, 0.3, 0.2, 0.1], dtype=torch.float64).log()
-    got = {"top_k=2 with ties": kept(ties, 2, 0.0), "top_p=0.6": kept(nucleus, 0, 0.6),
-           "top_k=2 then top_p=0.5": kept(then, 2, 0.5)}
-    expected = {"top_k=2 with ties": [0, 2, 3, 5], "top_p=0.6": [1, 3], "top_k=2 then top_p=0.5": [0]}
-    what = ("the tokens filter_logits keeps (top_k=2 of [3, 1, 2, 2, 0, 2, -1]; top_p=0.6 of probabilities "
-            "[0.15, 0.5, 0.05, 0.3]; top_k=2 then top_p=0.5 of probabilities [0.4, 0.3, 0.2, 0.1])")
+    cases = {"top_k=2": (distinct, 2, 0.0), "top_k=2 with ties": (ties, 2, 0.0), "top_p=0.6": (nucleus, 0, 0.6),
+             "top_k=2 then top_p=0.5": (then, 2, 0.5)}
+    got = {name: kept(*case) for name, case in cases.items()}
+    expected = {"top_k=2": [1, 3], "top_k=2 with ties": [0, 2, 3, 5], "top_p=0.6": [1, 3], "top_k=2 then top_p=0.5": [0]}
+
+    def with_k(shift):  # what a top-k that keeps k + shift gives in every case (ties kept, as the rule says)
+        return {name: sorted(_filter_reference_ties(logits, k + shift if k else 0, p))
+                for name, (logits, k, p) in cases.items()}
+
+    what = ("the tokens filter_logits keeps (top_k=2 of [0.5, 3, 1, 2, -1]; top_k=2 of [3, 1, 2, 2, 0, 2, -1]; "
+            "top_p=0.6 of probabilities [0.15, 0.5, 0.05, 0.3]; top_k=2 then top_p=0.5 of probabilities "
+            "[0.4, 0.3, 0.2, 0.1])")
     require(_equal_naming(got, expected, what, {
-        "top-k kept exactly k indices and dropped the ties of the k-th largest logit (compare with its value)":
+        "top-k kept k + 1 tokens (an off-by-one in the k-th largest: topk(...).values[k - 1] is the k-th)": with_k(1),
+        "top-k kept k - 1 tokens (an off-by-one in the k-th largest: topk(...).values[k - 1] is the k-th)": with_k(-1),
+        "top-k kept exactly k indices and dropped the ties of the k-th largest logit (compare with its value: "
+        "drop logits < the k-th largest, as Megatron does)":
             {**expected, "top_k=2 with ties": sorted(torch.topk(ties, 2).indices.tolist())},
         "top-p dropped the token that crosses top_p (the nucleus must reach top_p: drop only when the mass "
         "before a token reached it)": {**expected, "top_p=0.6": [1]},

@@ -168,3 +168,38 @@ def test_a_multi_rank_exercise_on_a_loaded_machine(ws):
         _solve(ws, exercise_id, None)
         verdict = _grade(ws, exercise_id)
         assert verdict.startswith(f"{exercise_id}: passed\n"), verdict
+
+
+def test_an_edit_takes_effect_at_the_next_cell_without_a_restart(tmp_path):
+    # One kernel for the whole play, as a learner keeps it open: blank -> save a wrong answer -> re-run the
+    # cells (from `%load_ext megalab`, as README says) -> save a syntax error -> save the right answer.
+    ws = create(REPO, tmp_path / "megalab-workspace").dest
+    notebook, exercise_id = "course/01_foundations/01_setup_and_torchrun.ipynb", "dist.shard_bounds"
+    nb = nbformat.read(ws / notebook, as_version=4)
+    load_ext = next(c for c in nb.cells if c.cell_type == "code" and "%load_ext megalab" in c.source)
+    run = nbformat.v4.new_notebook(cells=[load_ext, nb.cells[_check_cell(nb, exercise_id)]], metadata=nb.metadata)
+    client = NotebookClient(run, timeout=600, kernel_name="python3", allow_errors=True,
+                            resources={"metadata": {"path": str((ws / notebook).parent)}})
+
+    def cells(*which):
+        out = ""
+        for i in which:
+            client.execute_cell(run.cells[i], i)
+            out += "".join(o.get("text", "") + "\n".join(o.get("traceback", [])) + o.get("evalue", "")
+                           for o in run.cells[i].outputs)
+        return out
+
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    with _environ(env), client.setup_kernel():
+        assert "NotImplementedError" in cells(0, 1)
+        _solve(ws, exercise_id, WRONG[exercise_id])
+        said = cells(0, 1)
+        assert "reloaded megalab/lab/dist.py" in said, said
+        assert "NotImplementedError" not in said and re.search(r"\bFalse\b", said) and "True" not in said, said
+        _solve(ws, exercise_id, ["return (0, length"])  # a save half-way through typing
+        said = cells(1)
+        assert "your edit to megalab/lab/dist.py does not load: SyntaxError" in said and "stays in use" in said, said
+        assert re.search(r"\bFalse\b", said), said  # the last version that loaded, said plainly
+        _solve(ws, exercise_id, None)
+        said = cells(1)
+        assert "reloaded megalab/lab/dist.py" in said and re.search(r"\bTrue\b", said) and "False" not in said, said

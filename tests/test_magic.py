@@ -46,3 +46,19 @@ def test_hard_timeout_flag_reaches_the_launcher(shell, monkeypatch):
     with pytest.raises(launch.LaunchTimeoutError) as info:
         shell.run_cell_magic("torchrun", "-n 2 --timeout 30 --hard-timeout 45", "pass\n")
     assert (seen["timeout"], seen["hard_timeout"]) == (30, 45) and info.value.kind == "overloaded"
+
+
+BLANK = ("exercise parallel_state.create_groups: one group per slice of the rank grid — see "
+         "course/02_core_architecture/02_parallel_state.ipynb")
+
+
+def test_a_blank_exercise_reached_from_another_notebook_says_which_and_where(shell, capsys):
+    # 03.03's tp check reaching chapter 02's blank create_groups: the traceback, then what to do about it
+    shell.run_cell(f"raise NotImplementedError({BLANK!r})")
+    out = capsys.readouterr().out
+    assert "NotImplementedError" in out and ("This needs exercise parallel_state.create_groups first (taught in "
+                                             "course/02_core_architecture/02_parallel_state.ipynb)") in out, out
+    shell.run_cell("raise NotImplementedError('plain')")  # not an exercise: the traceback only
+    assert "This needs" not in capsys.readouterr().out
+    err = RankFailedError(0, "rank 0 failed: NotImplementedError", f"Traceback ...\nNotImplementedError: {BLANK}\n")
+    assert err._render_traceback_()[-1].startswith("This needs exercise parallel_state.create_groups first")

@@ -192,7 +192,31 @@ def test_rmsnorm_names_typical_mistakes():
                       "forgot eps (inside the square root: rsqrt(mean(x^2) + eps))": lambda: rms(x, eps=0.0),
                       "the mean of the squares over the wrong dim (the hidden one is the last)": lambda: rms(x, dim=0),
                       "subtracted the mean: that is LayerNorm; RMSNorm does not centre": lambda: rms(centred),
+                      "eps outside the square root (x / (sqrt(mean(x^2)) + eps)): it goes inside, "
+                      "rsqrt(mean(x^2) + eps)": lambda: x / (x.pow(2).mean(-1, keepdim=True).sqrt() + eps) * w,
                   }))
+
+
+@pytest.mark.exercise("model.norm")
+def test_rmsnorm_statistics_in_float32():
+    """The task says "statistics in float32": in fp16, x^2 overflows to inf once |x| > 256, so a norm that squares
+    in the input's dtype returns rows of zeros for activations of a few hundred (common in a trained model's
+    residual stream)."""
+    torch.manual_seed(0)
+    norm = randomize(RMSNorm(16, eps=1e-5)).half()
+    x = (torch.randn(3, 2, 16) * 300).half()  # [s, b, h], |x| ~ 300: x^2 ~ 9e4 > 65504, fp16's largest
+    with torch.no_grad():
+        out = norm(x)
+    ref = F.rms_norm(x.float(), (16,), norm.weight.detach().float(), 1e-5).half()
+    require(equal(out.dtype, torch.float16, "the dtype of RMSNorm's output for an fp16 input"))
+    zero_rows = int((out.float().abs().amax(-1) == 0).sum())
+    verdict = close(out.float(), ref.float(), "RMSNorm's output for fp16 activations of size ~300 vs F.rms_norm in "
+                    "float32", atol=1e-2, rtol=1e-2)
+    if not verdict and zero_rows:  # the evidence: whole rows of zeros, where x^2 overflowed to inf
+        verdict = mistake(f"statistics in the input's dtype: {zero_rows} of {out[..., 0].numel()} rows came out all "
+                          "zeros because x^2 overflowed to inf in fp16 — upcast to float32 (x.float()) for the mean of "
+                          "the squares, cast back at the end", verdict.reason)
+    require(verdict)
 
 
 @pytest.mark.exercise("model.norm")

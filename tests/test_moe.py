@@ -186,6 +186,33 @@ def test_load_balancing_loss_is_switch_formula():
                                                        f"(coeff * E = {0.5 * E})"))
 
 
+@pytest.mark.exercise("moe.load_balancing_loss")
+def test_load_balancing_loss_trains_the_router_and_counts_every_token():
+    """Under sequence (or context) parallelism a rank holds only its share of the tokens' probs, while
+    tokens_per_expert and total_num_tokens count the whole sequence (Megatron's case): the formula divides by
+    total_num_tokens, never by probs' own row count. And the loss exists to train the router: its gradient must
+    reach probs (coeff * E * tokens_i / (k T^2) for every token t)."""
+    torch.manual_seed(0)
+    total, local, k, coeff = 32, 16, 2, 0.01  # this rank holds 16 of the 32 tokens (SP = 2)
+    probs = torch.softmax(torch.randn(local, E), -1).requires_grad_()
+    counts = torch.tensor([20.0, 16.0, 12.0, 16.0])  # top-2 of all 32 tokens: 64 assignments
+    got = switch_load_balancing_loss_func(probs, counts, total, k, E, coeff)
+    expected = coeff * E * (probs.detach().sum(0) * counts).sum() / (k * total * total)
+    where = f"switch_load_balancing_loss_func(probs of this rank's {local} tokens, counts of all {total}, top-{k})"
+    require(close(got.detach(), expected, f"{where} (divide by total_num_tokens = {total})", rtol=1e-5, atol=1e-8,
+                  mistakes={f"divided by probs' row count ({local}, e.g. probs.mean(0)), not by total_num_tokens "
+                            f"({total}): under sequence parallelism probs holds only this rank's tokens":
+                            expected * total / local}))
+    if not got.requires_grad:
+        raise AssertionError(f"likely mistake: probs detached (or the loss rebuilt from plain numbers) — {where} has no "
+                             "gradient: the router would never learn to balance; keep the loss a function of probs")
+    got.backward()
+    want = (coeff * E * counts / (k * total * total)).expand(local, E)  # d loss / d probs_ti
+    grad = torch.zeros_like(probs) if probs.grad is None else probs.grad
+    require(close(grad, want, f"{where}: d loss / d probs (coeff * E * tokens_i / (k T^2) for every token)",
+                  rtol=1e-5, atol=1e-10))
+
+
 @pytest.mark.exercise("moe.capacity")
 @pytest.mark.parametrize("capacity_factor", [0.5, 1.0, 1.5])
 def test_dropped_tokens_are_exactly_those_past_capacity(capacity_factor):

@@ -75,6 +75,21 @@ LR_MISTAKES = {
 }
 
 
+def _warmup_verdict(lrs, expected, what, warmup=5):
+    """The warmup steps 0..warmup-1 alone (whatever comes after them): the evidence of an off-by-one there."""
+    got, want = lrs[:warmup], expected[:warmup]
+    if all(x == pytest.approx(y, abs=1e-12) for x, y in zip(got, want)):
+        return None
+    shown = ", ".join(f"{x:.3g}" for x in got)
+    evidence = f"{what}: the warmup steps 0..{warmup - 1} give {shown}, expected {', '.join(f'{y:.3g}' for y in want)}"
+    if all(x == pytest.approx(y, abs=1e-12) for x, y in zip(got, expected[1 : warmup + 1])):
+        return mistake("warmup off by one: every warmup step is one step ahead ((step + 1) / lr_warmup_steps); step 0 "
+                       "gives init_lr, step lr_warmup_steps gives max_lr", evidence)
+    if got[1:] and all(x == pytest.approx(y, abs=1e-12) for x, y in zip(got[1:], expected[: warmup - 1])):
+        return mistake("warmup off by one: every warmup step is one step behind ((step - 1) / lr_warmup_steps)", evidence)
+    return None
+
+
 def _require_schedule(lrs, expected, what, mistakes=None):
     """The first step where the learning rates differ, in words; named when a typical mistake gives exactly lrs.
 
@@ -82,6 +97,8 @@ def _require_schedule(lrs, expected, what, mistakes=None):
     def same(a, b):
         return len(a) == len(b) and all(x == pytest.approx(y, abs=1e-12) for x, y in zip(a, b))
 
+    if not same(lrs, expected) and (verdict := _warmup_verdict(lrs, expected, what)) is not None:
+        require(verdict)
     if not same(lrs, expected):
         for name, wrong in (mistakes or {}).items():
             if same(lrs, wrong):

@@ -174,13 +174,43 @@ def test_update_takes_the_new_course_and_keeps_your_work(ws, capsys):
     assert {p.name for p in backups.rglob("*") if p.is_file()} == {"chain.py", "02_chain.ipynb"}
     assert _verdict("chain.quadruple")[0] == "passed"
     assert cli.main(["update"]) == 0 and "0 file(s) changed" in capsys.readouterr().out  # idempotent
-    # your edit of a file the course then changes: the new version, yours kept in the backups
-    (ws.root / "megalab/toy.py").write_text((ws.root / "megalab/toy.py").read_text() + "\nMINE = 1\n")
+    # your edit of a file the course then changes elsewhere: both, merged; yours also in the backups
+    (ws.root / "megalab/toy.py").write_text("MINE = 1\n" + (ws.root / "megalab/toy.py").read_text())
     assert cli.main(["update"]) == 0 and "kept     megalab/toy.py" in capsys.readouterr().out
     (ws.source / "megalab" / "toy.py").write_text((ws.source / "megalab" / "toy.py").read_text() + "\nNEWER = 2\n")
     assert cli.main(["update"]) == 0 and "merged   megalab/toy.py" in capsys.readouterr().out
-    assert "NEWER = 2" in (ws.root / "megalab/toy.py").read_text()
+    assert "NEWER = 2" in (ws.root / "megalab/toy.py").read_text() and "MINE = 1" in (ws.root / "megalab/toy.py").read_text()
     assert any("MINE = 1" in p.read_text() for p in backups.rglob("toy.py"))
+
+
+def test_update_merges_a_course_fix_inside_a_function_you_implemented(ws, capsys):
+    """Three-way, as git merges: a fix the course makes in an implemented function, outside its exercise
+    region, arrives; so does a new task wording; your solution stays; the same lines changed on both sides
+    are a conflict, reported, with both versions in the file."""
+    _write(ws, "chain.quadruple", "return double(double(x))  # mine")
+    chain = ws.source / "megalab" / "chain.py"
+    chain.write_text(chain.read_text().replace("def quadruple(x):\n", "def quadruple(x):\n    x = int(x)  # course fix\n")
+                     .replace("double twice, with double()", "double twice (new task wording)"))
+    assert cli.main(["update"]) == 0
+    assert "merged   megalab/chain.py" in capsys.readouterr().out
+    text = (ws.root / "megalab/chain.py").read_text()
+    assert "x = int(x)  # course fix" in text and "return double(double(x))  # mine" in text, text
+    assert "# EXERCISE chain.quadruple: double twice (new task wording)" in text
+    assert _verdict("chain.quadruple")[0] == "passed"
+    assert cli.main(["update"]) == 0
+    assert "0 file(s) changed" in capsys.readouterr().out
+    assert "x = int(x)  # course fix" in (ws.root / "megalab/chain.py").read_text()  # true now: nothing left behind
+
+    _write(ws, "chain.double", "return x + x  # mine")
+    chain.write_text(chain.read_text().replace('"""Twice x."""', '"""Twice x, for ints."""'))
+    (ws.root / "megalab/chain.py").write_text((ws.root / "megalab/chain.py").read_text()
+                                              .replace('"""Twice x."""', '"""Twice x, my words."""'))
+    assert cli.main(["update"]) == 1
+    out = capsys.readouterr().out
+    assert "CONFLICT megalab/chain.py (line " in out and "1 with conflicts to resolve" in out, out
+    text = (ws.root / "megalab/chain.py").read_text()
+    assert "my words" in text and "for ints" in text and "<<<<<<< megalab/chain.py (yours)" in text
+    assert "return x + x  # mine" in text and "return double(double(x))  # mine" in text
 
 
 def test_isolation_helpers():
@@ -223,3 +253,24 @@ def test_update_follows_a_module_the_course_moved(ws, capsys):
     assert any("# mine" in p.read_text() for p in (ws.root / BACKUP).rglob("chain.py"))
     assert progress(ws.root) == (1, 6)
     assert _verdict("chain.quadruple")[0] == "passed"
+
+
+def test_a_failed_notebook_names_the_blank_exercise_it_needs(ws):
+    """A notebook that dies of another error (a server answering 500, so the cell sees KeyError: 'choices')
+    while an exercise its code imports is still blank: the row says which exercise to implement first."""
+    from megalab.lab.exercises import load
+    from megalab.lab.grading import Outcome, blank_dependencies, notebook_rows
+
+    exercises = list(load(ws.reference).exercises.values())
+    assert {ex.id for ex in blank_dependencies(ws.root, NOTEBOOK, exercises)} == {
+        "chain.double", "chain.quadruple", "chain.first", "chain.second"}
+    cell = Outcome(f"{NOTEBOOK}::Cell 1", "failed", [], "KeyError: 'choices'")
+    needs = {NOTEBOOK: blank_dependencies(ws.root, NOTEBOOK, exercises)}
+    [row] = notebook_rows([NOTEBOOK], {cell.nodeid: cell}, needs)
+    assert row.status == "not implemented" and row.detail.startswith("needs chain.double ("), row.detail
+    assert "KeyError: 'choices'" in row.detail  # and what the notebook died of
+    for ex in ("chain.double", "chain.quadruple", "chain.first", "chain.second"):
+        _write(ws, ex, "return 0")
+    assert blank_dependencies(ws.root, NOTEBOOK, exercises) == []
+    [row] = notebook_rows([NOTEBOOK], {cell.nodeid: cell}, {NOTEBOOK: []})
+    assert row.status == "failed" and row.detail == "Cell 1: KeyError: 'choices'", row.detail

@@ -214,7 +214,12 @@ def _update(args: argparse.Namespace) -> int:
         print(f"megalab update: {exc}", file=sys.stderr)
         return 2
     for rel in result.merged:
-        print(f"  merged   {rel}: the new version, with the exercises you implemented carried over")
+        if rel in result.conflicts:
+            lines = ", ".join(map(str, result.conflicts[rel]))
+            print(f"  CONFLICT {rel} (line {lines}): you and the course changed the same lines; both versions are "
+                  f"between <<<<<<< and >>>>>>> markers (yours first): keep what is right, delete the markers")
+        else:
+            print(f"  merged   {rel}: the course's changes, with your edits and solutions kept")
     for rel in result.replaced:
         print(f"  updated  {rel}")
     for rel in result.kept:
@@ -223,8 +228,9 @@ def _update(args: argparse.Namespace) -> int:
         print(f"  removed  {rel} (the course no longer has it)")
     if result.backups:
         print(f"your previous copies of changed files are in {result.backups.relative_to(ws.root)}")
-    print(f"workspace up to date with {ws.source}: {len(result.replaced) + len(result.merged)} file(s) changed")
-    return 0
+    print(f"workspace up to date with {ws.source}: {len(result.replaced) + len(result.merged)} file(s) changed"
+          + (f", {len(result.conflicts)} with conflicts to resolve" if result.conflicts else ""))
+    return 1 if result.conflicts else 0
 
 
 def _report(args: argparse.Namespace) -> int:

@@ -101,6 +101,20 @@ class Exercise:
         return f"exercise {self.id}: {self.task} — {see} {self.notebook or COURSE_DIR + '/'}"
 
 
+_BLANK_RAISED = re.compile(r"NotImplementedError: exercise ([\w.]+): .*? — (?:see|见) (\S+)")
+
+
+def needs_first(text: str) -> str | None:
+    """For a traceback that ends in a blank region's NotImplementedError: the line that says which exercise this
+    code needs first and where it is taught (a cell of another notebook can reach another chapter's exercise)."""
+    found = _BLANK_RAISED.findall(text)
+    if not found:
+        return None
+    exercise_id, notebook = found[-1]
+    return (f"This needs exercise {exercise_id} first (taught in {notebook}): implement it there, then run this cell "
+            f"again (`%grade {exercise_id}` checks it on its own).")
+
+
 # --------------------------------------------------------------------------- parsing
 
 

@@ -38,6 +38,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import pluggy
+
 from megalab.lab.exercises import COURSE_DIR, Exercise, ExerciseError, load
 from megalab.lab.launch import HARD_TIMEOUT_FACTOR
 from megalab.lab.notebooks import find_notebooks
@@ -226,7 +228,10 @@ def _run_in_overlay(root: Path, ws, yours: list[Exercise], reference: dict[str, 
         shutil.rmtree(tree, ignore_errors=True)
 
 
-def notebook_rows(notebooks: list[str], cells: dict[str, Outcome]) -> list[Row]:
+def notebook_rows(notebooks: list[str], cells: dict[str, Outcome], blank: dict[str, list[Exercise]] | None = None
+                  ) -> list[Row]:
+    """One row per notebook. `blank`: per notebook, the exercises its code reaches that are still blank (see
+    `blank_dependencies`): a failed notebook that needs one says so first, whatever error it died of."""
     rows = []
     for nb in notebooks:
         mine = [o for o in cells.values() if o.nodeid.split("::")[0] == nb]
@@ -235,15 +240,61 @@ def notebook_rows(notebooks: list[str], cells: dict[str, Outcome]) -> list[Row]:
             rows.append(Row(nb, "passed", "no code cells"))
         elif failed:
             first = failed[0]
-            status = "not implemented" if unimplemented(first.text) else "failed"
+            needs = (blank or {}).get(nb, [])
+            status = "not implemented" if unimplemented(first.text) or needs else "failed"
             cell = first.nodeid.split("::")[-1]
             line = first.first_line
             detail = line if line.startswith(cell) else f"{cell}: {line}"
+            if needs and not unimplemented(first.text):
+                detail = "needs " + ", ".join(f"{ex.id} ({ex.notebook or ex.path})" for ex in needs) + \
+                         f" first (not implemented yet) — {detail}"
             more = f" (+{_n(len(failed) - 1, 'more failing cell')})" if len(failed) > 1 else ""
             rows.append(Row(nb, status, detail + more, mine))
         else:
             rows.append(Row(nb, "passed", f"{_n(len(mine), 'cell')} match", mine))
     return rows
+
+
+_IMPORT = re.compile(r"^\s*(?:from\s+(megalab[\w.]*)\s+import\s+([\w ,()]+)|import\s+(megalab[\w.]*))", re.M)
+
+
+def _imports(text: str) -> set[str]:
+    """The megalab modules a source text imports (`from megalab.x import y` counts megalab.x.y when it is one)."""
+    found = set()
+    for m in _IMPORT.finditer(text):
+        if m[3]:
+            found.add(m[3])
+        else:
+            found.add(m[1])
+            found.update(f"{m[1]}.{name.strip()}" for name in m[2].strip("()").split(",") if name.strip())
+    return found
+
+
+def _module_file(root: Path, module: str) -> Path | None:
+    base = root / Path(*module.split("."))
+    for path in (base.with_suffix(".py"), base / "__init__.py"):
+        if path.is_file():
+            return path
+    return None
+
+
+def blank_dependencies(root: Path, notebook: str, exercises: list[Exercise]) -> list[Exercise]:
+    """The exercises still blank in the tree at `root` in the modules `notebook`'s code imports (a package's
+    `__init__` counts the modules it re-exports): what the notebook cannot run without."""
+    import nbformat
+
+    nb = nbformat.read(root / notebook, as_version=4)
+    todo = list(_imports("\n".join(c.source for c in nb.cells if c.cell_type == "code")))
+    files: set[str] = set()
+    while todo:
+        module = todo.pop()
+        path = _module_file(root, module)
+        if path is None or (rel := path.relative_to(root).as_posix()) in files:
+            continue
+        files.add(rel)
+        if path.name == "__init__.py":  # a package's face: what it re-exports
+            todo += _imports(path.read_text(encoding="utf-8"))
+    return [ex for ex in exercises if ex.path in files and blank_message(root, ex) is not None]
 
 
 # --------------------------------------------------------------------------- the command
@@ -388,8 +439,9 @@ def grade(root: str | Path = ".", target: str | None = None, timeout: float = DE
         row.notebook = ex.notebook
         row.hints = int(used.get(ex.id, 0))
     record_grades(root, rows)  # `megalab progress` reads them
+    blank = {nb: blank_dependencies(root, nb, list(reference.exercises.values())) for nb in nb_paths} if ws else None
     return Report(str(root), label, time.perf_counter() - start, rows,
-                  notebook_rows(nb_paths, cells), registry.problems(), ws.config.get("lang", "en") if ws else "en")
+                  notebook_rows(nb_paths, cells, blank), registry.problems(), ws.config.get("lang", "en") if ws else "en")
 
 
 def grade_notebooks(root: Path, ws, notebooks: list[str], timeout: float) -> dict[str, Outcome]:
@@ -482,6 +534,20 @@ def _save() -> None:
     tmp = Path(os.environ[_OUT] + ".tmp")
     tmp.write_text(json.dumps(_recorded))
     tmp.replace(os.environ[_OUT])
+
+
+@pluggy.HookimplMarker("pytest")(hookwrapper=True)
+def pytest_pyfunc_call(pyfuncitem):
+    """While grading: an endless loop in a test (or in a rank it launches) fails it after CPU_LIMIT seconds of
+    CPU, naming the line; machine load cannot trigger it (megalab/lab/cpu_guard.py)."""
+    if _OUT not in os.environ:
+        yield
+        return
+    from megalab.lab.cpu_guard import CPU_LIMIT, ENV, cpu_limit
+
+    os.environ.setdefault(ENV, str(CPU_LIMIT))  # inherited by the ranks the test launches (megalab/lab/worker.py)
+    with cpu_limit(float(os.environ[ENV])):
+        yield
 
 
 def pytest_runtest_logreport(report):

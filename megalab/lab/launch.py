@@ -89,7 +89,10 @@ class _RankError(RuntimeError):
         self.details = details
 
     def _render_traceback_(self) -> list[str]:  # IPython's hook for custom tracebacks
-        return [f"{type(self).__name__}: {self}", *self.details.rstrip().splitlines()]
+        from megalab.lab.exercises import needs_first
+
+        needs = needs_first(self.details)
+        return [f"{type(self).__name__}: {self}", *self.details.rstrip().splitlines(), *([needs] if needs else [])]
 
 
 class RankFailedError(_RankError):

@@ -226,11 +226,16 @@ def run_fresh(root: Path, registry, m) -> Result:
     return _verdict(m, verdict, passed, selected, time.perf_counter() - start)
 
 
-def run(root: Path, mistakes: list) -> list[Result]:
-    """Every mistake's result, in the order given (the live ones share one pytest session)."""
+def run(root: Path, mistakes: list, first_test_only: bool = False) -> list[Result]:
+    """Every mistake's result, in the order given (the live ones share one pytest session). first_test_only:
+    each exercise's first test alone (its focused "first check", what names a mistake)."""
+    from dataclasses import replace
+
     from megalab.lab.exercises import load
 
     registry = load(root)
+    if first_test_only:
+        registry.exercises.update({k: replace(ex, tests=ex.tests[:1]) for k, ex in registry.exercises.items()})
     results: dict[int, Result] = {}
     live = []
     for i, m in enumerate(mistakes):
@@ -263,6 +268,19 @@ def run(root: Path, mistakes: list) -> list[Result]:
     return [results[i] for i in range(len(mistakes))]
 
 
+def check_solutions(root: Path, solutions: list, first_test_only: bool = False) -> list[Result]:
+    """Solutions written by someone else from the course's text alone (tests/blind/): each swapped in like a
+    mistake, and it must pass; a Result's status is "passed" or "FAILED" (with the grader's verdict)."""
+    from types import SimpleNamespace
+
+    as_mistakes = [SimpleNamespace(exercise=s["exercise"], name=s.get("name", "blind solution"), says="",
+                                   code=s["code"], fresh=s.get("fresh", False)) for s in solutions]
+    results = run(root, as_mistakes, first_test_only)
+    for r in results:
+        r.status = "passed" if r.status == "NOT CAUGHT" and r.verdict.endswith("test(s) passed") else "FAILED"
+    return results
+
+
 def _row(r: Result) -> str:
     return f"{r.exercise:34.34} {r.name[:44]:44} {r.status:18} {r.seconds:6.1f}s  {r.verdict[:150]}"
 
@@ -272,10 +290,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--exercise", action="append", help="only this exercise's mistakes (repeatable)")
     p.add_argument("--file", action="append", help=f"only the mistakes in this file under {MISTAKES_DIR}/")
     p.add_argument("--json", help="write the results here")
+    p.add_argument("--solutions", action="append", help="a file of SOLUTIONS written from the course's text alone "
+                   "(tests/blind/): each must pass")
+    p.add_argument("--first-test-only", action="store_true", help="each exercise's first test only")
     args = p.parse_args(argv)
     from megalab.lab.exercises import find_root
 
     root = find_root(".")
+    if args.solutions:
+        return _main_solutions(root, args)
     mistakes = load_mistakes(root, args.file)
     if args.exercise:
         mistakes = [m for m in mistakes if m.exercise in args.exercise]
@@ -287,6 +310,32 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps([asdict(r) for r in results], indent=1))
     return 0 if named == len(results) else 1
+
+
+def load_solutions(root: Path, files: list[str]) -> list[dict]:
+    """Every dict in the SOLUTIONS lists of `files` (tests/blind/*.py): exercise, code, and how it was written."""
+    found = []
+    for rel in files:
+        spec = importlib.util.spec_from_file_location(f"_megalab_blind_{Path(rel).stem}", root / rel)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        found += list(module.SOLUTIONS)
+    return found
+
+
+def _main_solutions(root: Path, args) -> int:
+    solutions = load_solutions(root, args.solutions)
+    if args.exercise:
+        solutions = [s for s in solutions if s["exercise"] in args.exercise]
+    print(f"{'exercise':34} {'solution':44} {'verdict':18} {'time':>7}  the grader's line")
+    results = check_solutions(root, solutions, args.first_test_only)
+    for r in results:
+        print(_row(r), flush=True)
+    passed = sum(r.status == "passed" for r in results)
+    print(f"\n{passed} of {len(results)} solutions pass" + ("" if passed == len(results) else "; see above"))
+    if args.json:
+        Path(args.json).write_text(json.dumps([asdict(r) for r in results], indent=1))
+    return 0 if passed == len(results) else 1
 
 
 if __name__ == "__main__":

@@ -126,8 +126,11 @@ def main(cell_path: str) -> None:
         apply_from_env()
     namespace = {"__name__": "__main__", "__file__": cell_path, "__builtins__": __builtins__}
     sys.argv = [cell_path]
+    from megalab.lab.cpu_guard import cpu_limit, from_env
+
     try:
-        exec(compile(source, CELL_FILENAME, "exec"), namespace)
+        with cpu_limit(from_env()):  # set while grading: an endless loop becomes an error at its line
+            exec(compile(source, CELL_FILENAME, "exec"), namespace)
     except SystemExit as exc:
         if exc.code not in (None, 0):
             _write_error(run_dir, rank, exc)

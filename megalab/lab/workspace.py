@@ -28,6 +28,7 @@ import ast
 import hashlib
 import json
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -51,6 +52,7 @@ STATE_DIR = ".megalab"
 CONFIG = f"{STATE_DIR}/workspace.json"
 REFERENCE = f"{STATE_DIR}/reference"
 BACKUP = f"{STATE_DIR}/backup"
+BASE = f"{STATE_DIR}/base"  # each source file as the course last wrote it here: the base of update's 3-way merge
 KEPT = (SOURCE_DIR, TESTS_DIR, COURSE_DIR)  # what the snapshot keeps of the reference
 FIRST_NOTEBOOK = "course/01_foundations/01_setup_and_torchrun.ipynb"
 
@@ -156,6 +158,7 @@ def create(reference: str | Path, dest: str | Path, force: bool = False, lang: s
     translation = _edition(reference, lang)
     written = write_student(reference, dest, force=force, edition=translation)
     files = {rel: _sha(dest / rel) for rel in sorted(_tracked(dest))}  # as written: `update` tells your edits by them
+    _keep_base(dest, dest)
     _snapshot(reference, dest, translation)
     config = {"reference": str(reference), "venv": sys.prefix, "python": sys.executable, "lang": lang or "en",
               "commit": _git_commit(reference), "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "files": files}
@@ -211,6 +214,72 @@ def _snapshot(reference: Path, dest: Path, translation: Edition | None = None) -
 # --------------------------------------------------------------------------- restore and update
 
 
+def _mergeable(rel: str) -> bool:
+    """Text files a learner edits by hand: merged three-way on update (notebooks are JupyterLab's to save)."""
+    return rel.startswith(SOURCE_DIR + "/") and rel.endswith(".py")
+
+
+def _keep_base(written: Path, ws_root: Path) -> None:
+    """Copy each mergeable file of `written` (the course as just written) to the workspace's base folder."""
+    base = ws_root / BASE
+    if base.exists():
+        shutil.rmtree(base)
+    for rel in _tracked(written):
+        if _mergeable(rel):
+            (base / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(written / rel, base / rel)
+
+
+_EXERCISE_LINE = re.compile(r"^(\s*)# EXERCISE ([\w.]+):.*$")
+_RAISE_LINE = re.compile(r'^(\s*)raise NotImplementedError\("exercise ([\w.]+):.*$')
+
+
+def _canonical(text: str) -> tuple[str, dict[str, str]]:
+    """`text` with each exercise's task line and blank `raise` reduced to their id (their wording is the course's
+    alone: a new wording must never collide with your solution below it), and the original lines by key."""
+    lines, originals = [], {}
+    for line in text.splitlines(keepends=True):
+        for kind, pattern in (("EXERCISE", _EXERCISE_LINE), ("RAISE", _RAISE_LINE)):
+            m = pattern.match(line.rstrip("\n"))
+            if m:
+                key = f"{m[1]}#megalab-{kind} {m[2]}\n"
+                originals[key] = line if line.endswith("\n") else line + "\n"
+                line = key
+                break
+        lines.append(line)
+    return "".join(lines), originals
+
+
+def merge3(yours: str, base: str, theirs: str, rel: str) -> tuple[str, int]:
+    """Three-way merge as git does it (`git merge-file`): the course's changes since `base` applied to `yours`.
+    Returns (text, conflicts); a conflict is left between git's markers, your lines first."""
+    import subprocess
+
+    (y, mine), (b, before), (t, now) = _canonical(yours), _canonical(base), _canonical(theirs)
+    originals = {**mine, **before, **now}  # the course's current wording wins
+    with tempfile.TemporaryDirectory(prefix="megalab-merge-") as tmp:
+        paths = []
+        for name, text in (("yours", y), ("base", b), ("theirs", t)):
+            path = Path(tmp) / name
+            path.write_text(text, encoding="utf-8")
+            paths.append(str(path))
+        try:
+            proc = subprocess.run(["git", "merge-file", "-p", "-L", f"{rel} (yours)", "-L", f"{rel} (as the course "
+                                   "wrote it before)", "-L", f"{rel} (the course now)", *paths],
+                                  capture_output=True, text=True)
+        except FileNotFoundError:
+            raise WorkspaceError("`megalab update` merges the course's changes into your files with git: install git "
+                                 "(https://git-scm.com/downloads) and run it again; nothing was changed") from None
+    if proc.returncode < 0 or proc.returncode > 127:
+        raise WorkspaceError(f"git merge-file failed on {rel}: {proc.stderr.strip()}; nothing was changed")
+    lines = [originals.get(line, line) for line in proc.stdout.splitlines(keepends=True)]
+    return "".join(lines), proc.returncode
+
+
+def _conflict_lines(text: str) -> list[int]:
+    return [i + 1 for i, line in enumerate(text.splitlines()) if line.startswith("<<<<<<< ")]
+
+
 def _backup(ws: Workspace, rel: str, stamp: str) -> Path:
     target = ws.root / BACKUP / stamp / rel
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -242,16 +311,20 @@ class Update:
     kept: list[str]  # files you changed that the course did not: left as they are
     backups: Path | None
     removed: list[str] = field(default_factory=list)  # files the course no longer has (copied to the backups)
+    conflicts: dict[str, list[int]] = field(default_factory=dict)  # file -> lines of git's conflict markers
 
 
 def update(ws: Workspace) -> Update:
     """Bring the workspace to the reference's current version without losing your work.
 
     Files the course did not change stay as you left them. Files you never changed take the new
-    version. Exercise modules take the new version with the functions you implemented carried over,
-    found by exercise id wherever they were (a module the course moved keeps your work). Other files
-    you changed (notebooks, saved by JupyterLab) take the new version. Files the course no longer has
-    are removed. Whatever is replaced or removed is copied to .megalab/backup/<time>/ first.
+    version. A megalab/ file both you and the course changed is merged three-way, as git merges: the
+    course's changes since it last wrote the file (.megalab/base/) are applied to yours, so a fix the course
+    made inside a function you implemented arrives, and your solutions stay; where both changed the same
+    lines, the file keeps git's conflict markers (yours first) and the conflict is reported. An exercise the
+    course moved to another module takes your implementation with it. Other files you changed (notebooks,
+    saved by JupyterLab) take the new version. Files the course no longer has are removed. Whatever is
+    replaced, merged or removed is copied to .megalab/backup/<time>/ first.
     """
     source = ws.source
     if not (source / SOURCE_DIR / "__init__.py").is_file():
@@ -264,7 +337,7 @@ def update(ws: Workspace) -> Update:
         mine = {ex.id: ex for ex in load(ws.root).exercises.values()}
         yours = {ex.path: (ws.root / ex.path).read_text(encoding="utf-8") for ex in mine.values()}  # before any write
         stamp = time.strftime("%Y%m%d-%H%M%S")
-        replaced, merged, kept, backed = [], [], [], False
+        replaced, merged, kept, backed, conflicts = [], [], [], False, {}
         by_path: dict[str, list[Exercise]] = {}
         for ex in written.blanked:
             by_path.setdefault(ex.path, []).append(ex)
@@ -278,12 +351,19 @@ def update(ws: Workspace) -> Update:
                 if changed_by_you:
                     kept.append(rel)
                 continue
-            donors: dict[str, list[Exercise]] = {}  # your file -> the exercises of this module it holds
+            base = ws.root / BASE / rel
+            three_way = changed_by_you and _mergeable(rel) and base.is_file()
+            donors: dict[str, list[Exercise]] = {}  # a file of yours -> the exercises of this module it holds
             for ex in by_path.get(rel, []):
-                if ex.id in mine and mine[ex.id].path.endswith(".py") and (changed_by_you or mine[ex.id].path != rel):
+                moved = mine.get(ex.id) is not None and mine[ex.id].path != rel
+                if ex.id in mine and mine[ex.id].path.endswith(".py") and (moved or (changed_by_you and not three_way)):
                     donors.setdefault(mine[ex.id].path, []).append(ex)
-            if donors:  # an exercise module: the new one, with your solutions (from wherever they were)
+            if three_way or donors:  # your file with the course's changes, your solutions from wherever they were
                 text = new.read_text(encoding="utf-8")
+                if three_way:
+                    text, clashes = merge3(old.read_text(encoding="utf-8"), base.read_text(encoding="utf-8"), text, rel)
+                    if clashes:
+                        conflicts[rel] = _conflict_lines(text)
                 for donor, exercises in sorted(donors.items()):
                     text = carry_over(yours[donor], text, exercises, rel)
                 if not old.exists() or text != old.read_text(encoding="utf-8"):
@@ -307,12 +387,13 @@ def update(ws: Workspace) -> Update:
             backed = True
             (ws.root / rel).unlink()
         _snapshot(source, ws.root, translation)
+        _keep_base(fresh, ws.root)
         shutil.copy2(fresh / HINTS, ws.root / HINTS)  # the hints as the course now words them
         # each file as the course wrote it (never your edit): what the next update compares with
         ws.config.update(files={rel: _sha(fresh / rel) for rel in _tracked(fresh)}, commit=_git_commit(source),
                          updated=time.strftime("%Y-%m-%dT%H:%M:%S%z"))
         (ws.root / CONFIG).write_text(json.dumps(ws.config, indent=1))
-    return Update(replaced, merged, kept, ws.root / BACKUP / stamp if backed else None, removed)
+    return Update(replaced, merged, kept, ws.root / BACKUP / stamp if backed else None, removed, conflicts)
 
 
 # --------------------------------------------------------------------------- functions by name

@@ -73,6 +73,17 @@ if rank == src:
 else:
     dist.recv(tensor, group_src=src, group=group)
 """),
+    Mistake("comm.broadcast", "dst=/src= (global ranks) given group ranks", says="group ranks and global ranks mixed up",
+            code="""
+me = (rank - src) % world
+step = 1
+while step < world:
+    if me < step and me + step < world:
+        dist.send(tensor, dst=(src + me + step) % world, group=group)
+    elif step <= me < 2 * step:
+        dist.recv(tensor, src=(src + me - step) % world, group=group)
+    step *= 2
+"""),
     # ------------------------------------------------------------------ comm.all_gather
     Mistake("comm.all_gather", "received into a copy and forgot to copy it into output", says="never reach",
             code="""
@@ -91,12 +102,21 @@ for step in range(world - 1):
     send_recv(outgoing, next_rank, incoming, prev_rank, group)
 """),
     Mistake("comm.all_gather", "reversed the ring (sent to rank - 1, received from rank + 1) with the same chunks",
-            says="wrong chunk", code="""
+            says="the ring turns the other way", code="""
 next_rank, prev_rank = (rank + 1) % world, (rank - 1) % world
 for step in range(world - 1):
     outgoing = output[chunks[(rank - step) % world]]
     incoming = output[chunks[(rank - step - 1) % world]]
     send_recv(outgoing, prev_rank, incoming, next_rank, group)
+"""),
+    Mistake("comm.all_gather", "the global rank (dist.get_rank()) where the group rank is needed",
+            says="group ranks and global ranks mixed up", code="""
+me = dist.get_rank()
+next_rank, prev_rank = (me + 1) % world, (me - 1) % world
+for step in range(world - 1):
+    outgoing = output[chunks[(me - step) % world]]
+    incoming = output[chunks[(me - step - 1) % world]]
+    send_recv(outgoing, next_rank, incoming, prev_rank, group)
 """),
     # ------------------------------------------------------------------ comm.reduce_scatter
     Mistake("comm.reduce_scatter", "received straight into the partial sum (overwrote it instead of adding)",
@@ -210,6 +230,20 @@ factor = {
     "reduce": 1.0,
 }[collective]
 return algbw(nbytes, seconds) / factor
+"""),
+    Mistake("comm.ring_all_reduce", "the ring turned the other way (send to rank - 1, receive from rank + 1)",
+            says="the ring turns the other way", code="""
+next_rank, prev_rank = (rank + 1) % world, (rank - 1) % world
+received = torch.empty_like(flat[: chunks[0].stop])
+for step in range(2 * (world - 1)):
+    outgoing = flat[chunks[(rank - step - 1) % world]]
+    target = flat[chunks[(rank - step - 2) % world]]
+    incoming = received[: target.numel()]
+    send_recv(outgoing, prev_rank, incoming, next_rank, group)
+    if step < world - 1:
+        target += incoming
+    else:
+        target.copy_(incoming)
 """),
     # ------------------------------------------------------------------ comm.fit_alpha_beta
     Mistake("comm.fit_alpha_beta", "fitted absolute errors (forgot to divide each row by its time)",
@@ -376,6 +410,16 @@ return normed.type_as(x) * self.weight
             says="wrong dim", code="""
 x32 = x.float()
 normed = x32 * torch.rsqrt(x32.pow(2).mean(dim=0, keepdim=True) + self.eps)
+return normed.type_as(x) * self.weight
+"""),
+    Mistake("model.norm", "statistics in the input's dtype (no upcast: fp16 x^2 overflows)",
+            says="statistics in the input's dtype", code="""
+normed = x * torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + self.eps)
+return normed * self.weight
+"""),
+    Mistake("model.norm", "eps outside the square root", says="eps outside the square root", code="""
+x32 = x.float()
+normed = x32 / (x32.pow(2).mean(dim=-1, keepdim=True).sqrt() + self.eps)
 return normed.type_as(x) * self.weight
 """),
     Mistake("model.norm", "subtracted the mean (that is LayerNorm, not RMSNorm)", says="subtracted the mean", code="""

@@ -285,6 +285,16 @@ aggregated_probs_per_expert = probs.sum(dim=0)
 return torch.sum(aggregated_probs_per_expert * tokens_per_expert) * (
     num_experts * moe_aux_loss_coeff / (topk * total_num_tokens))
 """),
+    Mistake("moe.load_balancing_loss", "probs.mean(0): the probabilities averaged over this rank's rows",
+            says="divided by probs' row count", code="""
+fractions = tokens_per_expert / (topk * total_num_tokens)
+return moe_aux_loss_coeff * num_experts * torch.sum(fractions * probs.mean(dim=0))
+"""),
+    Mistake("moe.load_balancing_loss", "probs detached: no gradient reaches the router", says="probs detached", code="""
+aggregated_probs_per_expert = probs.detach().sum(dim=0)
+return torch.sum(aggregated_probs_per_expert * tokens_per_expert) * (
+    num_experts * moe_aux_loss_coeff / (topk * total_num_tokens * total_num_tokens))
+"""),
     # ------------------------------------------------------------------ moe.topk_routing
     Mistake("moe.topk_routing", "softmax over all experts, then top-k (not renormalised)", says="not renormalised to sum 1",
             code="""

@@ -179,6 +179,9 @@ return total.item()
             says="warmup off by one", code=_variant(
                 _GET_LR, ("step <= self.lr_warmup_steps", "step < self.lr_warmup_steps"),
                 ("* step / self.lr_warmup_steps", "* (step + 1) / self.lr_warmup_steps"))),
+    Mistake("optimizer.get_lr", "warmup (step + 1) / lr_warmup_steps, up to and including lr_warmup_steps (overshoots)",
+            says="warmup off by one", code=_variant(
+                _GET_LR, ("* step / self.lr_warmup_steps", "* (step + 1) / self.lr_warmup_steps"))),
     Mistake("optimizer.get_lr", "decayed from max_lr to 0, without the min_lr floor", says="without the min_lr floor",
             code=_variant(_GET_LR, ("return self.min_lr + coeff * delta_lr", "return coeff * self.max_lr"))),
     Mistake("optimizer.get_lr", "the decay ratio counts from step 0 (step / lr_decay_steps), not from the end of warmup",

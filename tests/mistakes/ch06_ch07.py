@@ -255,6 +255,20 @@ if 0.0 < top_p < 1.0:
     logits[order[drop]] = float("-inf")
 return logits
 """),
+    Mistake("inference.filter_logits", "top-k kept k + 1 (off by one in the k-th largest)", says="kept k + 1", code="""
+logits = logits.clone()
+if top_k > 0:
+    kth = torch.topk(logits, min(top_k + 1, logits.shape[-1])).values[-1]
+    logits[logits < kth] = float("-inf")
+if 0.0 < top_p < 1.0:
+    sorted_logits, order = torch.sort(logits, descending=True)
+    probs = torch.softmax(sorted_logits, dim=-1)
+    before = torch.cumsum(probs, dim=-1) - probs
+    drop = before >= top_p
+    drop[0] = False
+    logits[order[drop]] = float("-inf")
+return logits
+"""),
     Mistake("inference.filter_logits", "top-p dropped the token that crosses p", says="crosses top_p", code="""
 logits = logits.clone()
 if top_k > 0:

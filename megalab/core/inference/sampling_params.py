@@ -58,12 +58,15 @@ def _is_number(x) -> bool:
 
 
 def filter_logits(logits: torch.Tensor, top_k: int = 0, top_p: float = 0.0) -> torch.Tensor:
-    """Set to -inf every logit outside the top_k largest and outside the top-p nucleus: [V] -> [V].
+    """Set to -inf every logit below the top_k-th largest and outside the top-p nucleus: [V] -> [V].
 
-    The nucleus is the smallest set of most likely tokens whose probabilities sum to >= top_p
-    (the most likely token always stays). top_k = 0 / top_p = 0.0 switch a filter off.
+    Top-k compares with the value of the k-th largest logit, so a logit tied with it stays too (more
+    than k tokens may stay), as Megatron's `TorchSampling._modify_logits_for_top_k_filtering` does
+    (`logits < topk(logits, k).values[-1]` is dropped). The nucleus is the smallest set of most likely
+    tokens whose probabilities sum to >= top_p (the token that crosses top_p stays, and so does the most
+    likely one), taken over what top-k kept. top_k = 0 / top_p = 0.0 switch a filter off.
     """
-    # EXERCISE inference.filter_logits: top-k, then top-p over the sorted softmax; -inf outside
+    # EXERCISE inference.filter_logits: top-k (drop logits below the k-th largest value: ties stay), then top-p over the sorted softmax; -inf outside
     ### BEGIN SOLUTION
     # HINT 1: Top-k keeps the k largest logits (ties with the k-th too); top-p then keeps the smallest
     #         set of most likely tokens whose probabilities reach top_p, so the token that crosses top_p stays.

@@ -69,7 +69,9 @@ def switch_load_balancing_loss_func(probs: torch.Tensor, tokens_per_expert: torc
     """coeff * E * sum_i f_i P_i (Switch Transformer eq. 4, GShard): f_i the fraction of the T*k
     assignments that went to expert i, P_i the mean router probability of expert i. Equals
     coeff when the load is uniform, coeff * E when every token picks the same experts.
-    probs [T, E] (full scores, not just the top-k), tokens_per_expert [E]."""
+    probs [t, E] (full scores, not just the top-k) of this rank's t tokens; tokens_per_expert [E] and
+    T = total_num_tokens count the whole sequence (under sequence or context parallelism t < T): divide by T,
+    never by probs' own row count. The result must stay a function of probs: its gradient trains the router."""
     # EXERCISE moe.load_balancing_loss: coeff * E * sum_i (tokens_i / (T k)) * (sum_t probs_ti / T)
     ### BEGIN SOLUTION
     # HINT 1: The loss is the dot product of two distributions over experts: the fraction of the T*k
