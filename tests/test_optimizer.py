@@ -352,6 +352,7 @@ def _mp_distributed(world, stage, dtype=torch.bfloat16, grad_reduce_in_fp32=True
     16-bit params, "state": get_parameter_state() by name, "optimizer": the DistributedOptimizer}."""
     from megalab.core.distributed.distributed_data_parallel import DistributedDataParallel
     from megalab.core.optimizer.distrib_optimizer import DistributedOptimizer
+    from megalab.training.checkpointing import full_state_dict, init_optimizer_state  # here: not in the threads
     from tests import threaded_world
 
     template = _mp_model(dtype)  # here, not in the threads: they would share (and interleave) torch's RNG
@@ -363,8 +364,6 @@ def _mp_distributed(world, stage, dtype=torch.bfloat16, grad_reduce_in_fp32=True
         distopt = DistributedOptimizer(ddp, cls, **({"grad_scaler": scaler()} if scaler else {}), **kwargs)
         names = {p: n for n, p in ddp.module.named_parameters()}
         if load is not None:  # a checkpoint, as checkpointing.load_checkpoint: the 16-bit params, then the state
-            from megalab.training.checkpointing import init_optimizer_state
-
             init_optimizer_state(distopt.optimizer)
             with torch.no_grad():
                 for p, n in names.items():
@@ -382,8 +381,9 @@ def _mp_distributed(world, stage, dtype=torch.bfloat16, grad_reduce_in_fp32=True
                 opt.clip_grad_norm(distopt.main_params, clip, group)  # each rank holds 1/world of the grads
             distopt.step()
         state = distopt.get_parameter_state()
+        saved = full_state_dict(ddp.module, list(ddp.module.parameters()), distopt, None) if stage == 1 else None
         return {"params": ddp.full_parameters(), "state": {names[p]: s for p, s in state.items()},
-                "optimizer": distopt}
+                "optimizer": distopt, "saved": saved}
 
     return threaded_world.run(world, rank_fn)[0]
 
@@ -477,6 +477,9 @@ def test_distributed_optimizer_state_keeps_the_fp32_main_params():
     whole = _mp_distributed(2, 1)
     half = _mp_distributed(2, 1, steps=3)
     assert {k for s in half["state"].values() for k in s} == {"param", "exp_avg", "exp_avg_sq", "step"}
+    for n, s in half["state"].items():  # checkpointing.save_checkpoint writes them as optimizer.<name>.param
+        assert half["saved"][f"optimizer.{n}.param"].dtype == torch.float32
+        assert torch.equal(half["saved"][f"optimizer.{n}.param"], s["param"])
     resumed = _mp_distributed(2, 1, steps=3, first_step=3, load=half)
     for n in whole["params"]:
         assert torch.equal(resumed["params"][n], whole["params"][n]), n
