@@ -416,9 +416,9 @@ def test_distributed_optimizer_bf16_matches_mixed_precision_adam(world):
         _check_copied_back(run, torch.bfloat16, f"{world} ranks, ZeRO-{stage}")
         for n, s in run["state"].items():
             torch.testing.assert_close(s["param"], ref_main[n], rtol=1e-6, atol=1e-7,
-                                       msg=lambda m, n=n: f"{world} ranks, ZeRO-{stage}: fp32 main param {n}: {m}")
+                                       msg=lambda m, n=n, k=stage: f"{world} ranks, ZeRO-{k}: fp32 main param {n}: {m}")
         ulps = _ulps(run["params"], ref_params)
-        assert max(ulps.values()) <= 1, f"{world} ranks, ZeRO-{stage}: bf16 params vs the reference, in bf16 steps: {ulps}"
+        assert max(ulps.values()) <= 1, f"{world} ranks, ZeRO-{stage}: bf16 params vs the reference, bf16 steps: {ulps}"
 
 
 @pytest.mark.parametrize("world", [2, 4])

@@ -19,6 +19,7 @@ from torch import nn
 
 from megalab.core.distributed.distributed_data_parallel import DistributedDataParallel
 from megalab.core.distributed.param_and_grad_buffer import Bucket, all_gather
+from megalab.core.optimizer.grad_scaler import MegatronGradScaler
 from megalab.core.optimizer.optimizer import HALF_DTYPES, unscale_and_check_for_nan
 
 
@@ -89,7 +90,8 @@ class DistributedOptimizer:
     """
 
     def __init__(self, ddp: DistributedDataParallel, optimizer_cls: type[torch.optim.Optimizer],
-                 param_groups: list[dict] | None = None, grad_scaler=None, found_inf_group=None, **kwargs):
+                 param_groups: list[dict] | None = None, grad_scaler: MegatronGradScaler | None = None,
+                 found_inf_group=None, **kwargs):
         if ddp.zero_stage == 0:
             raise ValueError("DistributedOptimizer needs DistributedDataParallel(..., zero_stage=1, 2 or 3); "
                              "with stage 0 use a plain torch optimizer on ddp.parameters()")
