@@ -406,6 +406,28 @@ def _quick_zero_step(rank, world, group):
             return {"params": [b.param_data.detach().clone() for b in ddp.buckets], "expected": new,
                     "own shard only": stale, "gathers": gathers, "unwaited": unwaited}
         out[stage] = _attempt(step)
+
+    def bf16_step():  # a bf16 model: SGD steps the fp32 main params, the bf16 params are their rounded copy
+        ddp = DistributedDataParallel(_tiny().bfloat16(), group=group, bucket_size=10, zero_stage=1,
+                                      grad_reduce_in_fp32=True)
+        optimizer = DistributedOptimizer(ddp, torch.optim.SGD, lr=0.1)
+        before = [b.param_data.clone() for b in ddp.buckets]
+        x, y = _tiny_data()
+        ddp.zero_grad_buffer()
+        F.mse_loss(ddp(x[_tiny_rows(rank, world)].bfloat16()), y[_tiny_rows(rank, world)].bfloat16()).backward()
+        ddp.finish_grad_sync()
+        optimizer.step()
+        grads = []  # the same step on one process: each rank's bf16 gradient, averaged in fp32 (as the buffer)
+        for r in range(world):
+            model = _tiny().bfloat16()
+            F.mse_loss(model(x[_tiny_rows(r, world)].bfloat16()), y[_tiny_rows(r, world)].bfloat16()).backward()
+            grads.append([p.grad.float() / world for p in model.parameters()])
+        grads = [sum(gs) for gs in zip(*grads)]
+        new = [p.detach().float() - 0.1 * g for p, g in zip(_tiny().bfloat16().parameters(), grads)]
+        return {"params": [b.param_data.float() for b in ddp.buckets],
+                "expected": [_flat(ddp, b, new).bfloat16().float() for b in ddp.buckets],
+                "not copied back": [b.float() for b in before]}
+    out["bf16"] = _attempt(bf16_step)
     return out
 
 
@@ -523,6 +545,12 @@ def test_quick_zero_step_updates_and_gathers(quick):
                 require(close(got, exp, f"rank {rank}, ZeRO-{stage}, bucket {k}: the parameters after one SGD step",
                               mistakes={"forgot the all-gather after the step (only this rank's shard is updated)":
                                         stale}))
+    for rank, r in quick_results(quick, "data_parallel.zero_step", "bf16").items():
+        for k, (got, exp, old) in enumerate(zip(r["bf16"]["params"], r["bf16"]["expected"], r["bf16"]["not copied back"])):
+            require(close(got, exp, f"rank {rank}, a bf16 model, ZeRO-1, bucket {k}: the bf16 parameters after one SGD "
+                                    "step of the fp32 main params", rtol=2**-7, atol=1e-6, mistakes={
+                "forgot to copy the updated fp32 main params back into the model's shard "
+                "(self._copy_main_params_to_model_params) before the all-gather": old}))
 
 
 @pytest.mark.exercise("data_parallel.zero3_gather")

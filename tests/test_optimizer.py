@@ -4,10 +4,12 @@
 checked by tests/test_training.py::test_tp2_pp2_matches_single_process, which compares the norms.)
 """
 
+import copy
 import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from megalab.core.models.gpt.gpt_model import GPTModel
@@ -328,3 +330,198 @@ def test_masked_loss_is_the_token_mean_of_the_global_batch():
     }))
     mean_of_means = torch.stack([loss[mask.bool()].mean() for loss, mask in zip(losses, masks)]).mean()
     assert not torch.allclose(token_mean, mean_of_means), "test data: the token mean should differ from the mean of means"
+
+
+# ------------------------------------------------------------------ the distributed optimizer, mixed precision
+# A bf16 (or fp16) model on 2 and 4 data-parallel ranks (threads: tests/threaded_world.py), ZeRO 1-3 with Adam,
+# against one process running mixed-precision Adam (Float16OptimizerWithFloat16Params: fp32 main params, the
+# 16-bit model a copy) on the same micro-batches. Each rank's micro-batch is one of the reference's, its loss
+# divided by the DP size there, so the 16-bit grads are the same numbers on both sides (scaling by a power of 2
+# is exact) and, summed in fp32, the fp32 main params must agree to fp32 rounding of the summation order.
+
+MP_STEPS, MP_ROWS = 6, 4
+ADAM, SGD = (torch.optim.Adam, dict(lr=1e-3)), (torch.optim.SGD, dict(lr=0.1))
+
+
+def _mp_model(dtype=torch.bfloat16) -> nn.Sequential:
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 1)).to(dtype)
+
+
+def _mp_batch(step: int, rank: int, world: int, dtype=torch.bfloat16):
+    """Rank `rank`'s micro-batch of step `step`: MP_ROWS rows, every rank a different one."""
+    g = torch.Generator().manual_seed(1000 * step + rank + 17 * world)
+    return torch.randn(MP_ROWS, 8, generator=g).to(dtype), torch.randn(MP_ROWS, 1, generator=g).to(dtype)
+
+
+def _mp_reference(world, dtype=torch.bfloat16, fp32_grads=True, grad_scaler=None, clip=0.0, steps=MP_STEPS,
+                  optimizer=ADAM):
+    """One process: Float16OptimizerWithFloat16Params; returns (16-bit params, fp32 main params) by name."""
+    from megalab.core.optimizer.optimizer import Float16OptimizerWithFloat16Params
+
+    model = _mp_model(dtype)
+    cls, kwargs = optimizer
+    mixed = Float16OptimizerWithFloat16Params(cls(model.parameters(), **kwargs), grad_scaler,
+                                              accumulate_grads_in_fp32=fp32_grads, clip_grad=clip)
+    for step in range(steps):
+        mixed.zero_grad()
+        for rank in range(world):  # each rank's micro-batch; the DP average is the division by world
+            x, y = _mp_batch(step, rank, world, dtype)
+            mixed.scale_loss(F.mse_loss(model(x), y) / world).backward()
+        mixed.step()
+    names = [n for n, _ in model.named_parameters()]
+    return ({n: p.detach().clone() for n, p in model.named_parameters()},
+            dict(zip(names, [m.detach().clone() for m in mixed.fp32_from_float16_groups[0]])))
+
+
+def _mp_distributed(world, stage, dtype=torch.bfloat16, grad_reduce_in_fp32=True, scaler=None, clip=0.0,
+                    steps=MP_STEPS, load=None, first_step=0, optimizer=ADAM):
+    """`world` threads: DDP(zero_stage=stage) + DistributedOptimizer. Returns rank 0's {"params": the full
+    16-bit params, "state": get_parameter_state() by name, "optimizer": the DistributedOptimizer}."""
+    from megalab.core.distributed.distributed_data_parallel import DistributedDataParallel
+    from megalab.core.optimizer.distrib_optimizer import DistributedOptimizer
+    from megalab.training.checkpointing import full_state_dict, init_optimizer_state  # here: not in the threads
+    from tests import threaded_world
+
+    template = _mp_model(dtype)  # here, not in the threads: they would share (and interleave) torch's RNG
+
+    def rank_fn(rank, group):
+        ddp = DistributedDataParallel(copy.deepcopy(template), group=group, zero_stage=stage, bucket_size=300,
+                                      grad_reduce_in_fp32=grad_reduce_in_fp32)
+        cls, kwargs = optimizer
+        distopt = DistributedOptimizer(ddp, cls, **({"grad_scaler": scaler()} if scaler else {}), **kwargs)
+        names = {p: n for n, p in ddp.module.named_parameters()}
+        if load is not None:  # a checkpoint, as checkpointing.load_checkpoint: the 16-bit params, then the state
+            init_optimizer_state(distopt.optimizer)
+            with torch.no_grad():
+                for p, n in names.items():
+                    p.copy_(load["params"][n])
+            distopt.load_parameter_state({p: load["state"][n] for p, n in names.items()})
+        for step in range(first_step, first_step + steps):
+            ddp.zero_grad_buffer()
+            x, y = _mp_batch(step, rank, world, dtype)
+            loss = F.mse_loss(ddp(x), y)
+            if scaler:
+                loss = loss * distopt.grad_scaler.scale
+            loss.backward()
+            ddp.finish_grad_sync()
+            if clip:
+                opt.clip_grad_norm(distopt.main_params, clip, group)  # each rank holds 1/world of the grads
+            distopt.step()
+        state = distopt.get_parameter_state()
+        saved = full_state_dict(ddp.module, list(ddp.module.parameters()), distopt, None) if stage == 1 else None
+        return {"params": ddp.full_parameters(), "state": {names[p]: s for p, s in state.items()},
+                "optimizer": distopt, "saved": saved}
+
+    return threaded_world.run(world, rank_fn)[0]
+
+
+def _ulps(got: dict, ref: dict, mantissa_bits: int = 7) -> dict[str, float]:
+    """{name: largest |got - ref| in units in the last place at ref (bf16: 7 mantissa bits, fp16: 10)}."""
+    out = {}
+    for n, r in ref.items():
+        r = r.float()
+        ulp = torch.exp2(torch.floor(torch.log2(r.abs().clamp_min(2.0**-100))) - mantissa_bits)
+        out[n] = ((got[n].float() - r).abs() / ulp).max().item()
+    return out
+
+
+def _check_copied_back(run, dtype, where):
+    for n, s in run["state"].items():
+        assert s["param"].dtype == torch.float32, f"{where}: the main param of {n} is {s['param'].dtype}, not fp32"
+        assert torch.equal(run["params"][n], s["param"].to(dtype)), (
+            f"{where}: the {dtype} param {n} is not its fp32 main param rounded (the shard copied back, gathered)")
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_distributed_optimizer_bf16_matches_mixed_precision_adam(world):
+    """grad_reduce_in_fp32: the fp32 main params of every stage equal the reference's to fp32 rounding (measured:
+    identical), the bf16 params are their copy, within one bf16 step of the reference's (a main param on a
+    rounding boundary). Stepping the bf16 buffer itself (the old DistributedOptimizer) drifted by up to 31."""
+    ref_params, ref_main = _mp_reference(world)
+    for stage in (1, 2, 3):
+        run = _mp_distributed(world, stage)
+        _check_copied_back(run, torch.bfloat16, f"{world} ranks, ZeRO-{stage}")
+        for n, s in run["state"].items():
+            torch.testing.assert_close(s["param"], ref_main[n], rtol=1e-6, atol=1e-7,
+                                       msg=lambda m, n=n, k=stage: f"{world} ranks, ZeRO-{k}: fp32 main param {n}: {m}")
+        ulps = _ulps(run["params"], ref_params)
+        assert max(ulps.values()) <= 1, f"{world} ranks, ZeRO-{stage}: bf16 params vs the reference, bf16 steps: {ulps}"
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_distributed_optimizer_bf16_grads_reduced_in_bf16(world):
+    """grad_reduce_in_fp32=False: the reduced bf16 grads are copied into fp32 main grads. Against the reference
+    without fp32 accumulation the grads differ by bf16 rounding of the sums (2^-8 relative), which moves each of
+    the MP_STEPS Adam steps by at most ~lr·2^-7: the main params within MP_STEPS·lr·2^-6 (measured at 4 ranks:
+    4.8e-5 of 9.4e-5), the bf16 params within that plus one bf16 step."""
+    ref_params, ref_main = _mp_reference(world, fp32_grads=False)
+    run = _mp_distributed(world, 1, grad_reduce_in_fp32=False)
+    atol = MP_STEPS * ADAM[1]["lr"] * 2**-6
+    for n in ref_params:  # rounding two main params within atol to bf16: within atol plus one bf16 step (2^-7 rel.)
+        torch.testing.assert_close(run["params"][n].float(), ref_params[n].float(), rtol=2**-7, atol=atol,
+                                   msg=lambda m, n=n: f"{world} ranks, bf16 grads: bf16 param {n}: {m}")
+    for n, s in run["state"].items():
+        torch.testing.assert_close(s["param"], ref_main[n], rtol=0, atol=atol)
+    _check_copied_back(run, torch.bfloat16, f"{world} ranks, bf16 grads")
+
+
+def test_distributed_optimizer_clips_the_copied_main_grads():
+    """Clipping main_params (fp32 copies of bf16 grads) before step() must reach the step: SGD, every step
+    clipped, against the reference's clip_grad (the same rule); both differ by the bf16 rounding of the sums."""
+    ref_plain = _mp_reference(2, fp32_grads=False, optimizer=SGD)[1]
+    ref_clipped = _mp_reference(2, fp32_grads=False, optimizer=SGD, clip=0.05)[1]
+    clipped = _mp_distributed(2, 1, grad_reduce_in_fp32=False, optimizer=SGD, clip=0.05)["state"]
+    for n in ref_clipped:
+        torch.testing.assert_close(clipped[n]["param"], ref_clipped[n], rtol=1e-3, atol=1e-5)
+    assert max((ref_clipped[n] - ref_plain[n]).abs().max().item() for n in ref_plain) > 1e-2  # clipping bites
+
+
+def test_distributed_optimizer_fp16_skips_overflowing_steps_like_the_reference():
+    """fp16 with a dynamic loss scale that starts too large: the same steps skipped on every rank (an inf on
+    one rank skips all), the same scale, and the reference's fp32 main params."""
+    from megalab.core.optimizer.grad_scaler import DynamicGradScaler
+
+    def scaler():
+        return DynamicGradScaler(initial_scale=2.0**22, min_scale=1.0, growth_interval=1000, hysteresis=1)
+
+    ref_scaler = scaler()
+    ref_params, ref_main = _mp_reference(2, torch.float16, grad_scaler=ref_scaler, steps=10)
+    assert ref_scaler.scale.item() < 2.0**22  # the test's premise: some steps overflowed
+    run = _mp_distributed(2, 1, torch.float16, scaler=scaler, steps=10)
+    assert run["optimizer"].grad_scaler.scale.item() == ref_scaler.scale.item()
+    _check_copied_back(run, torch.float16, "2 ranks, fp16")
+    for n, s in run["state"].items():
+        torch.testing.assert_close(s["param"], ref_main[n], rtol=1e-6, atol=1e-7)
+    assert max(_ulps(run["params"], ref_params, mantissa_bits=10).values()) <= 1
+    with pytest.raises(ValueError, match="grad_scaler"):
+        _mp_distributed(2, 1, torch.float16, steps=0)
+
+
+def test_distributed_optimizer_state_keeps_the_fp32_main_params():
+    """get_parameter_state gives a bf16 model's fp32 main params as "param": 3 steps, a save, a fresh model
+    loaded from it, 3 more steps == 6 steps in one go, bit for bit (the bf16 params alone lose the bits the
+    updates accumulate in: loading without "param" must differ)."""
+    whole = _mp_distributed(2, 1)
+    half = _mp_distributed(2, 1, steps=3)
+    assert {k for s in half["state"].values() for k in s} == {"param", "exp_avg", "exp_avg_sq", "step"}
+    for n, s in half["state"].items():  # checkpointing.save_checkpoint writes them as optimizer.<name>.param
+        assert half["saved"][f"optimizer.{n}.param"].dtype == torch.float32
+        assert torch.equal(half["saved"][f"optimizer.{n}.param"], s["param"])
+    resumed = _mp_distributed(2, 1, steps=3, first_step=3, load=half)
+    for n in whole["params"]:
+        assert torch.equal(resumed["params"][n], whole["params"][n]), n
+        assert torch.equal(resumed["state"][n]["param"], whole["state"][n]["param"]), n
+    no_main = {**half, "state": {n: {k: v for k, v in s.items() if k != "param"} for n, s in half["state"].items()}}
+    lossy = _mp_distributed(2, 1, steps=3, first_step=3, load=no_main)
+    assert any(not torch.equal(lossy["state"][n]["param"], whole["state"][n]["param"]) for n in whole["params"])
+
+
+def test_distributed_optimizer_memory_counts_the_fp32_main_params():
+    """bf16 model, ZeRO-1 on 2 ranks: the optimizer keeps 4 (main param) + 8 (Adam) bytes per shard element,
+    plus 4 (main grad) when the grads are reduced in bf16 and copied."""
+    for fp32_grads, per_element in ((True, 12), (False, 16)):
+        distopt = _mp_distributed(2, 1, grad_reduce_in_fp32=fp32_grads, steps=1)["optimizer"]
+        shard = sum(r.end - r.start for r in distopt.ranges)
+        assert distopt.memory_bytes()["optimizer"] == per_element * shard, (fp32_grads, distopt.memory_bytes())

@@ -8,7 +8,7 @@ records streams):
 
     point-to-point   isend, irecv, send, recv, P2POp, batch_isend_irecv   (gloo-like: sends never block;
                      FIFO per (src, dst, tag); use p2p_model to check NCCL's stricter rules)
-    collectives      all_gather, all_to_all_single, all_reduce, barrier
+    collectives      all_gather, all_to_all_single, all_reduce, broadcast, barrier
     queries          get_rank, get_world_size, get_process_group_ranks, get_global_rank, get_backend, ...
 
 Nothing can hang: every wait has a timeout, and `run` raises `WorldStuck` naming what each stuck rank was
@@ -197,6 +197,14 @@ class World:
                 output.copy_(torch.cat(pieces))
             return _Request() if async_op else None
 
+        def broadcast(tensor, src=None, group=None, async_op=False, group_src=None):
+            group = world._group(group)
+            root = group.ranks.index(src) if src is not None else group_src
+            got = world._exchange(group, tensor.detach().clone(), "broadcast")
+            with torch.no_grad():
+                tensor.copy_(got[root])
+            return _Request() if async_op else None
+
         def barrier(group=None, async_op=False, device_ids=None):
             world._exchange(world._group(group), None, "barrier")
             return _Request() if async_op else None
@@ -208,7 +216,7 @@ class World:
             get_group_rank=lambda group, global_rank: world._group(group).ranks.index(global_rank),
             get_backend=lambda group=None: "gloo", is_initialized=lambda: True, is_available=lambda: True,
             isend=isend, irecv=irecv, send=send, recv=recv, P2POp=_P2POp, batch_isend_irecv=batch_isend_irecv,
-            all_gather=all_gather, all_reduce=all_reduce, all_to_all_single=all_to_all_single, barrier=barrier,
+            all_gather=all_gather, all_reduce=all_reduce, broadcast=broadcast, all_to_all_single=all_to_all_single, barrier=barrier,
         )
 
     # ------------------------------------------------------------------ running

@@ -186,13 +186,24 @@ data[bucket.shard].copy_(bucket.param_shard)
     Mistake("data_parallel.zero_step", "forgot the all-gather after the step", says="forgot the all-gather",
             code="""
 self.optimizer.step()
+self._copy_main_params_to_model_params()
 """),
     Mistake("data_parallel.zero_step", "launched the all-gathers but never waited", says="forgot to wait",
             code="""
 self.optimizer.step()
+self._copy_main_params_to_model_params()
 if self.ddp.zero_stage < 3:
     handles = [all_gather(b.param_data, shard, self.ddp.group, async_op=True)
                for b, shard in zip(self.ddp.buckets, self.shards)]
+"""),
+    Mistake("data_parallel.zero_step", "stepped the fp32 main params but never copied them back",
+            says="forgot to copy the updated fp32 main params back", code="""
+self.optimizer.step()
+if self.ddp.zero_stage < 3:
+    handles = [all_gather(b.param_data, shard, self.ddp.group, async_op=True)
+               for b, shard in zip(self.ddp.buckets, self.shards)]
+    for handle in handles:
+        handle.wait()
 """),
 ]
 

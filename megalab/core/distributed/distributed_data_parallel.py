@@ -71,7 +71,9 @@ class DistributedDataParallel(nn.Module):
 
     bucket_size: elements per bucket (stage 3 uses one bucket per module that owns parameters).
     overlap_grad_reduce: launch each bucket's reduction from the backward hooks (else all in finish).
-    grad_reduce_in_fp32: keep the gradient buffer ("main grads") and reduce in float32.
+    grad_reduce_in_fp32: keep the gradient buffer ("main grads") and reduce in float32 (Megatron's
+    DistributedDataParallelConfig.grad_reduce_in_fp32; for bf16/fp16 models, whose 16-bit grads are
+    added into it; the DistributedOptimizer then steps on them without a copy).
     Parameters are broadcast from group rank 0 at construction, as torch DDP does.
     self.timeline: (time.perf_counter(), event, bucket) with events "grad_ready" (a hook fired),
     "launch" (a bucket's reduction started), "done" (first seen finished), "finish" (all waited for).
@@ -94,6 +96,7 @@ class DistributedDataParallel(nn.Module):
         self.param_dtype = params[0].dtype
         self.grad_dtype = torch.float32 if grad_reduce_in_fp32 else self.param_dtype
         self._sync = True
+        self.grad_syncs = 0  # finish_grad_sync calls so far (the optimizer copies each sync's grads once)
         self.timeline: list[tuple[float, str, int]] = []
 
         if zero_stage == 3:  # one bucket per module owning parameters, last module first
@@ -234,6 +237,7 @@ class DistributedDataParallel(nn.Module):
                 for p, (start, end) in bucket.ranges.items():
                     p.grad = bucket.grad_data[start:end].view_as(p).to(p.dtype)
         ### END SOLUTION
+        self.grad_syncs += 1
         self._record("finish", -1)
 
     @contextmanager
