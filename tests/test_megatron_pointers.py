@@ -46,9 +46,11 @@ FLAG = re.compile(r"(?<![\w-])(--[a-z0-9][a-z0-9-]*[a-z0-9])(?![\w-])")
 HISTORICAL = re.compile(r"older release|historical|formerly|used to|removed|renamed|deprecated|until megatron|"
                         r"no longer|before megatron|earlier release|later release|newer release|later megatron|"
                         r"旧版|早期版本|已移除|已删除|已弃用|改名|更名|曾经|以前|更新的版本|后来的版本", re.I)
-OURS = re.compile(r"\bour\b|megalab|我们的", re.I)  # "plays the role of our `EngineLoop`": not a Megatron name
+OURS = re.compile(r"\bour\b|megalab|我们|\bTE's|Transformer Engine's|torch's|PyTorch's", re.I)  # "plays the role of our
+# `EngineLoop`", "TE's `attn_forward_func_with_cp`": not a Megatron name
 MEGATRON_FLAG = re.compile(r"megatron(?:-lm)?(?:'s|’s| 的)?\s+(?:flag|option|argument|参数)?\s*`?$", re.I)
-FILE_NAME = re.compile(r"\.(py|cpp|cu|h|pt|json|yaml|yml|idx|bin|md|rst|sh)$")
+FILE_NAME = re.compile(r"\.(py|cpp|cu|h|pt|json|yaml|yml|idx|bin|md|rst|sh|txt)$")
+PLACEHOLDER = re.compile(r"/[A-Z](?:\.py)?/?$")  # "megatron/core/X": any file, as in README's layout rule
 NOT_MEGATRON = {"torch", "dist", "self", "param", "args", "nn", "F", "np", "math", "os", "model", "config",
                 "te", "tex", "transformer_engine", "megalab", "ps", "state"}
 ADJACENT = re.compile(r"^[\s,;:—–\-()`]*(?:(?:and|or|with|its|class|function)\b[\s,;:—–\-()`]*)?$")
@@ -118,16 +120,27 @@ def markdown_units(where: str, text: str) -> list[tuple[str, str]]:
     return out
 
 
+def _statements(node: ast.AST):
+    """The module and every statement under it (where docstrings live), not the expressions: a fast ast.walk."""
+    yield node
+    for field in ("body", "orelse", "finalbody", "handlers"):
+        for child in getattr(node, field, None) or ():
+            if isinstance(child, (ast.stmt, ast.excepthandler)):
+                yield from _statements(child)
+
+
 def python_units(where: str, source: str, strings: bool) -> list[tuple[str, str]]:
     """A Python source's pointer-bearing pieces: each docstring paragraph, each block of consecutive comment
     lines, and (strings=True) each string constant."""
     out = []
+    if not re.search(r"megatron|pretrain_|examples/|tools/|docs/", source, re.I):  # cites nothing: not parsed
+        return out
     try:
         tree = ast.parse(source)
     except SyntaxError:  # a notebook cell with IPython magics: its lines, as comments
         return [(f"{where} comment", line) for line in source.splitlines() if PATH.search(line) or DOTTED.search(line)]
     docstrings = set()
-    for node in ast.walk(tree):
+    for node in ast.walk(tree) if strings else _statements(tree):
         if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
             doc = ast.get_docstring(node, clean=False)
             if doc:
@@ -140,7 +153,8 @@ def python_units(where: str, source: str, strings: bool) -> list[tuple[str, str]
         if strings and isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value not in docstrings:
             out.append((f"{where} string", node.value))
     block, last = [], -2
-    for tok in tokenize.generate_tokens(io.StringIO(source).readline):
+    cited_in_comment = re.search(r"#.*(?:megatron|pretrain_|examples/|tools/|docs/)", source, re.I)
+    for tok in tokenize.generate_tokens(io.StringIO(source).readline) if cited_in_comment else ():
         if tok.type == tokenize.COMMENT:
             if tok.start[0] != last + 1 and block:
                 out.append((f"{where} comment", " ".join(block)))
@@ -216,7 +230,7 @@ def check_unit(where: str, text: str) -> list[str]:
     idx, problems = index(), []
     prose = not where.endswith(("docstring", "comment", "string", "import"))
     historical = bool(HISTORICAL.search(text))  # a path: its sentence (or cell) says it is historical / later
-    matches = [m for m in PATH.finditer(text) if not _is_ours(m.group(1).rstrip("."))]
+    matches = [m for m in PATH.finditer(text) if not _is_ours(m.group(1).rstrip(".")) and not PLACEHOLDER.search(m.group(1))]
     for k, m in enumerate(matches):
         path = m.group(1).rstrip(".")
         is_dir = path.endswith("/") or f"{path}/" in idx["files"]
@@ -228,7 +242,7 @@ def check_unit(where: str, text: str) -> list[str]:
         segment = text[m.end() + (text[m.end():m.end() + 1] == "`"):end]  # after the path's closing backtick
         if is_dir:  # "megatron/core/x/ — file.py (...)": the file names it lists must be in the folder
             for f in re.findall(r"(?<![\w/.])([\w/]+\.py)\b", segment):
-                if (f"{path.rstrip('/')}/{f}" not in idx["files"] and f not in idx["files"]
+                if (f"{path.rstrip('/')}/{f}" not in idx["files"] and f not in idx["files"] and not _is_ours(f)
                         and not HISTORICAL.search(segment.split(f)[0][-100:])):
                     problems.append(f"{where}: {f} is not in {path}")
         in_file = idx["per_file"].get(path) if path.endswith(".py") else None
@@ -237,7 +251,7 @@ def check_unit(where: str, text: str) -> list[str]:
             name = re.sub(r"\(.*\)$", "", token.strip()).strip()
             if FILE_NAME.search(name) or not IDENT.match(name) or name.split(".")[0] in NOT_MEGATRON:
                 continue
-            pos = segment.find(token)
+            pos = segment.find(f"`{token}`") + 1 or segment.find(token)  # `GroupedMLP`, not inside `TEGroupedMLP`
             adjacent = pos >= adjacent_end and bool(ADJACENT.match(segment[adjacent_end:pos]))
             adjacent_end = pos + len(token) + 1 if adjacent else len(segment) + 1
             if HISTORICAL.search(segment[max(0, pos - 100):pos]) or OURS.search(segment[max(0, pos - 40):pos]):

@@ -14,7 +14,7 @@ large scale first, and a too-large scale overflows to inf. `DynamicGradScaler` k
 large as possible: it backs off when a step overflows (after `hysteresis` overflows) and grows it
 after `growth_interval` clean steps. bf16 has fp32's 8 exponent bits and needs no scaling.
 
-Bytes per parameter with Adam (Megatron's docs/source/api-guide/dist_optimizer.md):
+Bytes per parameter with Adam (Megatron's docs/user-guide/features/dist_optimizer.md):
     fp16 params + fp16 grads, fp32 main params + grads + Adam m, v:  2 + 2 + 4 + 4 + 8 = 20
     bf16 params + fp32 grads (main_grad), fp32 main params + m, v:   2 + 4 + 4 + 8     = 18
     fp32 params + fp32 grads + m, v:                                 4 + 4 + 8         = 16

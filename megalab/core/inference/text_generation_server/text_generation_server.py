@@ -11,7 +11,7 @@ Every error has OpenAI's shape {"error": {"message", "type", "param", "code"}}: 
 field, a value out of range, a prompt too long for the model) is a 400 naming the field; a request
 the engine fails is a 500 for that request alone, the others in its batch go on; a client that
 disconnects has its request cancelled and its KV blocks freed. It binds 127.0.0.1 unless told otherwise. Megatron serves with a Flask text-generation
-server (megatron/inference/text_generation_server.py) and an OpenAI-compatible endpoint in
+server (megatron/core/inference/text_generation_server/text_generation_server.py) and an OpenAI-compatible endpoint in
 megatron/core/inference/text_generation_server/endpoints/completions.py.
 """
 
