@@ -62,6 +62,7 @@ IMPORT = re.compile(r"from (megatron\.[\w.]+) import \(?\s*(\w+(?:\s*,\s*\w+)*)"
 MEGATRON_NAME = re.compile(r"\bMegatron(?:-LM|-Core|-core)?(?:'s|’s|:| 的|：)\s*`?([A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*)")
 RELATIVE = re.compile(r"(?<![\w/.\-])((?:core|training|inference|post_training|legacy)/[\w/]*\w\.py|"
                       r"(?:core|training|inference|post_training)/[\w/]*\w/)(?![\w/])")
+CLASS_MEMBERS = re.compile(r"`([A-Z]\w+)`\s*(?::|：|\(|（)\s*((?:`\w+`(?:\s*(?:,|、|/)\s*)?)+)")
 SENTENCE = re.compile(r"(?<=[.!?])\s+(?=[A-Z`(])|(?<=[。！？；])")
 
 
@@ -91,7 +92,7 @@ def index() -> dict:
                 | set(data["symbols"].get(rel, [])) for rel in set(data["names"]) | set(data["symbols"])}
     return {"files": files, "names": names, "members": members, "bases": bases, "symbols": symbols | fields,
             "deprecated": deprecated, "classes": {n for n in names if "." not in n}, "per_file": per_file,
-            "flags": data["flags"], "source": data["source"], "commit": data["commit"], "date": data["date"]}
+            "fields": fields, "flags": data["flags"], "source": data["source"], "commit": data["commit"], "date": data["date"]}
 
 
 def _members(cls: str, seen: frozenset = frozenset()) -> set[str]:
@@ -269,6 +270,14 @@ def check_unit(where: str, text: str) -> list[str]:
                 problems.append(f"{where}: {name} is not in {path} ({idx['source']})")
             elif name in idx["deprecated"] and not HISTORICAL.search(segment):
                 problems.append(f"{where}: {name} is DEPRECATED in {idx['source']}: say so in the sentence")
+    if matches and prose:  # "`PackedSeqParams`: `cu_seqlens_q`", "`RotaryEmbedding` (`forward`)": members of that class
+        for m in CLASS_MEMBERS.finditer(text):
+            cls = m.group(1)
+            if cls not in idx["classes"] or HISTORICAL.search(text[max(0, m.start() - 100):m.end()]):
+                continue
+            for member in re.findall(r"`([a-z_]\w*)`", m.group(2)):
+                if member not in _members(cls) and member not in idx["names"] and member not in idx["fields"]:
+                    problems.append(f"{where}: {cls} has no member {member!r} ({idx['source']})")
     dotted = [m.group(0) for m in DOTTED.finditer(text)]
     dotted += [f"{module}.{name.strip()}" for module, names in IMPORT.findall(text) for name in names.split(",")]
     for name in dict.fromkeys(dotted):
@@ -330,6 +339,8 @@ def test_every_pointer_resolves(kind):
     ("`megatron/core/transformer/moe/moe_utils.py` — `MoEAuxLossAutoScaler.loss_scale_x`", "has no member"),
     ("`megatron/core/packed_seq_params.py` — `PackedSeqParams.cu_seqlens_q`", None),
     ("`megatron/core/packed_seq_params.py` — `PackedSeqParams.cu_seqlens`", "has no member"),
+    ("`megatron/core/packed_seq_params.py` — `PackedSeqParams`: `cu_seqlens` for the kernels", "has no member"),
+    ("`megatron/core/packed_seq_params.py` — `PackedSeqParams`: `cu_seqlens_q` for the kernels", None),
     ("`megatron/core/transformer/moe/router.py` — `sort_chunks_by_idxs`", "is not in megatron/core/transformer"),
     ("`megatron/core/training/utils.py` — `get_batch_on_this_cp_rank`", "path megatron/core/training/utils.py"),
     ("`megatron/training/tokenizer/tokenizer.py` builds the tokenizer.", "path megatron/training/tokenizer"),
@@ -472,3 +483,19 @@ def test_the_committed_index_is_what_the_script_builds(tmp_path):
     _script().main(["--git", str(MIRROR), "--rev", PINNED_COMMIT, "--out", str(out)])
     assert out.read_text() == INDEX.read_text(), (
         f"the committed index is stale: python tools/megatron_index.py --git {MIRROR} --rev {PINNED_COMMIT}")
+
+
+def test_megalab_transformer_config_fields_are_megatrons():
+    """megalab's TransformerConfig says its field names are Megatron's: each is a field of Megatron's
+    TransformerConfig (or its base ModelParallelConfig) at the pin, or one its docstring names as GPTModel's
+    argument (position_embedding_type is not a TransformerConfig field)."""
+    import dataclasses
+
+    from megalab.core.transformer import transformer_config
+    data = json.loads(INDEX.read_text())
+    megatron_fields = set(data["config_fields"]["TransformerConfig"]) | set(data["config_fields"]["ModelParallelConfig"])
+    gpt_model_args = set(data["symbols"]["megatron/core/models/gpt/gpt_model.py"]) | {"seq_length"}
+    doc = transformer_config.__doc__
+    for f in dataclasses.fields(transformer_config.TransformerConfig):
+        if f.name not in megatron_fields:
+            assert f.name in gpt_model_args and f.name in doc, f"{f.name} is not a field of Megatron's TransformerConfig"

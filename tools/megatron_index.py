@@ -14,7 +14,8 @@ What counts:
 - symbols: per Python file (and C++ helper), the other names a pointer may cite: function parameters,
   attributes, module-level variables, names imported from elsewhere (re-exports), identifier-like string
   constants (e.g. "p2p");
-- attributes, bases: per Python file, per class: its fields, class variables and self.x assignments; its bases;
+- attributes, bases: per Python file, per class: its fields, class variables, __init__ parameters and self.x
+  assignments; its bases;
 - config_fields: per class whose name ends in "Config", its annotated fields, True when the field's
   docstring (the string right after it) says deprecated;
 - flags: every "--flag" of every add_argument call in the tree, and the flags Megatron's
@@ -116,7 +117,7 @@ def dataclass_fields(cls: ast.ClassDef) -> list[dict]:
 
 
 def _class_attributes(cls: ast.ClassDef) -> list[str]:
-    """A class's annotated fields, class-level variables and the self.x its methods assign."""
+    """A class's annotated fields, class-level variables, __init__ parameters and the self.x its methods assign."""
     out = set()
     for item in cls.body:
         if isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name):
@@ -124,6 +125,9 @@ def _class_attributes(cls: ast.ClassDef) -> list[str]:
         elif isinstance(item, ast.Assign):
             out.update(t.id for t in item.targets if isinstance(t, ast.Name))
         elif isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            if item.name == "__init__":  # its parameters: ColumnParallelLinear's stride
+                out.update(a.arg for a in (*item.args.posonlyargs, *item.args.args, *item.args.kwonlyargs)
+                           if a.arg != "self")
             for node in ast.walk(item):
                 targets = (node.targets if isinstance(node, ast.Assign) else [node.target]
                            if isinstance(node, (ast.AnnAssign, ast.AugAssign)) else [])
