@@ -250,7 +250,8 @@ def check_unit(where: str, text: str) -> list[str]:
         adjacent_end = 0  # names listed right after a .py path ("`a.py` — `A`, `B.c`") must be in that file
         for token in _names_after(segment, is_dir, prose):
             name = re.sub(r"\(.*\)$", "", token.strip()).strip()
-            if FILE_NAME.search(name) or not IDENT.match(name) or name.split(".")[0] in NOT_MEGATRON:
+            if (FILE_NAME.search(name) or not IDENT.match(name) or name.split(".")[0] in NOT_MEGATRON
+                    or re.fullmatch(r"[0-9a-f]{7,40}", name)):  # a commit
                 continue
             pos = segment.find(f"`{token}`") + 1 or segment.find(token)  # `GroupedMLP`, not inside `TEGroupedMLP`
             adjacent = pos >= adjacent_end and bool(ADJACENT.match(segment[adjacent_end:pos]))
@@ -299,15 +300,17 @@ def check_unit(where: str, text: str) -> list[str]:
             if (not any(p in idx["files"] for p in (f"megatron/core/{rel}", f"megatron/{rel}", rel))
                     and not (ROOT / "megalab" / rel).exists() and not historical):
                 problems.append(f"{where}: {rel} is in neither megatron/ nor megatron/core/ of {idx['source']}")
-    cites_megatron = bool(matches)
+    # a Megatron command line ("`torchrun ... pretrain_gpt.py --flag`", a code line running it): its flags are Megatron's
+    launch_spans = [span for span in (TICKED.findall(text) if "`" in text else [text])
+                    if re.search(r"pretrain_\w+\.py|train_rl\.py", span)]
     for m in FLAG.finditer(text):
         flag = m.group(1)
         field = flag[2:].replace("-", "_")
         if flag in idx["flags"]:
             if (idx["flags"][flag] or field in idx["deprecated"]) and not HISTORICAL.search(text):
                 problems.append(f"{where}: {flag} is deprecated in {idx['source']}: say so in the sentence")
-        elif (cites_megatron and re.search(r"pretrain_\w+\.py|arguments\.py", text)
-              or MEGATRON_FLAG.search(text[:m.start()])) and not HISTORICAL.search(text):
+        elif (any(flag in span for span in launch_spans) or MEGATRON_FLAG.search(text[:m.start()])) \
+                and not HISTORICAL.search(text):
             problems.append(f"{where}: {flag} is not a flag of {idx['source']}")
     return problems
 
@@ -352,6 +355,7 @@ def test_every_pointer_resolves(kind):
     ("`megatron/core/dist_checkpointing/` — with `--use-dist-ckpt`", "--use-dist-ckpt is deprecated"),
     ("`pretrain_gpt.py --tensor-model-parallel-size 2`", None),
     ("`pretrain_gpt.py --tensor-parallel-degree 2`", "--tensor-parallel-degree is not a flag"),
+    ("`pretrain_gpt.py` is Megatron's; `python tools/megatron_index.py --git DIR` is ours", None),
     ("Megatron's `--no-such-flag` does it.", "--no-such-flag is not a flag"),
     ("torchrun `--nproc-per-node 2` starts two ranks.", None),
 ])
