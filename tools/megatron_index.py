@@ -239,7 +239,13 @@ def build_index(tree_root: Path, commit: str, date: str, source: str) -> dict:
     files, folders, sources = [], set(), {}
     for path in sorted(tree_root.rglob("*")):
         rel = path.relative_to(tree_root).as_posix()
-        if rel.startswith(".git/") or rel == ".git" or "__pycache__" in rel or not path.is_file():
+        if rel.startswith(".git/") or rel == ".git" or "__pycache__" in rel:
+            continue
+        if path.is_symlink():  # a link (CLAUDE.md, .claude/skills): a path, not followed
+            files.append(rel)
+            folders.update(p.as_posix() + "/" for p in Path(rel).parents if p.as_posix() != ".")
+            continue
+        if not path.is_file():
             continue
         files.append(rel)
         folders.update(p.as_posix() + "/" for p in Path(rel).parents if p.as_posix() != ".")
