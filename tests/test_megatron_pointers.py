@@ -13,11 +13,16 @@ What is checked, and how:
   that folder); a tools/, examples/ or docs/ path that is megalab's own (it exists in this repository) is not
   Megatron's;
 - a name cited after such a path (in the same table cell, sentence, comment or docstring paragraph) must be a
-  class, function, method, parameter, attribute or config field of the tree; after a .py file, of that file;
-  "Class.member" must name a method, field or attribute of that class (or of one of its bases);
-- a command-line flag cited as Megatron's (its unit cites a Megatron path, or says "Megatron's --flag") must be
-  one of the tree's flags; a flag or config field that Megatron deprecates must be called deprecated (or
-  historical) in its sentence;
+  class, function, method, parameter, attribute or config field of the tree; listed right after a .py file, of
+  that file; "Class.member" and "`Class`: `member`" must name a method, field, attribute or __init__ parameter
+  of that class (or of one of its bases);
+- a code-like name right after "Megatron:" / "Megatron's" must be in the tree, and a path relative to megatron/
+  or megatron/core/ in such a unit ("Megatron: X (inference/contexts/kv_block_allocator.py)") must be one;
+- a dotted module (megatron.core.x.y, `from megatron.core.x import a` in a code cell) must be a module of the
+  tree, and the name after it one of that module's;
+- a command-line flag cited as Megatron's (in a "`... pretrain_gpt.py --flag`" command line, or "Megatron's
+  --flag") must be one of the tree's flags; a flag or config field that Megatron deprecates must be called
+  deprecated (or historical) in its sentence;
 - a pointer that is deliberately historical (or names a later release) says so ("older releases", "formerly",
   "removed", "renamed", "deprecated", ...) in its sentence (a path) or shortly before it (a name), and is not
   required to resolve.
@@ -375,6 +380,13 @@ def test_the_checker_catches_stale_pointers(text, expected):
     ("Megatron: megatron/core/transformer/moe/ — router.py (TopKRouter), grouped_mlp.py (TopKRouter)",
      "grouped_mlp.py is not in"),
     ("Megatron: megatron/core/transformer/moe/ — router.py (TopKRouter), experts.py (GroupedMLP)", "GroupedMLP"),
+    ("A free list. Megatron: BlockAllocator (core/inference/contexts/kv_block_allocator.py).", "BlockAllocator"),
+    ("A free list. Megatron: KVBlockAllocator (core/inference/contexts/kv_block_allocator.py).", None),
+    ("A free list. Megatron: KVBlockAllocator (inference/contexts/dynamic_block_allocator.py).", "is in neither"),
+    ("Megatron's get_current_device(): this rank's device.", "get_current_device"),
+    ("As megatron.core.transformer.moe.moe_utils.z_loss_func does (Megatron).", None),
+    ("As megatron.core.transformer.moe.moe_utils.no_such_loss does (Megatron).", "has no 'no_such_loss'"),
+    ("As megatron.core.no_such_module.z_loss_func does (Megatron).", "has no 'no_such_module'"),
 ])
 def test_the_checker_reads_docstring_conventions(docstring, expected):
     problems = check_unit("example docstring", docstring)
@@ -398,6 +410,7 @@ def _notebook_cells(markdown: str, code: str) -> str:
         f"The tokenizer lives in `{STALE}`.", "x = 1"))["cells"]) if c["cell_type"] == "markdown"
         for u in markdown_units(f"nb cell {i}", "".join(c["source"]))]),
     ("notebook code", lambda: python_units("nb cell 1", f"tok = build()  # Megatron: {STALE}\n", strings=True)),
+    ("notebook code string", lambda: python_units("nb cell 1", f'print("as in {STALE}")\n', strings=True)),
     ("megalab docstring", lambda: python_units("megalab/x.py", f'def f():\n    """Megatron: {STALE} (build_tokenizer)."""\n',
                                                strings=False)),
     ("megalab comment", lambda: python_units("megalab/x.py", f"x = 1  # as Megatron's {STALE}\n", strings=False)),
@@ -518,3 +531,10 @@ def test_megalab_transformer_config_fields_are_megatrons():
     for f in dataclasses.fields(transformer_config.TransformerConfig):
         if f.name not in megatron_fields:
             assert f.name in gpt_model_args and f.name in doc, f"{f.name} is not a field of Megatron's TransformerConfig"
+
+
+def test_a_code_cell_import_from_megatron_is_checked():
+    cited = python_units("nb cell 3", "from megatron.core.transformer.moe.moe_utils import z_loss_func, topk_softmax\n",
+                         strings=True)
+    problems = [p for where, text in cited for p in check_unit(where, text)]
+    assert len(problems) == 1 and "has no 'topk_softmax'" in problems[0], problems
