@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import io
 import json
 import re
 import subprocess
@@ -269,7 +270,7 @@ def build_index(tree_root: Path, commit: str, date: str, source: str) -> dict:
         for flag, deprecated in entry["flags"].items():
             index["flags"][flag] = index["flags"].get(flag, False) or deprecated
             index["flag_files"].setdefault(flag, []).append(rel)
-    for flag, (deprecated, rel) in factory_flags(
+    for flag, (deprecated, _) in factory_flags(
             {r: s for r, s in sources.items() if "ArgumentGroupFactory" in s or "Config" in s}).items():
         index["flags"][flag] = index["flags"].get(flag, False) or deprecated
         if "megatron/training/arguments.py" not in index["flag_files"].setdefault(flag, []):
@@ -299,7 +300,7 @@ def main(argv: list[str] | None = None) -> None:
             date = _git(args.git, "show", "-s", "--format=%cI", commit)
             archive = subprocess.run(["git", "-C", str(args.git), "archive", commit], check=True,
                                      capture_output=True).stdout
-            with tarfile.open(fileobj=__import__("io").BytesIO(archive)) as tar:
+            with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
                 tar.extractall(tmp, filter="data")
             tree = Path(tmp)
         else:
@@ -310,7 +311,7 @@ def main(argv: list[str] | None = None) -> None:
                     commit = commit or _git(tree, "rev-parse", "HEAD")
                     date = date or _git(tree, "show", "-s", "--format=%cI", commit)
                 except (subprocess.CalledProcessError, FileNotFoundError):
-                    raise SystemExit(f"{tree} is not a git checkout: pass --commit and --date")
+                    raise SystemExit(f"{tree} is not a git checkout: pass --commit and --date") from None
         index = build_index(tree, commit, date, f"Megatron-LM {commit[:8]} ({date[:10]})")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(index, separators=(",", ":"), sort_keys=True) + "\n")
