@@ -177,8 +177,8 @@ def context_parallel_communication_per_layer(seq_length: int, micro_batch_size: 
 
 # ---------------------------------------------------------------- mixed precision (chapter 06)
 def mixed_precision_bytes_per_parameter(precision: str) -> dict[str, int]:
-    """Bytes per parameter of model states with Adam, Megatron's table (docs/source/api-guide/
-    dist_optimizer.md; ZeRO's 16 Psi for mixed precision counts fp16 grads without the fp32 copy):
+    """Bytes per parameter of model states with Adam, Megatron's table (docs/user-guide/
+    features/dist_optimizer.md; ZeRO's 16 Psi for mixed precision counts fp16 grads without the fp32 copy):
 
         "fp16": fp16 params 2 + fp16 grads 2 + fp32 main params 4 + fp32 main grads 4 + Adam 8 = 20
         "bf16": bf16 params 2 + fp32 grads 4 (main_grad, shared by the main params) + 4 + 8  = 18

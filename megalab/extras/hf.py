@@ -22,7 +22,8 @@ Mixtral (model_type "mixtral") is the same with block_sparse_moe in place of mlp
 Two layouts need care. linear_qkv holds, per key/value group, its query heads then its key and
 its value ([ng, (np/ng + 2) hn, h], fuse_qkv). And HF LLaMA runs half-split ("rotate_half") RoPE,
 so its q/k rows are in that order; a model with rotary_interleaved=True gets them permuted
-(megalab/core/models/common/embeddings/rope_utils.py). Megatron's converters: tools/checkpoint/loader_llama_mistral.py and saver_*.py.
+(megalab/core/models/common/embeddings/rope_utils.py). Megatron's converters: tools/checkpoint/convert.py with its
+loader_*.py and saver_*.py (the HF LLaMA loader, loader_llama_mistral.py, is in older releases only).
 """
 
 from __future__ import annotations

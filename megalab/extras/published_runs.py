@@ -6,7 +6,7 @@ each with its table and row.
         Table 1   weak scaling, 1.7B to 1T parameters on up to 3,072 A100s: achieved TFLOP/s per GPU,
                   counted with Eq. 3 (which includes the recomputed forward pass). Micro-batch sizes,
                   virtual pipeline stages and DDP kind from the authors' scripts, Megatron-LM
-                  examples/sc21/run_table_1.sh; all rows recompute every layer ("uniform").
+                  examples/academic_paper_scripts/sc21/run_table_1.sh; all rows recompute every layer ("uniform").
         Table 2   175B and 530B, DeepSpeed ZeRO-3 without model parallelism vs PTD parallelism (t=8;
                   p=12 for 175B, p=35 for 530B): achieved TFLOP/s per GPU.
     Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models"

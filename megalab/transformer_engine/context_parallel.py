@@ -25,7 +25,7 @@ K/V and all-gathers them again in backward: re-communication instead of that mem
 
 Megatron: the CP group is `get_context_parallel_group()` (rank order tp-cp-ep-dp-pp); the batch is
 split by `get_batch_on_this_cp_rank` (megatron/core/utils.py), RoPE angles by
-`get_pos_emb_on_this_cp_rank` (rotary_pos_embedding.py); the attention is TE's
+`get_pos_emb_on_this_cp_rank` (rope_utils.py); the attention is TE's
 `attn_forward_func_with_cp` (transformer_engine/pytorch/attention/.../context_parallel.py) behind
 TEDotProductAttention; gradients are reduced over the dp-cp group. Here the online-softmax math is
 written out in fp32 on [b, heads, tokens, hn] tensors; TE calls flash-attention kernels per block.

@@ -27,7 +27,7 @@ ACTIVATION_TAG, GRADIENT_TAG = 0, 1  # gloo keeps the two streams apart by tag; 
 
 
 def _default_device(group) -> torch.device:
-    """Megatron's get_current_device(): this rank's CUDA device under NCCL, else the CPU."""
+    """This rank's CUDA device under NCCL, else the CPU (Megatron's p2p buffers: torch.cuda.current_device())."""
     if torch.cuda.is_available() and dist.get_backend(group) == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")

@@ -19,7 +19,8 @@ def divide(numerator: int, denominator: int, what: str = "size") -> int:
 def vocab_size_with_padding(vocab_size: int, make_vocab_size_divisible_by: int = 128,
                             tensor_model_parallel_size: int = 1) -> int:
     """The vocabulary padded up to a multiple of make_vocab_size_divisible_by * TP, so every rank
-    holds an equal, aligned slice. Megatron: _vocab_size_with_padding (megatron/training/tokenizer)."""
+    holds an equal, aligned slice. Megatron: vocab_size_with_padding
+    (megatron/core/tokenizers/utils/build_tokenizer.py)."""
     multiple = make_vocab_size_divisible_by * tensor_model_parallel_size
     return -(-vocab_size // multiple) * multiple
 

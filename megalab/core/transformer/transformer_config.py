@@ -2,7 +2,9 @@
 
 Megatron Core passes one `TransformerConfig` (megatron/core/transformer/transformer_config.py)
 to every module instead of long argument lists; the field names here are Megatron's, so a
-reader can move between the two. Derived sizes are filled in after construction:
+reader can move between the two (vocab_size, seq_length, position_embedding_type, rotary_base, rotary_percent and
+share_embeddings_and_output_weights are GPTModel's arguments there, seq_length as max_sequence_length: megalab
+keeps them here to build a model from one config). Derived sizes are filled in after construction:
 
     ffn_hidden_size  = 4 * hidden_size                 (if not given)
     kv_channels      = hidden_size // num_attention_heads   (head dim)

@@ -1,1 +1,1 @@
-"""Tokenizers (megatron/training/tokenizer/): the course's byte-level BPE, trained with Hugging Face `tokenizers`."""
+"""Tokenizers (Megatron: megatron/core/tokenizers/): the course's byte-level BPE, trained with Hugging Face `tokenizers`."""

@@ -8,8 +8,8 @@ every document. The shipped `data/tokenizer.json` was trained on the course corp
 
     python -m megalab.training.tokenizer.tokenizer data/shakespeare.jsonl data/milton.jsonl --vocab-size 8192 -o data/tokenizer.json
 
-Megatron-LM: `megatron/training/tokenizer/tokenizer.py` (`build_tokenizer`, `_GPT2BPETokenizer`,
-`_HuggingFaceTokenizer`): the same `tokenize` / `detokenize` / `eod` / `vocab_size` names.
+Megatron-LM: `megatron/core/tokenizers/` (`MegatronTokenizer`; `build_tokenizer` in utils/build_tokenizer.py; the
+`HuggingFaceTokenizer` of text/libraries/): the same `tokenize` / `detokenize` / `eod` / `vocab_size` names.
 """
 
 import argparse

@@ -1,13 +1,13 @@
 """The block allocator of a paged key/value cache: fixed-size blocks handed out and returned.
 
-Megatron: megatron/core/inference/contexts/dynamic_block_allocator.py (renamed kv_block_allocator.py in later releases).
+Megatron: megatron/core/inference/contexts/kv_block_allocator.py (dynamic_block_allocator.py in older releases).
 """
 
 from __future__ import annotations
 
 
 class BlockAllocator:
-    """A free list of block ids. Megatron: BlockAllocator (inference/contexts/dynamic_block_allocator.py)."""
+    """A free list of block ids. Megatron: KVBlockAllocator (core/inference/contexts/kv_block_allocator.py)."""
 
     def __init__(self, num_blocks: int):
         self.num_blocks = num_blocks

@@ -28,7 +28,7 @@ Megatron: megatron/core/transformer/moe/ — router.py (TopKRouter), moe_utils.p
 (switch_load_balancing_loss_func, z_loss_func, topk_routing_with_score_function,
 apply_router_token_dropping, compute_routing_scores_for_aux_loss, permute, unpermute,
 sort_chunks_by_idxs, MoEAuxLossAutoScaler, get_updated_expert_bias), token_dispatcher.py,
-experts.py (SequentialMLP, GroupedMLP), shared_experts.py, moe_layer.py (MoELayer).
+experts.py (SequentialMLP, TEGroupedMLP), shared_experts.py, moe_layer.py (MoELayer).
 Not here: expert tensor parallelism (expert_tensor_parallel_size > 1), Megatron's default "probs" drop
 policy (tokens are dropped by position), sinkhorn routing, group-limited top-k, and fused kernels.
 """
