@@ -15,10 +15,10 @@ import torch
 class OptimizerParamScheduler:
     """Megatron's LR schedule, stepped once per iteration: `step()` sets every group's lr.
 
-    warmup: init_lr -> max_lr linearly over lr_warmup_steps; decay over the next
-    lr_decay_steps - lr_warmup_steps steps with lr_decay_style "constant", "linear", "cosine",
-    "inverse-square-root" (max_lr * sqrt(warmup / step), at least min_lr) or "WSD" (stable at max_lr,
-    then the last wsd_decay_steps steps decay to min_lr); min_lr after lr_decay_steps.
+    warmup: init_lr -> max_lr linearly over lr_warmup_steps; then "constant" stays at max_lr for good (as
+    Megatron's: it never drops to min_lr); the other styles decay over the next lr_decay_steps - lr_warmup_steps
+    steps, "linear", "cosine", "inverse-square-root" (max_lr * sqrt(warmup / step), at least min_lr) or "WSD"
+    (stable at max_lr, then the last wsd_decay_steps steps decay to min_lr), and give min_lr after lr_decay_steps.
     lr = min_lr + coeff * (max_lr - min_lr), with r the fraction of the decay done (for WSD: of its
     last wsd_decay_steps steps) and coeff:
         "linear" 1 - r      "cosine" (1 + cos(pi r)) / 2

@@ -25,6 +25,7 @@ there as JSON.
 
 from __future__ import annotations
 
+import ast
 import difflib
 import importlib.util
 import json
@@ -255,21 +256,6 @@ def notebook_rows(notebooks: list[str], cells: dict[str, Outcome], blank: dict[s
     return rows
 
 
-_IMPORT = re.compile(r"^\s*(?:from\s+(megalab[\w.]*)\s+import\s+([\w ,()]+)|import\s+(megalab[\w.]*))", re.M)
-
-
-def _imports(text: str) -> set[str]:
-    """The megalab modules a source text imports (`from megalab.x import y` counts megalab.x.y when it is one)."""
-    found = set()
-    for m in _IMPORT.finditer(text):
-        if m[3]:
-            found.add(m[3])
-        else:
-            found.add(m[1])
-            found.update(f"{m[1]}.{name.strip()}" for name in m[2].strip("()").split(",") if name.strip())
-    return found
-
-
 def _module_file(root: Path, module: str) -> Path | None:
     base = root / Path(*module.split("."))
     for path in (base.with_suffix(".py"), base / "__init__.py"):
@@ -278,23 +264,78 @@ def _module_file(root: Path, module: str) -> Path | None:
     return None
 
 
+def _parse(text: str) -> ast.Module | None:
+    """A notebook cell or module, magics and shell lines blanked (their line numbers kept); None if it does not parse."""
+    lines = ["" if line.lstrip().startswith(("%", "!")) else line for line in text.splitlines()]
+    try:
+        return ast.parse("\n".join(lines))
+    except SyntaxError:
+        return None
+
+
+def _reach(root: Path, module: str, name: str | None, reached: dict[str, set | None], package: str = "") -> None:
+    """Record that code imports `name` from megalab module `module` (None: the whole module), following a
+    package's re-exports to the module that defines the name."""
+    if module.startswith("."):  # relative, inside `package`
+        depth = len(module) - len(module.lstrip("."))
+        base = package.split(".")[: len(package.split(".")) - depth + 1]
+        module = ".".join(base + ([module.lstrip(".")] if module.lstrip(".") else []))
+    if not module.startswith("megalab"):
+        return
+    if name is not None and _module_file(root, f"{module}.{name}") is not None:
+        module, name = f"{module}.{name}", None  # `from megalab.x import submodule`
+    path = _module_file(root, module)
+    if path is None:
+        return
+    rel = path.relative_to(root).as_posix()
+    if name is None:
+        reached[rel] = None
+        return
+    if reached.get(rel, set()) is None or name in reached.setdefault(rel, set()):
+        return
+    reached[rel].add(name)
+    if path.name == "__init__.py" and (tree := _parse(path.read_text(encoding="utf-8"))) is not None:
+        for node in tree.body:  # a package's face: where its names come from
+            if isinstance(node, ast.ImportFrom) and any((a.asname or a.name) == name for a in node.names):
+                src = "." * node.level + (node.module or "")
+                original = next(a.name for a in node.names if (a.asname or a.name) == name)
+                _reach(root, src, original, reached, module)
+
+
 def blank_dependencies(root: Path, notebook: str, exercises: list[Exercise]) -> list[Exercise]:
-    """The exercises still blank in the tree at `root` in the modules `notebook`'s code imports (a package's
-    `__init__` counts the modules it re-exports): what the notebook cannot run without."""
+    """The exercises still blank in the tree at `root` that `notebook`'s code imports: an exercise counts when the
+    notebook imports the function or class that holds it (through a package's re-exports too), or its whole
+    module. What the notebook cannot run without, by name, never a neighbour it does not use."""
     import nbformat
 
+    from megalab.lab.workspace import enclosing_function
+
     nb = nbformat.read(root / notebook, as_version=4)
-    todo = list(_imports("\n".join(c.source for c in nb.cells if c.cell_type == "code")))
-    files: set[str] = set()
-    while todo:
-        module = todo.pop()
-        path = _module_file(root, module)
-        if path is None or (rel := path.relative_to(root).as_posix()) in files:
+    reached: dict[str, set | None] = {}
+    for cell in nb.cells:
+        tree = _parse(cell.source) if cell.cell_type == "code" else None
+        for node in ast.walk(tree) if tree is not None else []:
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                for alias in node.names:
+                    _reach(root, node.module, alias.name, reached)
+            elif isinstance(node, ast.Import):
+                for alias in node.names:
+                    _reach(root, alias.name, None, reached)
+    found = []
+    for ex in exercises:
+        if ex.path not in reached or blank_message(root, ex) is None:
             continue
-        files.add(rel)
-        if path.name == "__init__.py":  # a package's face: what it re-exports
-            todo += _imports(path.read_text(encoding="utf-8"))
-    return [ex for ex in exercises if ex.path in files and blank_message(root, ex) is not None]
+        names = reached[ex.path]
+        if names is None:
+            found.append(ex)
+            continue
+        text = (root / ex.path).read_text(encoding="utf-8")
+        tree = _parse(text)
+        marker = next((i + 1 for i, line in enumerate(text.splitlines()) if line.strip().startswith(f"# EXERCISE {ex.id}:")), None)
+        holder = enclosing_function(tree, marker) if tree is not None and marker else None
+        if holder is None or holder.split(".")[0] in names:
+            found.append(ex)
+    return found
 
 
 # --------------------------------------------------------------------------- the command
