@@ -33,8 +33,8 @@ else
 setup: $(STAMP)
 endif
 
-# Re-runs only when the package's metadata changes. torch is installed on its own first, pinned:
-# on a CPU machine pip takes the CPU wheel; on a GPU cluster the same line gets a CUDA build.
+# Re-runs only when the package's metadata changes. torch is installed on its own first, pinned (on Linux,
+# PyPI's wheel is the CUDA build: it runs on a CPU machine too, and on a GPU cluster uses the GPUs).
 # tools/make_venv.sh finds a Python >= 3.12 (or says what to install, creating nothing) and makes $(VENV) on it,
 # recreating a $(VENV) that an older make setup built on an older Python.
 $(STAMP): pyproject.toml

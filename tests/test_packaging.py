@@ -155,3 +155,21 @@ def test_make_setup_builds_the_venv_with_make_venv():
     recipe = makefile.split("$(STAMP): pyproject.toml\n", 1)[1]
     assert recipe.index("tools/make_venv.sh $(VENV)") < recipe.index("pip install")
     assert re.search(r"^PYTHON \?=\s*$", makefile, re.M)  # found, not assumed to be python3
+
+
+def test_python_and_megatron_core_versions_agree_everywhere():
+    """requires-python, environment.yml, find_python.sh and the READMEs name one Python; the dev extra,
+    environment.yml, the parity oracle and the READMEs one megatron-core."""
+    from tests.megatron_oracle import MEGATRON_CORE_VERSION
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    major, minor = re.fullmatch(r">=(\d+)\.(\d+)", project["requires-python"]).groups()
+    env = yaml.safe_load((ROOT / "environment.yml").read_text())
+    assert f"python={major}.{minor}" in env["dependencies"]
+    finder = (ROOT / "tools" / "find_python.sh").read_text()
+    assert f"MIN_MAJOR={major}\n" in finder and f"MIN_MINOR={minor}\n" in finder
+    pin = f"megatron-core=={MEGATRON_CORE_VERSION}"
+    assert pin in project["optional-dependencies"]["dev"]
+    for doc in ("README.md", "README.zh.md"):
+        text = (ROOT / doc).read_text()
+        assert f"Python ≥ {major}.{minor}" in text and f"`{pin}`" in text, doc
+        assert not re.search(r"Python ≥ 3\.(\d+)", text.replace(f"Python ≥ {major}.{minor}", "")), doc
