@@ -7,6 +7,13 @@ version, FAILS the parity tests (they must run in CI, never skip) with the line 
 Pinned: megatron-core 0.19.2, the newest release (it needs Python >= 3.12, as the course does). A build
 may carry a local version suffix ('0.19.2+f1b6066'): the version compared is the public one. Megatron-Core's
 pure-torch functions run on CPU without Transformer Engine or apex (it warns once on import; silenced here).
+
+From 0.16.1 (the previous pin) to 0.19.2 every compared result stayed the same; interfaces moved, and the
+tests call the new ones: `permute` needs `num_out_tokens` and returns five values (the fused kernel's pad
+offsets and counts: None unfused); `get_batch_on_this_cp_rank` takes the CP group and `is_hybrid_cp`, and
+splits packed sequences (`cu_seqlens`) per document, which megalab does not (it has no packed sequences);
+the router records its losses in `MoEMetricsTracker` and divides a repeated MTP layer's aux loss by
+`mtp_num_layers` (megalab has no MTP).
 """
 
 from __future__ import annotations
