@@ -11,7 +11,7 @@ pure-torch functions run on CPU without Transformer Engine or apex (it warns onc
 From 0.16.1 (the previous pin) to 0.19.2 every compared result stayed the same; interfaces moved, and the
 tests call the new ones: `permute` needs `num_out_tokens` and returns five values (the fused kernel's pad
 offsets and counts: None unfused); `get_batch_on_this_cp_rank` takes the CP group and `is_hybrid_cp`, and
-splits packed sequences (`cu_seqlens`) per document, which megalab does not (it has no packed sequences);
+splits packed sequences (`cu_seqlens`) per document, which megalab does not (its CP takes no packed documents);
 the router records its losses in `MoEMetricsTracker` and divides a repeated MTP layer's aux loss by
 `mtp_num_layers` (megalab has no MTP).
 """
