@@ -1,5 +1,6 @@
 # megalab — learners: `make workspace` (then `make lab` in it); authors: `make lab`, `make test`.
-PYTHON ?= python3
+# The Python the .venv is built on (>= 3.12): found by tools/find_python.sh unless given (make setup PYTHON=...).
+PYTHON ?=
 TORCH_VERSION ?= 2.13.0
 VENV ?= .venv
 # In a learner's workspace, `megalab workspace` writes this: the reference's environment, shared (no second install).
@@ -32,10 +33,12 @@ else
 setup: $(STAMP)
 endif
 
-# Re-runs only when the package's metadata changes. torch is installed on its own first, pinned:
-# on a CPU machine pip takes the CPU wheel; on a GPU cluster the same line gets a CUDA build.
+# Re-runs only when the package's metadata changes. torch is installed on its own first, pinned (on Linux,
+# PyPI's wheel is the CUDA build: it runs on a CPU machine too, and on a GPU cluster uses the GPUs).
+# tools/make_venv.sh finds a Python >= 3.12 (or says what to install, creating nothing) and makes $(VENV) on it,
+# recreating a $(VENV) that an older make setup built on an older Python.
 $(STAMP): pyproject.toml
-	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@PYTHON="$(PYTHON)" sh tools/make_venv.sh $(VENV)
 	$(PY) -m pip install -q "torch==$(TORCH_VERSION)"
 	$(PY) -m pip install -q -e ".[dev]"
 	@touch $(STAMP)

@@ -14,7 +14,7 @@ import sys
 import pytest
 import torch
 
-from tests.megatron_oracle import MEGATRON_CORE_VERSION, import_mcore
+from tests.megatron_oracle import MEGATRON_CORE_VERSION, import_mcore, public_version
 
 
 # ------------------------------------------------------------------ the oracle itself
@@ -37,11 +37,50 @@ def test_missing_or_wrong_megatron_core_fails_with_the_install_line(tmp_path):
                              env={**os.environ, "PYTHONPATH": path}, cwd=tmp_path)
         text = out.stdout + out.stderr
         assert out.returncode == 1, (label, text)  # failed, not skipped (a skip exits 0)
-        assert ("1 failed" in text or "1 error" in text) and "make setup" in text and f"megatron-core=={MEGATRON_CORE_VERSION}" in text, text
+        assert ("1 failed" in text or "1 error" in text) and "make setup" in text, text
+        assert "pip install -e .[dev]" in text and f"pip install megatron-core=={MEGATRON_CORE_VERSION}" in text, text
+
+
+def test_a_local_build_suffix_is_the_same_release_another_release_is_not(tmp_path, monkeypatch):
+    """'0.19.2+f1b6066' (a local build of the pinned release) passes the check; 0.19.1, 0.19.3 and a 0.19.2
+    pre-release fail it with the install line."""
+    from tests.megatron_oracle import MegatronCoreUnavailable, check_megatron_core
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for i, (version, ok) in enumerate([(f"{MEGATRON_CORE_VERSION}+f1b6066", True), (MEGATRON_CORE_VERSION, True),
+                                       ("0.19.1", False), ("0.19.3", False), (f"{MEGATRON_CORE_VERSION}rc1", False)]):
+        (tmp_path / f"fake_mcore_{i}.py").write_text(f"__version__ = {version!r}\n")
+        if ok:
+            assert check_megatron_core(f"fake_mcore_{i}").__version__ == version
+        else:
+            with pytest.raises(MegatronCoreUnavailable, match=f"megatron-core {version} is installed, not "
+                                                              f"{MEGATRON_CORE_VERSION}.*pip install -e"):
+                check_megatron_core(f"fake_mcore_{i}")
+
+
+def test_notebooks_import_megatron_core_without_cpu_notices(mcore, tmp_path):
+    """megalab.lab.mcore.import_mcore: no "No CUDA runtime is found" (torch finds a CUDA toolkit, here CUDA_HOME,
+    and no GPU) and no TE/apex warning in a notebook's output; a plain import prints them (the check can fail)."""
+    import os
+    env = {**os.environ, "CUDA_HOME": str(tmp_path), "CUDA_VISIBLE_DEVICES": ""}
+    plain = "import megatron.core.parallel_state"
+    quiet = "from megalab.lab.mcore import import_mcore; import_mcore('megatron.core.parallel_state')"
+    outs = [subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+            for code in (plain, quiet)]
+    assert outs[0].returncode == 0 and "No CUDA runtime is found" in outs[0].stderr, outs[0].stderr
+    assert outs[1].returncode == 0 and outs[1].stderr == "" and outs[1].stdout == "", outs[1].stderr
+
+
+def test_notebooks_say_how_to_install_a_missing_megatron_core(monkeypatch):
+    from megalab.lab.mcore import NOT_INSTALLED, import_mcore
+    for name in ("megatron", "megatron.core", "megatron.core.parallel_state"):
+        monkeypatch.setitem(sys.modules, name, None)  # as if not installed
+    with pytest.raises(ImportError, match="`make setup` installs it"):
+        import_mcore("megatron.core.parallel_state")
+    assert "megatron-core is not installed" in NOT_INSTALLED
 
 
 def test_the_pinned_megatron_core_is_installed(mcore):
-    assert mcore.__version__ == MEGATRON_CORE_VERSION
+    assert public_version(mcore.__version__) == MEGATRON_CORE_VERSION
 
 
 # ------------------------------------------------------------------ MoE router (megatron/core/transformer/moe)
@@ -168,7 +207,11 @@ def test_permute_unpermute_match_megatron(mcore, T, E, topk, h):
     tokens, logits = torch.randn(T, h, generator=g), torch.randn(T, E, generator=g)
     probs, routing_map = mu.topk_routing_with_score_function(logits, topk)
     ours, our_probs, our_idx = permute(tokens, routing_map, probs)
-    theirs, their_probs, their_idx = mu.permute(tokens, routing_map, probs)
+    # since 0.19 Megatron's permute takes the row count (its dispatcher passes routing_map.sum()) and also
+    # returns the fused kernel's pad offsets and per-expert counts (None, None on the unfused path)
+    theirs, their_probs, their_idx, pad_offsets, _ = mu.permute(tokens, routing_map, probs,
+                                                                num_out_tokens=int(routing_map.sum()))
+    assert pad_offsets is None
     assert torch.equal(ours, theirs) and torch.equal(our_probs, their_probs) and torch.equal(our_idx, their_idx)
     expert_out = ours * 2 + 1
     back = unpermute(expert_out, our_idx, T, our_probs)
@@ -232,10 +275,12 @@ def test_get_batch_on_this_cp_rank_matches_megatron(mcore, monkeypatch, cp, b, s
     batch = {"tokens": torch.randint(0, 100, (b, s), generator=g), "labels": torch.randint(0, 100, (b, s), generator=g),
              "loss_mask": torch.rand(b, s, generator=g), "position_ids": torch.arange(s).expand(b, s),
              "attention_mask": torch.rand(b, 1, s, s, generator=g) > 0.5}
+    cp_group = object()  # since 0.19 Megatron asks the CP group passed in for its size and rank
     for rank in range(cp):
-        monkeypatch.setattr(mutils.parallel_state, "get_context_parallel_world_size", lambda: cp)
-        monkeypatch.setattr(mutils.parallel_state, "get_context_parallel_rank", lambda r=rank: r)
-        theirs = mutils.get_batch_on_this_cp_rank({k: v.clone() for k, v in batch.items()})
+        monkeypatch.setattr(torch.distributed, "get_world_size", lambda group: cp if group is cp_group else 1 / 0)
+        monkeypatch.setattr(torch.distributed, "get_rank", lambda group, r=rank: r if group is cp_group else 1 / 0)
+        theirs = mutils.get_batch_on_this_cp_rank({k: v.clone() for k, v in batch.items()}, is_hybrid_cp=False,
+                                                  cp_group=cp_group)
         ours = get_batch_on_this_cp_rank({k: v.clone() for k, v in batch.items()}, cp, rank)
         assert ours.keys() == theirs.keys()
         for key in batch:
@@ -577,24 +622,25 @@ def _mcore_topk_router(monkeypatch, E, topk, score, types, coeffs, z_coeff):
     mr = import_mcore("megatron.core.transformer.moe.router")
     mu = import_mcore("megatron.core.transformer.moe.moe_utils")
     monkeypatch.setattr(mu, "reduce_from_tensor_model_parallel_region", lambda x, group=None: x)
-    mu.clear_aux_losses_tracker()
+    from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
+    get_moe_metrics_tracker().clear()
     cfg = pytypes.SimpleNamespace(
         num_moe_experts=E, moe_router_topk=topk, moe_router_score_function=score, moe_router_pre_softmax=False,
         moe_router_num_groups=None, moe_router_group_topk=None, moe_router_topk_scaling_factor=None,
         moe_router_fusion=False, moe_expert_capacity_factor=None, moe_token_drop_policy="probs",
         moe_pad_expert_input_to_capacity=False, moe_aux_loss_coeff=coeffs, moe_z_loss_coeff=z_coeff, num_layers=1,
-        mtp_num_layers=None)
+        mtp_num_layers=None, mtp_use_repeated_layer=False)
     self = pytypes.SimpleNamespace(
         config=cfg, topk=topk, routing_type=types, score_function=score, expert_bias=None, router_replay=None,
-        tp_cp_group=_GroupOfOne(), tp_dp_cp_group=_GroupOfOne(), layer_number=1, calculate_per_token_loss=False,
+        tp_cp_group=_GroupOfOne(), tp_dp_cp_group=_GroupOfOne(), layer_number=1, is_mtp_layer=False, calculate_per_token_loss=False,
         training=True, enable_expert_bias=False, global_tokens_per_expert=torch.zeros(E), ga_steps=torch.zeros(()))
     for name in ("apply_z_loss", "get_aux_loss_coeff", "is_aux_loss_enabled", "_apply_aux_loss", "_apply_seq_aux_loss",
                  "_apply_global_aux_loss", "attach_and_log_load_balancing_loss"):
         setattr(self, name, pytypes.MethodType(getattr(mr.TopKRouter, name), self))
     self._apply_expert_bias = lambda routing_map, padding_mask=None: None
     routing = pytypes.MethodType(mr.TopKRouter.routing, self)
-    tracker = lambda: {k: v["values"][0].item() for k, v in mu.get_moe_layer_wise_logging_tracker().items()}  # noqa: E731
-    return routing, tracker, mu
+    tracker = lambda: {k: v.values[0].item() for k, v in get_moe_metrics_tracker().metrics.items()}  # noqa: E731
+    return routing, tracker, get_moe_metrics_tracker()
 
 
 BALANCING = [("aux_loss", 0.5), ("seq_aux_loss", 0.3), ("global_aux_loss", 0.2),
@@ -608,7 +654,7 @@ def test_every_load_balancing_loss_matches_megatrons_router(mcore, monkeypatch, 
     z-loss: each loss value and the router weight's gradient through all of them, as Megatron's routing computes."""
     from megalab.core.transformer.moe.router import TopKRouter
     from megalab.core.transformer.transformer_config import TransformerConfig
-    routing, tracker, mu = _mcore_topk_router(monkeypatch, E, topk, score, types, coeffs, 0.01)
+    routing, tracker, metrics = _mcore_topk_router(monkeypatch, E, topk, score, types, coeffs, 0.01)
     config = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=2, vocab_size=32, seq_length=s,
                                ffn_hidden_size=16, num_moe_experts=E, moe_router_topk=topk, moe_router_score_function=score,
                                moe_router_load_balancing_type=types, moe_aux_loss_coeff=coeffs, moe_z_loss_coeff=0.01)
@@ -622,7 +668,7 @@ def test_every_load_balancing_loss_matches_megatrons_router(mcore, monkeypatch, 
         hidden = torch.randn(s, b, 8, generator=g)
         probs, routing_map = router(hidden)
         (probs * torch.linspace(0.5, 1.5, E)).sum().backward()
-        mu.clear_aux_losses_tracker()
+        metrics.clear()
         m_probs, m_map = routing(hidden @ weight.t())  # [s, b, E] logits, as Megatron's router sees them
         (m_probs * torch.linspace(0.5, 1.5, E)).sum().backward()
         theirs = tracker()
