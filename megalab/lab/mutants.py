@@ -175,7 +175,7 @@ def _live_setup(root: Path, ex, source: str, clock: list):
     return setup
 
 
-def run_live(root: Path, registry, mistakes: list) -> list[Result]:
+def run_live(root: Path, registry, mistakes: list, echo: bool = True) -> list[Result]:
     """Mistakes in this process, one pytest session for all: each swapped in, its tests run, swapped out."""
     jobs, clocks = [], []
     for m in mistakes:
@@ -188,7 +188,8 @@ def run_live(root: Path, registry, mistakes: list) -> list[Result]:
     def said(i, verdict, passed, selected):
         c = clocks[i]
         results.append(_verdict(mistakes[i], verdict, passed, selected, (c[1] - c[0]) if len(c) == 2 else 0.0))
-        print(_row(results[-1]), flush=True)
+        if echo:
+            print(_row(results[-1]), flush=True)
 
     run_tests(root, jobs, said)
     return results
@@ -226,7 +227,7 @@ def run_fresh(root: Path, registry, m) -> Result:
     return _verdict(m, verdict, passed, selected, time.perf_counter() - start)
 
 
-def run(root: Path, mistakes: list, first_test_only: bool = False) -> list[Result]:
+def run(root: Path, mistakes: list, first_test_only: bool = False, echo: bool = True) -> list[Result]:
     """Every mistake's result, in the order given (the live ones share one pytest session). first_test_only:
     each exercise's first test alone (its focused "first check", what names a mistake)."""
     from dataclasses import replace
@@ -244,7 +245,8 @@ def run(root: Path, mistakes: list, first_test_only: bool = False) -> list[Resul
                                 f"no exercise {m.exercise} with a solution region in {root}")
         elif m.fresh:
             results[i] = run_fresh(root, registry, m)
-            print(_row(results[i]), flush=True)
+            if echo:
+                print(_row(results[i]), flush=True)
         else:
             live.append(i)
     swappable = []
@@ -260,7 +262,7 @@ def run(root: Path, mistakes: list, first_test_only: bool = False) -> list[Resul
             print(_row(results[i]), flush=True)
     if swappable:
         try:
-            for i, r in zip(swappable, run_live(root, registry, [mistakes[i] for i in swappable])):
+            for i, r in zip(swappable, run_live(root, registry, [mistakes[i] for i in swappable], echo)):
                 results[i] = r
         except CannotSwap as exc:
             for i in swappable:
@@ -275,7 +277,7 @@ def check_solutions(root: Path, solutions: list, first_test_only: bool = False) 
 
     as_mistakes = [SimpleNamespace(exercise=s["exercise"], name=s.get("name", "blind solution"), says="",
                                    code=s["code"], fresh=s.get("fresh", False)) for s in solutions]
-    results = run(root, as_mistakes, first_test_only)
+    results = run(root, as_mistakes, first_test_only, echo=False)
     for r in results:
         r.status = "passed" if r.status == "NOT CAUGHT" and r.verdict.endswith("test(s) passed") else "FAILED"
     return results
