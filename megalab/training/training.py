@@ -3,16 +3,20 @@
     pretrain(config, dataset)                        megatron/training/training.py
       setup_model_and_optimizer                      TP model, PP stages, DDP over DP, AdamW groups
                                                      (or the DistributedOptimizer: AdamW state
-                                                     sharded over DP), schedule
+                                                     sharded over DP), schedule; then _set_random_seed:
+                                                     seed + 100·pp_rank, the same on every TP/CP/DP
+                                                     rank, and the RNG tracker's TP stream
       [load_checkpoint]                              model, optimizer, scheduler, RNG, consumed_samples
       for iteration:
         train_step                                   one global batch = micro-batches x DP ranks
           ddp.zero_grad_buffer()
-          forward_backward_pipelining(...)           chapter 03's executor; grads accumulate (no_sync)
+          forward_backward_pipelining(...)           chapter 03's executor; grads accumulate (no_sync);
+                                                     MoE: aux-loss scale cp/m on every micro-batch
           finalize_model_grads(...)                  SP norms over TP, tied embeddings over the
                                                      embedding group, then DDP: average over DP x CP
                                                      (distributed optimizer: reduce-scatter, each
-                                                     rank keeps its shard)
+                                                     rank keeps its shard); MoE: expert bias, the
+                                                     global aux loss's window reset
           clip_grad_norm(...)                        global norm over TP x PP (and DP when sharded)
           optimizer.step(); scheduler.step()
         training_log                                 loss, lr, grad norm, tokens/s, MFU
@@ -239,6 +243,9 @@ def train_step(state: TrainState, config: TrainingConfig, dataset) -> dict:
 
     Under CP the DP rank's samples are cut along the sequence (get_batch_on_this_cp_rank) and the
     token count, the loss and the gradient are summed / averaged over the DP x CP group.
+    MoE aux losses: the schedule sets their gradient scale to cp/m (Megatron's default, not its
+    --calculate-per-token-loss plumbing: the token mean here goes through the schedule's 1/m and DDP's
+    average), so each micro-batch's aux loss weighs 1/(m·dp), as Megatron's does.
     """
     ps = state.ps
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
