@@ -9,8 +9,10 @@ One 2-rank launch runs every case:
     MoEAuxLossAutoScaler with set_loss_scale(cp / m) (forward_step_calc_loss), token counts summed over
     TP x CP, averaged over DP x CP.
   - the global aux loss's window of token counts starts afresh every step (finalize_model_grads).
+  - a TP=2 run with dropout resumed from a checkpoint is bit-exact: the tracker's streams are saved too.
 """
 
+import tempfile
 import warnings
 
 import pytest
@@ -108,12 +110,25 @@ def _global_window_case(data) -> list[list[int]]:
         parallel_state.destroy_model_parallel()
 
 
-def _worker():
+def _resume_case(root: str, data) -> dict:
+    """Losses of 4 uninterrupted steps at TP=2 with dropout, and of 2 steps + checkpoint + 2 resumed steps."""
+    from megalab.training.training import pretrain
+
+    def run(**kw):
+        config = training_config(TP_DROPOUT, tensor_model_parallel_size=2, global_batch_size=4, **kw)
+        return [r["loss"] for r in pretrain(config, data, None)]
+
+    full = run()
+    first = run(save=f"{root}/ckpt", save_interval=2, exit_interval=2)
+    return {"full": full, "resumed": first + run(load=f"{root}/ckpt")}
+
+
+def _worker(root: str):
     from megalab.lab import dist as mdist
 
     mdist.init()
     data = SyntheticDataset(64, 16, 128)
-    out = {"tp_dropout": _tp_dropout_case(data)}
+    out = {"tp_dropout": _tp_dropout_case(data), "resume": _resume_case(root, data)}
     for cp, m in LAYOUTS:
         out[cp, m] = {"with": _moe_step(cp, m, True, data), "without": _moe_step(cp, m, False, data)}
     out["window"] = _global_window_case(data)
@@ -123,7 +138,8 @@ def _worker():
 
 @pytest.fixture(scope="module")
 def runs():
-    return launch.run_function(_worker, 2, launch=dict(timeout=600)).returns
+    with tempfile.TemporaryDirectory() as root:
+        return launch.run_function(_worker, 2, root, launch=dict(timeout=600)).returns
 
 
 def test_replicated_weights_stay_identical_across_tp_ranks_with_dropout(runs):
@@ -182,3 +198,8 @@ def test_aux_loss_router_gradient_is_megatrons(runs, cp, m):
 def test_global_aux_loss_window_is_reset_every_step(runs):
     for rank in (0, 1):
         assert runs[rank]["window"] == [[1, 2], [1, 2]], runs[rank]["window"]
+
+
+def test_resume_with_dropout_is_bit_exact(runs):
+    """The default stream and the tracker's TP stream both come back from the checkpoint."""
+    assert runs[0]["resume"]["resumed"] == runs[0]["resume"]["full"]
