@@ -190,6 +190,7 @@ def _set_random_seed(seed: int, ps: parallel_state.ParallelState) -> None:
     seed = seed + 100 * ps.get_pipeline_model_parallel_rank()
     random.seed(seed)
     np.random.seed(seed)
+    torch.manual_seed(seed)
     model_parallel_cuda_manual_seed(seed, ps.get_tensor_model_parallel_rank(), ps.get_expert_model_parallel_rank(),
                                     ps.get_expert_tensor_parallel_rank())
 

@@ -115,9 +115,9 @@ def get_cuda_rng_tracker() -> CudaRNGStatesTracker:
 
 
 def model_parallel_cuda_manual_seed(seed: int, tp_rank: int = 0, ep_rank: int = 0, etp_rank: int = 0) -> None:
-    """Seed the default generator with `seed` and the tracker's streams from it (see the module docstring).
-    Megatron's function of this name reads the ranks from parallel_state; here they are arguments."""
-    torch.default_generator.manual_seed(seed)
+    """Seed the tracker's streams from `seed` (see the module docstring), and the CUDA default generator
+    with `seed`, as Megatron's function of this name (the caller seeds the CPU one: torch.manual_seed).
+    Megatron reads the ranks from parallel_state; here they are arguments."""
     if torch.cuda.is_available():
         torch.cuda.manual_seed(seed)
     _CUDA_RNG_STATE_TRACKER.reset()
