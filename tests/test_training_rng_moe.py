@@ -203,3 +203,36 @@ def test_global_aux_loss_window_is_reset_every_step(runs):
 def test_resume_with_dropout_is_bit_exact(runs):
     """The default stream and the tracker's TP stream both come back from the checkpoint."""
     assert runs[0]["resume"]["resumed"] == runs[0]["resume"]["full"]
+
+
+def test_tracker_fork_and_recompute_replay():
+    """fork draws from the named stream and leaves the default one as it was; a checkpointed region replays
+    the tracker's stream in backward (the mask behind the gradient is the forward's)."""
+    import torch.nn.functional as F
+
+    from megalab.core.tensor_parallel.random import checkpoint, get_cuda_rng_tracker, model_parallel_cuda_manual_seed
+
+    tracker = get_cuda_rng_tracker()
+    saved, default = tracker.get_states(), torch.get_rng_state()
+    try:
+        model_parallel_cuda_manual_seed(5, tp_rank=1)
+        torch.manual_seed(5)
+        before = torch.get_rng_state()
+        with tracker.fork():
+            drawn = torch.rand(4)
+        assert torch.equal(torch.get_rng_state(), before)  # the default stream did not move
+        assert torch.equal(drawn, torch.rand(4, generator=torch.Generator().manual_seed(5 + 2718 + 1)))  # Megatron's seed
+        assert not torch.equal(drawn, torch.rand(4))  # another stream than the default one
+
+        def region(x):
+            with tracker.fork():
+                return F.dropout(x, 0.5, training=True)
+
+        x = torch.ones(256, requires_grad=True)
+        y = checkpoint(region, x)
+        y.sum().backward()
+        assert torch.equal(x.grad, (y != 0).float() * 2)  # the replay drew the forward's mask
+    finally:
+        tracker.reset()
+        tracker.set_states(saved)
+        torch.set_rng_state(default)
