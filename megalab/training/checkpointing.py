@@ -13,7 +13,7 @@ writer per key, so the pipeline stages (and DP replicas) write disjoint parts in
 On disk (Megatron's folder names and tracker file; common.pt and the .tmp rename below are ours):
 
     save_dir/latest_checkpointed_iteration.txt       "20"  (written last, atomically)
-    save_dir/iter_0000020/  __0_0.distcp ... .metadata  (DCP: model, optimizer, per-rank RNG)
+    save_dir/iter_0000020/  __0_0.distcp ... .metadata  (DCP: model, optimizer, per-rank RNG and RNG-tracker streams)
                             common.pt                   (iteration, consumed samples, scheduler,
                                                          model config; torch.load(weights_only=True))
 
@@ -58,6 +58,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from megalab.core import parallel_state as ps
 from megalab.core.optimizer.distrib_optimizer import DistributedOptimizer
 from megalab.core.tensor_parallel.layers import tensor_parallel_dims
+from megalab.core.tensor_parallel.random import get_cuda_rng_tracker
 
 TRACKER = "latest_checkpointed_iteration.txt"
 
@@ -166,6 +167,16 @@ def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
                                       "exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
 
 
+def _tracker_states(cuda_rng: bool) -> dict[str, torch.Tensor]:
+    """This rank's RNG-tracker streams as {"rng_tracker.<name>": CPU state, "cuda_rng_tracker.<name>": ...}."""
+    out = {}
+    for name, (cpu, cuda) in get_cuda_rng_tracker().get_states().items():
+        out[f"rng_tracker.{name}"] = cpu.clone()
+        if cuda_rng and cuda is not None:
+            out[f"cuda_rng_tracker.{name}"] = cuda.clone()
+    return out
+
+
 def _on_cuda(params: list[nn.Parameter]) -> bool:
     """Whether this rank trains on a GPU (then its CUDA generator is saved and restored with the CPU one)."""
     return torch.cuda.is_available() and any(p.is_cuda for p in params)
@@ -215,12 +226,14 @@ def save_checkpoint(save_dir: str | Path, iteration: int, model: nn.Module, para
     cuda_rng = _on_cuda(params)
     if cuda_rng:  # this rank's GPU generator too (a CPU uint8 tensor, stored like the CPU one)
         state[f"cuda_rng.rank{rank}"] = torch.cuda.get_rng_state(torch.cuda.current_device())
+    tracker = _tracker_states(cuda_rng)  # the RNG tracker's streams (Megatron: rng_tracker_states)
+    state.update({f"{key}.rank{rank}": value for key, value in tracker.items()})
     metadata = dcp.save(state, checkpoint_id=tmp)
     sums = _checksum_files(tmp, _shard_files(metadata)) if checksums else None
     if rank == 0:
         common = {"iteration": iteration, "consumed_samples": consumed_samples, "scheduler": scheduler.state_dict(),
                   "model_config": dataclasses.asdict(model.config), "world_size": dist.get_world_size(),
-                  "cuda_rng": cuda_rng}
+                  "cuda_rng": cuda_rng, "rng_tracker": sorted(tracker)}
         if sums is not None:
             common["checksums"] = {"algorithm": "crc32", "files": sums}
         torch.save(common, tmp / "common.pt")
@@ -369,6 +382,10 @@ def load_checkpoint(load_dir: str | Path, model: nn.Module, params: list[nn.Para
         state[f"rng.rank{dist.get_rank()}"] = torch.get_rng_state()
     if cuda_rng:
         state[f"cuda_rng.rank{dist.get_rank()}"] = torch.cuda.get_rng_state(torch.cuda.current_device())
+    tracker = _tracker_states(cuda_rng)
+    restore_tracker = same_world and sorted(tracker) == common.get("rng_tracker")
+    if restore_tracker:
+        state.update({f"{key}.rank{dist.get_rank()}": value for key, value in tracker.items()})
     read_state(path, state)
     dims = tensor_parallel_dims(model)
     with torch.no_grad():
@@ -384,5 +401,10 @@ def load_checkpoint(load_dir: str | Path, model: nn.Module, params: list[nn.Para
         torch.set_rng_state(state[f"rng.rank{dist.get_rank()}"])
     if cuda_rng:
         torch.cuda.set_rng_state(state[f"cuda_rng.rank{dist.get_rank()}"], torch.cuda.current_device())
+    if restore_tracker:
+        names = {key.split(".", 1)[1] for key in tracker}
+        get_cuda_rng_tracker().set_states({
+            name: (state[f"rng_tracker.{name}.rank{dist.get_rank()}"],
+                   state.get(f"cuda_rng_tracker.{name}.rank{dist.get_rank()}")) for name in names})
     scheduler.load_state_dict(common["scheduler"])
     return common

@@ -3,16 +3,20 @@
     pretrain(config, dataset)                        megatron/training/training.py
       setup_model_and_optimizer                      TP model, PP stages, DDP over DP, AdamW groups
                                                      (or the DistributedOptimizer: AdamW state
-                                                     sharded over DP), schedule
+                                                     sharded over DP), schedule; then _set_random_seed:
+                                                     seed + 100·pp_rank, the same on every TP/CP/DP
+                                                     rank, and the RNG tracker's TP stream
       [load_checkpoint]                              model, optimizer, scheduler, RNG, consumed_samples
       for iteration:
         train_step                                   one global batch = micro-batches x DP ranks
           ddp.zero_grad_buffer()
-          forward_backward_pipelining(...)           chapter 03's executor; grads accumulate (no_sync)
+          forward_backward_pipelining(...)           chapter 03's executor; grads accumulate (no_sync);
+                                                     MoE: aux-loss scale cp/m on every micro-batch
           finalize_model_grads(...)                  DDP first: average over DP x CP (distributed
                                                      optimizer: reduce-scatter, each rank keeps its
                                                      shard); then SP norms over TP, tied embeddings
-                                                     over the embedding group (Megatron's order)
+                                                     over the embedding group (Megatron's order);
+                                                     MoE: expert bias, the global aux loss's window reset
           clip_grad_norm(...)                        global norm over TP x PP (and DP when sharded)
           optimizer.step(); scheduler.step()
         training_log                                 loss, lr, grad norm, tokens/s, MFU
@@ -35,10 +39,12 @@ group (Megatron's get_data_parallel_group(with_context_parallel=True)).
 
 from __future__ import annotations
 
+import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -54,6 +60,7 @@ from megalab.core.optimizer.distrib_optimizer import DistributedOptimizer
 from megalab.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megalab.core.pipeline_parallel.schedules import forward_backward_pipelining
 from megalab.core.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
+from megalab.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 from megalab.core.transformer.transformer_config import TransformerConfig
 from megalab.core.utils import check_seq_length, get_batch_on_this_cp_rank
 from megalab.extras.calc import flops_per_iteration
@@ -171,8 +178,21 @@ def setup_model_and_optimizer(config: TrainingConfig) -> TrainState:
                                         config.lr_decay_iters or config.train_iters, config.lr_decay_style,
                                         wsd_decay_steps=config.lr_wsd_decay_iters,
                                         lr_wsd_decay_style=config.lr_wsd_decay_style)
-    torch.manual_seed(config.seed + 100 * dist.get_rank())  # per-rank stream from here on (dropout)
+    _set_random_seed(config.seed, ps)  # the streams dropout draws from, from here on
     return TrainState(model, stages, ddp, optimizer, scheduler, ps)
+
+
+def _set_random_seed(seed: int, ps: parallel_state.ParallelState) -> None:
+    """Megatron's _set_random_seed (megatron/training/initialize.py): seed + 100 * pp_rank, the same on every
+    TP, CP and DP rank of a stage (Megatron adds 10 * dp_rank only with --data-parallel-random-init), so
+    the activations replicated over TP draw the same dropout masks and the replicated weights stay equal;
+    the tracker's model-parallel stream (seed + 2718 + tp_rank) serves the TP-split regions."""
+    seed = seed + 100 * ps.get_pipeline_model_parallel_rank()
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    model_parallel_cuda_manual_seed(seed, ps.get_tensor_model_parallel_rank(), ps.get_expert_model_parallel_rank(),
+                                    ps.get_expert_tensor_parallel_rank())
 
 
 def build_train_dataset(num_samples: int, seq_length: int, seed: int = 1234, names: tuple[str, ...] = ("shakespeare",)):
@@ -224,6 +244,9 @@ def train_step(state: TrainState, config: TrainingConfig, dataset) -> dict:
 
     Under CP the DP rank's samples are cut along the sequence (get_batch_on_this_cp_rank) and the
     token count, the loss and the gradient are summed / averaged over the DP x CP group.
+    MoE aux losses: the schedule sets their gradient scale to cp/m (Megatron's default, not its
+    --calculate-per-token-loss plumbing: the token mean here goes through the schedule's 1/m and DDP's
+    average), so each micro-batch's aux loss weighs 1/(m·dp), as Megatron's does.
     """
     ps = state.ps
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()

@@ -82,7 +82,9 @@ def finalize_model_grads(model: list[nn.Module], state: ps.ParallelState | None 
       2. sequence parallel: the norms' and row biases' gradients summed over TP;
       3. tied embeddings: the first and last pipeline stage's word-embedding gradients summed;
       4. MoE expert bias (aux-loss-free balancing): every router's bias moved by its token counts summed
-         over TP x DP x CP, before the optimizer step (Megatron's _update_router_expert_bias).
+         over TP x DP x CP, before the optimizer step (Megatron's _update_router_expert_bias);
+      5. the global aux loss's window of token counts reset: one window per global batch (Megatron's
+         reset_model_temporary_tensors).
     The first three are sums (and one scale), so their order does not change the result; under the
     distributed optimizer only this rank's shard of each buffer is used afterwards.
     `state`: the current ParallelState unless given.
@@ -107,6 +109,9 @@ def finalize_model_grads(model: list[nn.Module], state: ps.ParallelState | None 
                     allreduce_word_embedding_grads(chunk, state.get_embedding_group())
     if any(getattr(chunk.config, "moe_router_enable_expert_bias", False) for chunk in chunks if hasattr(chunk, "config")):
         update_expert_bias(chunks, state.get_tensor_and_data_parallel_group(with_context_parallel=True))
+    for module in (m for chunk in chunks for m in chunk.modules()):
+        if isinstance(module, TopKRouter):
+            module.reset_global_aux_loss_tracker()
 
 
 def update_expert_bias(model: nn.Module | list[nn.Module], group=None) -> None:

@@ -38,6 +38,7 @@ from torch import nn
 
 from megalab.core import parallel_state as ps
 from megalab.core.pipeline_parallel import p2p_communication as p2p
+from megalab.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
 SCHEDULES = ("none", "gpipe", "1f1b", "interleaved")
 
@@ -208,9 +209,11 @@ class _Steps:
     """One rank's forward and backward steps over its chunks, the activations they keep alive, and the
     record of when each ran (Megatron: forward_step / backward_step and the schedules' tensor lists)."""
 
-    def __init__(self, chunks, inputs, targets, loss_func, pp_size, pp_rank, device, deallocate):
+    def __init__(self, chunks, inputs, targets, loss_func, pp_size, pp_rank, device, deallocate,
+                 moe_aux_loss_scale=None):
         self.chunks, self.inputs, self.targets, self.loss_func = chunks, inputs, targets, loss_func
         self.pp_size, self.pp_rank, self.device, self.deallocate = pp_size, pp_rank, device, deallocate
+        self.moe_aux_loss_scale = moe_aux_loss_scale
         self.num_stages = pp_size * len(chunks)
         self.input_tensors, self.output_tensors = {}, {}  # (microbatch, chunk) -> tensor, alive from F to B
         self.result = PipelineResult(losses=[])
@@ -226,6 +229,8 @@ class _Steps:
         loss_func(output, target) / m, so gradients are those of the mean loss, as Megatron's forward_step)."""
         start, key = synchronized_time(self.device), (op.microbatch, op.chunk)
         x = self.inputs[op.microbatch] if self.is_first(op.chunk) else input_tensor
+        if self.moe_aux_loss_scale is not None:  # the aux losses weigh as this micro-batch's loss does
+            MoEAuxLossAutoScaler.set_loss_scale(self.moe_aux_loss_scale)
         output = send = self.chunks[op.chunk](x)
         if self.is_last(op.chunk):
             loss = self.loss_func(output, self.targets[op.microbatch])
@@ -259,7 +264,7 @@ def forward_backward_pipelining(
     chunks: Sequence[nn.Module], inputs: Sequence[torch.Tensor], targets: Sequence[torch.Tensor],
     loss_func: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], tensor_shape: Sequence[int], *,
     kind: str = "1f1b", group: dist.ProcessGroup | None = None, dtype: torch.dtype | None = None,
-    deallocate: bool = True,
+    deallocate: bool = True, cp_size: int | None = None,
 ) -> PipelineResult:
     """One training step's forward and backward over len(inputs) micro-batches on this rank's `chunks`.
 
@@ -269,6 +274,11 @@ def forward_backward_pipelining(
     every schedule for pp 2-8, m up to 16). Received tensors get the chunks' dtype and device (or
     `dtype`). The first virtual stage reads `inputs[mb]`, the last computes the loss; gradients
     accumulate in the chunks' parameters. Op times are taken after a CUDA synchronize on GPUs.
+
+    MoE chunks (config.num_moe_experts set): every micro-batch's forward sets the aux-loss gradient
+    scale to cp_size / m (MoEAuxLossAutoScaler.set_loss_scale; Megatron's forward_step_calc_loss with
+    loss_scale 1), cp_size by default the current state's CP size; the scale before the call is
+    restored after it.
     """
     group = ps.resolve_group(group, "pp", alone=False)  # the current state's pipeline group unless given
     pp_size, pp_rank = dist.get_world_size(group), dist.get_rank(group)
@@ -276,12 +286,17 @@ def forward_backward_pipelining(
     param = next((p for c in chunks for p in c.parameters()), None)
     device = param.device if param is not None else torch.device("cpu")
     kw = dict(group=group, dtype=dtype or (param.dtype if param is not None else torch.float32), device=device)
-    steps = _Steps(chunks, inputs, targets, loss_func, pp_size, pp_rank, device, deallocate)
-    if kind == "interleaved":
-        forward_backward_pipelining_with_interleaving(steps, tensor_shape, kw)
-    else:  # GPipe is 1F1B with every forward in the warmup; "none" (pp=1) is 1F1B without warmup
-        num_warmup = len(inputs) if kind == "gpipe" else get_num_warmup_microbatches(pp_size, pp_rank, len(inputs))
-        forward_backward_pipelining_without_interleaving(steps, num_warmup, tensor_shape, kw)
+    moe = any(getattr(getattr(c, "config", None), "num_moe_experts", None) for c in chunks)
+    if moe and cp_size is None:
+        cp_size = ps.get_parallel_state().get_context_parallel_world_size() if ps.model_parallel_is_initialized() else 1
+    steps = _Steps(chunks, inputs, targets, loss_func, pp_size, pp_rank, device, deallocate,
+                   cp_size / len(inputs) if moe else None)
+    with MoEAuxLossAutoScaler.loss_scale(MoEAuxLossAutoScaler.main_loss_backward_scale):  # restored afterwards
+        if kind == "interleaved":
+            forward_backward_pipelining_with_interleaving(steps, tensor_shape, kw)
+        else:  # GPipe is 1F1B with every forward in the warmup; "none" (pp=1) is 1F1B without warmup
+            num_warmup = len(inputs) if kind == "gpipe" else get_num_warmup_microbatches(pp_size, pp_rank, len(inputs))
+            forward_backward_pipelining_without_interleaving(steps, num_warmup, tensor_shape, kw)
     return steps.result
 
 

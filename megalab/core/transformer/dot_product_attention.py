@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megalab.core.packed_seq_params import PackedSeqParams, document_slices
+from megalab.core.tensor_parallel.random import get_cuda_rng_tracker
 from megalab.core.transformer.transformer_config import TransformerConfig
 from megalab.kernels import attention as fused_attention
 
@@ -22,6 +23,7 @@ class CoreAttention(nn.Module):
     def __init__(self, config: TransformerConfig):
         super().__init__()
         self.attention_dropout = config.attention_dropout
+        self.sequence_parallel = config.sequence_parallel
         self.backend = config.attention_backend
 
     def extra_repr(self) -> str:
@@ -30,6 +32,14 @@ class CoreAttention(nn.Module):
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 packed_seq_params: PackedSeqParams | None = None) -> torch.Tensor:
         # query [s, b, np, hn], key/value [s, b, ng, hn] -> context [s, b, np * hn]
+        if self.training and self.attention_dropout > 0 and not self.sequence_parallel:
+            # the heads are split over TP: each rank its own mask, from the tracker's model-parallel stream
+            # (with sequence parallelism the whole block already runs on it: TransformerBlock.forward)
+            with get_cuda_rng_tracker().fork():
+                return self._forward(query, key, value, packed_seq_params)
+        return self._forward(query, key, value, packed_seq_params)
+
+    def _forward(self, query, key, value, packed_seq_params):
         s, b, np_, hn = query.shape
         if key.shape[2] != np_:  # GQA: each key/value head serves np/ng query heads
             key = key.repeat_interleave(np_ // key.shape[2], dim=2)

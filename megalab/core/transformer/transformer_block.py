@@ -17,12 +17,14 @@ Recomputation (config.recompute_granularity), in training only:
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import nn
 
 from megalab.core.packed_seq_params import PackedSeqParams
 from megalab.core.pipeline_parallel.schedules import virtual_stage
-from megalab.core.tensor_parallel.random import checkpoint
+from megalab.core.tensor_parallel.random import checkpoint, get_cuda_rng_tracker
 from megalab.core.transformer.spec_utils import LayerSpec
 from megalab.core.transformer.torch_norm import build_norm
 from megalab.core.transformer.transformer_config import TransformerConfig
@@ -53,11 +55,15 @@ class TransformerBlock(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, rotary_pos_emb: torch.Tensor | None = None,
                 packed_seq_params: PackedSeqParams | None = None) -> torch.Tensor:
-        if self.config.recompute_granularity == "full" and self.training:
-            hidden_states = self._checkpointed_forward(hidden_states, rotary_pos_emb, packed_seq_params)
-        else:
-            for layer in self.layers:
-                hidden_states = layer(hidden_states, rotary_pos_emb, packed_seq_params)
+        # with sequence parallelism each TP rank holds other tokens: its dropout draws from the
+        # tracker's model-parallel stream (Megatron's TransformerBlock.forward); without, the
+        # replicated activations draw the same masks from the default stream
+        with get_cuda_rng_tracker().fork() if self.config.sequence_parallel else contextlib.nullcontext():
+            if self.config.recompute_granularity == "full" and self.training:
+                hidden_states = self._checkpointed_forward(hidden_states, rotary_pos_emb, packed_seq_params)
+            else:
+                for layer in self.layers:
+                    hidden_states = layer(hidden_states, rotary_pos_emb, packed_seq_params)
         return hidden_states if self.final_layernorm is None else self.final_layernorm(hidden_states)
 
     def _checkpointed_forward(self, hidden_states, rotary_pos_emb, packed_seq_params):

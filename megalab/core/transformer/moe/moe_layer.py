@@ -61,9 +61,9 @@ class MoELayer(nn.Module):
         if config.num_moe_experts is None:
             raise ValueError("MoELayer needs config.num_moe_experts (None builds the dense MLP instead)")
         state = ps.get_parallel_state() if ps.model_parallel_is_initialized() else None
-        tp_group = None
-        if state is not None and config.sequence_parallel and state.get_tensor_model_parallel_world_size() > 1:
-            tp_group = state.get_tensor_model_parallel_group()
+        tp_cp_group = None  # each TP x CP rank routes its own tokens (SP slice, CP chunks): the counts are summed there
+        if state is not None and state.get_tensor_model_parallel_world_size() * state.get_context_parallel_world_size() > 1:
+            tp_cp_group = state.get_tensor_and_context_parallel_group()
         if ep_group is None and state is not None:
             ep_group = state.get_expert_model_parallel_group()
             if state.sizes.expert_tensor_parallel_size > 1:
@@ -82,7 +82,7 @@ class MoELayer(nn.Module):
         self.num_local_experts = E // ep_size
         self.local_expert_indices = list(range(ep_rank * self.num_local_experts, (ep_rank + 1) * self.num_local_experts))
         tp_dp_cp_group = state.get_tensor_and_data_parallel_group(with_context_parallel=True) if state else None
-        self.router = TopKRouter(config, layer_number, tp_group, tp_dp_cp_group)
+        self.router = TopKRouter(config, layer_number, tp_cp_group, tp_dp_cp_group)
         self.experts = (GroupedMLP if config.moe_grouped_gemm else SequentialMLP)(config, self.local_expert_indices)
         for p in self.experts.parameters():
             p.allreduce = False  # Megatron's mark: reduced over the expert-data-parallel group, not DP

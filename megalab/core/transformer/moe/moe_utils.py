@@ -19,9 +19,11 @@ class MoEAuxLossAutoScaler(torch.autograd.Function):
     loss needs no plumbing to the training loop: loss.backward() reaches it through the activations.
 
     The aux loss's gradient is the factor the main loss is scaled by (1 by default). Megatron's schedule
-    (forward_step_calc_loss) calls set_loss_scale(loss_scale * cp_size / num_microbatches) before each
-    backward (loss_scale: the fp16 grad scaler's, else 1; just loss_scale with --calculate-per-token-loss).
-    Here the factor is read when the forward runs: set it for a step with
+    (forward_step_calc_loss) calls set_loss_scale(loss_scale * cp_size / num_microbatches) on every
+    micro-batch (loss_scale: the fp16 grad scaler's, else 1; just loss_scale with
+    --calculate-per-token-loss), and so does megalab's forward_backward_pipelining for MoE models: with
+    DDP's average over DP x CP, each micro-batch's aux loss then weighs 1 / (num_microbatches x dp), as
+    its main loss does. Here the factor is read when the forward runs: set it for a step with
     `with MoEAuxLossAutoScaler.loss_scale(cp_size / num_microbatches): ...` (the setting ends with the
     block), or set_loss_scale(scale) as Megatron does (it stays until changed).
     """

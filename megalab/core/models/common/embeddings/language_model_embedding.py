@@ -24,6 +24,7 @@ from torch import nn
 
 from megalab.core.tensor_parallel.layers import VocabParallelEmbedding
 from megalab.core.tensor_parallel.mappings import scatter_to_sequence_parallel_region
+from megalab.core.tensor_parallel.random import get_cuda_rng_tracker
 from megalab.core.transformer.transformer_config import TransformerConfig
 from megalab.core.utils import init_method_normal
 
@@ -62,9 +63,10 @@ class LanguageModelEmbedding(nn.Module):
                 position_ids = torch.arange(s, device=input_ids.device).expand(b, s)
             embeddings = embeddings + self.position_embeddings(position_ids)
         embeddings = embeddings.transpose(0, 1).contiguous()  # [s, b, h]
-        embeddings = F.dropout(embeddings, self.dropout, self.training)
-        if self.scatter_to_sequence_parallel:
+        if self.scatter_to_sequence_parallel:  # each TP rank its own tokens, its own mask (Megatron's order)
             embeddings = scatter_to_sequence_parallel_region(embeddings, self.tp_group)  # [s/t, b, h]
-        return embeddings
+            with get_cuda_rng_tracker().fork():
+                return F.dropout(embeddings, self.dropout, self.training)
+        return F.dropout(embeddings, self.dropout, self.training)
 
 
