@@ -283,6 +283,69 @@ def check_solutions(root: Path, solutions: list, first_test_only: bool = False) 
     return results
 
 
+def check_solutions_together(root: Path, solutions: list, first_test_only: bool = True) -> list[Result]:
+    """Every solution written into ONE copy of the tree (a learner's finished workspace), then each exercise's tests
+    (its first, focused test with first_test_only) in one pytest run: one launch per test module for all of
+    them. A Result per solution: "passed", or "FAILED" with the first failing test's line."""
+    import xml.etree.ElementTree as ET
+
+    from megalab.lab.exercises import load
+    from megalab.lab.grading import failure_line
+
+    registry = load(root)
+    start = time.perf_counter()
+    tmp = Path(tempfile.mkdtemp(prefix="megalab-blind-"))
+    try:
+        for folder in ("megalab", "tests"):
+            shutil.copytree(root / folder, tmp / folder, ignore=shutil.ignore_patterns("__pycache__"))
+        for entry in root.iterdir():
+            if not (tmp / entry.name).exists() and entry.name not in (".git", ".venv"):
+                os.symlink(entry, tmp / entry.name)
+        by_file: dict[str, list] = {}
+        for s in solutions:
+            ex = registry.exercises[s["exercise"]]
+            by_file.setdefault(ex.path, []).append((ex, s["code"]))
+        for rel, items in by_file.items():  # bottom-up: the regions above keep their line numbers
+            text = (tmp / rel).read_text(encoding="utf-8")
+            for ex, code in sorted(items, key=lambda item: -item[0].solution[0]):
+                text = mutated_source(text, ex, code)
+            (tmp / rel).write_text(text, encoding="utf-8")
+        nodes = {s["exercise"]: registry.exercises[s["exercise"]].tests[: 1 if first_test_only else None]
+                 for s in solutions}
+        report = tmp / "report.xml"
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(tmp), os.environ.get("PYTHONPATH")]))}
+        env.pop(ENV, None)
+        proc = subprocess.run([sys.executable, "-m", "pytest", *dict.fromkeys(n for ns in nodes.values() for n in ns),
+                               "-q", "-p", "no:cacheprovider", "-p", "no:nbval", "-p", "no:xdist", "-o", "addopts=",
+                               f"--timeout={TEST_TIMEOUT}", f"--junitxml={report}"], cwd=tmp, env=env,
+                              capture_output=True, text=True)
+        if not report.exists():
+            raise CannotSwap(f"pytest did not run the solutions' tests:\n{(proc.stdout + proc.stderr)[-3000:]}")
+        failed: dict[str, str] = {}
+        ran: dict[str, int] = {}
+        for case in ET.parse(report).getroot().iter("testcase") if report.exists() else []:
+            parts = case.get("classname", "").split(".")  # tests.test_x[.TestClass]
+            cut = next((i for i in range(len(parts), 0, -1) if (tmp / Path(*parts[:i])).with_suffix(".py").is_file()),
+                       len(parts))
+            node = "::".join(["/".join(parts[:cut]) + ".py", *parts[cut:], case.get("name", "").split("[")[0]])
+            problem = case.find("failure") if case.find("failure") is not None else case.find("error")
+            ran[node] = ran.get(node, 0) + 1
+            if problem is not None and node not in failed:
+                failed[node] = failure_line(problem.text or problem.get("message", "")) or "failed"
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    seconds = round(time.perf_counter() - start, 2)
+    results = []
+    for s in solutions:
+        mine = nodes[s["exercise"]]
+        bad = next((failed[n] for n in mine if n in failed), None)
+        count = sum(ran.get(n, 0) for n in mine)
+        status = "passed" if bad is None and count else "FAILED"
+        results.append(Result(s["exercise"], s.get("name", "blind solution"), "", status, seconds,
+                              bad or (f"{count} test(s) passed" if count else "no test ran")))
+    return results
+
+
 def _row(r: Result) -> str:
     return f"{r.exercise:34.34} {r.name[:44]:44} {r.status:18} {r.seconds:6.1f}s  {r.verdict[:150]}"
 
@@ -295,6 +358,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--solutions", action="append", help="a file of SOLUTIONS written from the course's text alone "
                    "(tests/blind/): each must pass")
     p.add_argument("--first-test-only", action="store_true", help="each exercise's first test only")
+    p.add_argument("--together", action="store_true", help="every solution in one copy of the tree, one pytest run "
+                   "(a finished workspace; one launch per test module)")
     args = p.parse_args(argv)
     from megalab.lab.exercises import find_root
 
@@ -330,7 +395,10 @@ def _main_solutions(root: Path, args) -> int:
     if args.exercise:
         solutions = [s for s in solutions if s["exercise"] in args.exercise]
     print(f"{'exercise':34} {'solution':44} {'verdict':18} {'time':>7}  the grader's line")
-    results = check_solutions(root, solutions, args.first_test_only)
+    if args.together:
+        results = check_solutions_together(root, solutions, args.first_test_only)
+    else:
+        results = check_solutions(root, solutions, args.first_test_only)
     for r in results:
         print(_row(r), flush=True)
     passed = sum(r.status == "passed" for r in results)

@@ -28,14 +28,15 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, vocab_parallel_logits, target, label_smoothing, group):
         # vocab_parallel_logits [..., V/t] float, target [...] -> loss [...]
-        # EXERCISE tp.vocab_cross_entropy: the three all-reduces above, loss = log S - z_y; save softmax for backward
+        # EXERCISE tp.vocab_cross_entropy: the three all-reduces above, loss = log S - z_y; save softmax, outside, local_target, ctx.label_smoothing and ctx.vocab_size (V) for backward
         ### BEGIN SOLUTION
         # HINT 1: log-sum-exp and the target logit need the whole vocabulary, but each rank has V/t logits; three
         #         small all-reduces (a max, then sums) give every rank what it needs without gathering [.., V] logits.
         # HINT 2: All-reduce MAX of the row max and subtract it; the target logit is known only to the rank whose
         #         vocab_range holds it: shift the target into the local range, zero it on the other ranks, all-reduce
         #         SUM; all-reduce SUM of exp (and of the logits, for label smoothing); loss = log S - z_y.
-        # HINT 3: Save softmax = exp / S, the masks and the local target for backward (ctx.save_for_backward).
+        # HINT 3: Save softmax = exp / S, the masks and the local target for backward (ctx.save_for_backward), and set
+        #         ctx.label_smoothing and ctx.vocab_size (the whole V): the backward reads them.
         logits = vocab_parallel_logits.float()
         logits_max = logits.max(dim=-1).values
         dist.all_reduce(logits_max, op=dist.ReduceOp.MAX, group=group)
@@ -65,7 +66,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_output):
         softmax, outside, local_target = ctx.saved_tensors
-        a = ctx.label_smoothing
+        a, V = ctx.label_smoothing, ctx.vocab_size  # V: the whole vocabulary, t * V/t
         # EXERCISE tp.vocab_cross_entropy_backward: softmax - (1-a) onehot(y) - a/V on this rank's slice, times grad_output; no communication
         ### BEGIN SOLUTION
         # HINT 1: d loss / d logits = softmax - onehot(target) (with smoothing: minus a/V everywhere and (1 - a) on
@@ -76,7 +77,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         grad_input = softmax.clone()
         onehot = torch.zeros_like(grad_input).scatter_(-1, local_target.unsqueeze(-1), 1.0)
         onehot.masked_fill_(outside.unsqueeze(-1), 0.0)  # the label lives on another rank
-        grad_input -= (1.0 - a) * onehot + a / ctx.vocab_size
+        grad_input -= (1.0 - a) * onehot + a / V
         grad_input *= grad_output.unsqueeze(-1)
         ### END SOLUTION
         return grad_input, None, None, None
