@@ -195,17 +195,23 @@ def run_live(root: Path, registry, mistakes: list, echo: bool = True) -> list[Re
     return results
 
 
+def _tree_copy(root: Path, prefix: str) -> Path:
+    """A private copy of the tree's megalab/ and tests/ (to patch on disk), the rest linked; the caller removes it."""
+    tmp = Path(tempfile.mkdtemp(prefix=prefix))
+    for folder in ("megalab", "tests"):
+        shutil.copytree(root / folder, tmp / folder, ignore=shutil.ignore_patterns("__pycache__"))
+    for entry in root.iterdir():
+        if not (tmp / entry.name).exists() and entry.name not in (".git", ".venv"):
+            os.symlink(entry, tmp / entry.name)
+    return tmp
+
+
 def run_fresh(root: Path, registry, m) -> Result:
     """One mistake in a fresh process, on a copy of the tree with the region patched on disk."""
     ex = registry.exercises[m.exercise]
     start = time.perf_counter()
-    tmp = Path(tempfile.mkdtemp(prefix="megalab-mutant-"))
+    tmp = _tree_copy(root, "megalab-mutant-")
     try:
-        for folder in ("megalab", "tests"):
-            shutil.copytree(root / folder, tmp / folder, ignore=shutil.ignore_patterns("__pycache__"))
-        for entry in root.iterdir():
-            if not (tmp / entry.name).exists() and entry.name not in (".git", ".venv"):
-                os.symlink(entry, tmp / entry.name)
         (tmp / ex.path).write_text(mutated_source((root / ex.path).read_text(encoding="utf-8"), ex, m.code))
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(tmp), os.environ.get("PYTHONPATH")]))}
         env.pop(ENV, None)
@@ -294,13 +300,8 @@ def check_solutions_together(root: Path, solutions: list, first_test_only: bool 
 
     registry = load(root)
     start = time.perf_counter()
-    tmp = Path(tempfile.mkdtemp(prefix="megalab-blind-"))
+    tmp = _tree_copy(root, "megalab-blind-")
     try:
-        for folder in ("megalab", "tests"):
-            shutil.copytree(root / folder, tmp / folder, ignore=shutil.ignore_patterns("__pycache__"))
-        for entry in root.iterdir():
-            if not (tmp / entry.name).exists() and entry.name not in (".git", ".venv"):
-                os.symlink(entry, tmp / entry.name)
         by_file: dict[str, list] = {}
         for s in solutions:
             ex = registry.exercises[s["exercise"]]
