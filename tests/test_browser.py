@@ -240,7 +240,11 @@ def test_make_lab_in_a_workspace_opens_it_on_the_first_notebook(tmp_path, lang):
             if lang == "zh":
                 heading = page.locator(".jp-NotebookPanel:not(.lm-mod-hidden) .jp-RenderedMarkdown").first
                 heading.wait_for(timeout=30_000)
-                glyphs = heading.evaluate(GLYPHS)
+                for _ in range(60):  # the cell is attached before JupyterLab has rendered its text: wait for the text
+                    glyphs = heading.evaluate(GLYPHS)
+                    if len(glyphs["chars"]) >= 8:
+                        break
+                    page.wait_for_timeout(500)
                 assert len(glyphs["chars"]) >= 8, f"the first notebook's text is not Chinese: {heading.inner_text()!r}"
                 assert glyphs["shapes"] == len(glyphs["chars"]), (
                     f"{glyphs['chars']} drawn as {glyphs['shapes']} distinct shape(s) in {glyphs['font']}: no CJK "
