@@ -365,7 +365,10 @@ def test_every_pointer_resolves(kind):
     ("torchrun `--nproc-per-node 2` starts two ranks.", None),
 ])
 def test_the_checker_catches_stale_pointers(text, expected):
-    problems = check_unit("example", text)
+    _one_problem_or_none(check_unit("example", text), expected)
+
+
+def _one_problem_or_none(problems, expected):
     if expected is None:
         assert not problems, problems
     else:
@@ -389,11 +392,7 @@ def test_the_checker_catches_stale_pointers(text, expected):
     ("As megatron.core.no_such_module.z_loss_func does (Megatron).", "has no 'no_such_module'"),
 ])
 def test_the_checker_reads_docstring_conventions(docstring, expected):
-    problems = check_unit("example docstring", docstring)
-    if expected is None:
-        assert not problems, problems
-    else:
-        assert len(problems) == 1 and expected in problems[0], problems
+    _one_problem_or_none(check_unit("example docstring", docstring), expected)
 
 
 # One planted stale pointer per kind of source, through the same extraction the course's files go through.

@@ -274,3 +274,13 @@ def test_a_failed_notebook_names_the_blank_exercise_it_needs(ws):
     assert blank_dependencies(ws.root, NOTEBOOK, exercises) == []
     [row] = notebook_rows([NOTEBOOK], {cell.nodeid: cell}, {NOTEBOOK: []})
     assert row.status == "failed" and row.detail == "Cell 1: KeyError: 'choices'", row.detail
+
+
+def test_an_endless_loop_is_a_verdict_with_its_line(ws, monkeypatch):
+    """While grading, a test may burn MEGALAB_CPU_LIMIT seconds of CPU (30 by default; 2 here): past that, the
+    verdict names the endless loop and the learner's line, whatever the machine's load."""
+    monkeypatch.setenv("MEGALAB_CPU_LIMIT", "2")
+    _write(ws, "chain.double", "while x == x:\n        x = x + 0\n    return 2 * x")
+    status, detail = _verdict("chain.double")
+    assert status == "failed" and "EndlessLoop" in detail and "an endless loop?" in detail, detail
+    assert "megalab/chain.py:" in detail, detail  # the line it was stuck on

@@ -586,9 +586,16 @@ def pytest_pyfunc_call(pyfuncitem):
         return
     from megalab.lab.cpu_guard import CPU_LIMIT, ENV, cpu_limit
 
-    os.environ.setdefault(ENV, str(CPU_LIMIT))  # inherited by the ranks the test launches (megalab/lab/worker.py)
-    with cpu_limit(float(os.environ[ENV])):
-        yield
+    saved = os.environ.get(ENV)
+    os.environ[ENV] = saved or str(CPU_LIMIT)  # inherited by the ranks the test launches (megalab/lab/worker.py)
+    try:
+        with cpu_limit(float(os.environ[ENV])):
+            yield
+    finally:  # only for this test: a notebook's kernel started later (and its ranks) must not inherit the limit
+        if saved is None:
+            os.environ.pop(ENV, None)
+        else:
+            os.environ[ENV] = saved
 
 
 def pytest_runtest_logreport(report):
