@@ -142,9 +142,11 @@ def _remove_abandoned_runs(base: Path) -> None:
     import shutil
     import time
 
+    from megalab.lab.procs import pid_exists
+
     for folder in base.glob("run-*-*"):
         pid = folder.name.split("-")[1]
-        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
+        if pid.isdigit() and not pid_exists(int(pid)):
             shutil.rmtree(folder, ignore_errors=True)
     for folder in base.glob("launch-*"):  # a launch's ranks cannot tell when the last of them is done: a day later
         if time.time() - folder.stat().st_mtime > 86400:

@@ -15,8 +15,8 @@ This is what the `%%torchrun` cell magic calls (megalab/lab/magic.py), and what 
 benchmarks call directly. Every process it starts is gone when `run` returns or raises.
 
 Timeouts: a slow machine is not a deadlock. `timeout` is when the launcher starts asking whether
-the run is stuck; the answer comes from the CPU time (utime + stime in /proc/PID/stat) that the
-ranks and their children use:
+the run is stuck; the answer comes from the CPU time (user + system, read through
+megalab/lab/procs.py: /proc on Linux, psutil elsewhere) that the ranks and their children use:
 
     all waiting    no rank (nor child of one) used IDLE_CPU_SHARE of a core over the last
                    `idle_window(timeout)` seconds (3 to 10 s), as ranks blocked in a recv or a
@@ -61,13 +61,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from megalab.lab import procs
 from megalab.lab.worker import short_path
 
 DEFAULT_TIMEOUT = 300.0
 HARD_TIMEOUT_FACTOR = 3.0  # ranks still computing are stopped at 3 x timeout unless told otherwise
 IDLE_CPU_SHARE = 0.05  # a process using less than 5% of a core is waiting (a blocked gloo rank: ~0.5%)
 SAMPLE_INTERVAL = 0.5  # seconds between CPU samples (and progress lines)
-_CLOCK_TICKS = os.sysconf("SC_CLK_TCK")  # the unit of CPU times in /proc/PID/stat
 FAILURE_GRACE = 3.0  # seconds torchrun gets to stop the other ranks after one fails
 # c10/glog-style native log lines ("[W1121 08:00:00.123 1234 file.cpp:12] ...", optionally
 # prefixed "[rank0]:"): timestamped noise, kept in the run dir but not printed on success.
@@ -192,10 +192,7 @@ def free_port() -> int:
 
 def available_cpus() -> int:
     """The cores this process may run on (its affinity: a Slurm task or a container gets fewer than cpu_count)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
+    return procs.available_cpus()
 
 
 def slurm_cpus_per_node() -> int:
@@ -244,7 +241,9 @@ def torchrun_command(
         return ["srun", f"--nodes={nnodes}", f"--ntasks={nnodes}", "--ntasks-per-node=1",
                 f"--cpus-per-task={slurm_cpus_per_node()}", "--overlap", "--kill-on-bad-exit=1", *agent, *cmd]
     elif nnodes == 1 and rdzv_endpoint is None:
-        cmd += ["--standalone"]  # torchrun binds a free port itself: parallel launches never collide
+        # torchrun binds a free port itself (parallel launches never collide), on loopback: the rendezvous then
+        # never depends on what the hostname resolves to (on many Macs a Wi-Fi address, or nothing)
+        cmd += ["--standalone", f"--local-addr={os.environ.get('MASTER_ADDR', '127.0.0.1')}"]
     else:
         if rdzv_endpoint is None:
             raise LaunchError("--nnodes > 1 needs --rdzv-endpoint HOST:PORT (the node that hosts the rendezvous)")
@@ -310,35 +309,19 @@ def _rank_pids(run_dir: Path) -> dict[int, int]:
 
 def _is_our_worker(pid: int, run_dir: Path) -> bool:
     """Guard against PID reuse: the process must still be a worker of this run."""
-    try:
-        return str(run_dir) in Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
-    except OSError:
-        return False
+    return str(run_dir).encode() in procs.cmdline(pid)
 
 
 def _alive_workers(run_dir: Path) -> dict[int, int]:
     return {r: p for r, p in _rank_pids(run_dir).items() if _is_our_worker(p, run_dir)}
 
 
-_Processes = dict[int, tuple[int, float, bytes]]  # pid -> (parent pid, CPU seconds, command line)
+_Processes = procs.Processes  # pid -> (parent pid, CPU seconds, command line)
 
 
 def _processes() -> _Processes:
-    """Every process on this machine: pid -> (parent pid, CPU seconds, command line).
-
-    CPU seconds are utime + stime of the process and of the children it has reaped (fields
-    14-17 of /proc/PID/stat, after the command name, which may hold spaces and parentheses).
-    """
-    table = {}
-    for entry in os.scandir("/proc"):
-        if entry.name.isdigit():
-            try:
-                stat = Path(entry.path, "stat").read_bytes().rpartition(b")")[2].split()
-                cmdline = Path(entry.path, "cmdline").read_bytes()
-            except OSError:
-                continue
-            table[int(entry.name)] = (int(stat[1]), sum(int(v) for v in stat[11:15]) / _CLOCK_TICKS, cmdline)
-    return table
+    """Every process on this machine (megalab/lab/procs.py: /proc on Linux, psutil elsewhere)."""
+    return procs.processes()
 
 
 def _run_processes(run_dir: Path) -> list[int]:
@@ -451,13 +434,6 @@ def _await_nodes(run_dir: Path, nnodes: int, world: int, succeeded: bool) -> boo
             return not succeeded  # a failure is reported from what is there
         time.sleep(0.2)
     return True
-
-
-def _die_with_parent() -> None:  # runs in the child between fork and exec
-    if sys.platform.startswith("linux"):
-        import ctypes
-
-        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
 # --------------------------------------------------------------------------- progress
@@ -796,14 +772,16 @@ def run(
     cpus = slurm_cpus_per_node() if slurm else available_cpus()
     child_env.setdefault("OMP_NUM_THREADS", str(max(1, cpus // nproc_per_node)))
     child_env.update(env or {})
+    if nnodes == 1 and not slurm:  # one machine: gloo on loopback, whatever the hostname resolves to (or not)
+        child_env.update(procs.loopback_env(child_env))
 
-    cmd = torchrun_command(script, nproc_per_node, nnodes, node_rank, rdzv_endpoint, slurm)
+    cmd, tie = procs.tied_to_parent(torchrun_command(script, nproc_per_node, nnodes, node_rank, rdzv_endpoint, slurm))
     log_path = run_dir / "torchrun.log"
     start = time.monotonic()
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(
             cmd, cwd=cwd, env=child_env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-            start_new_session=True, preexec_fn=_die_with_parent,
+            start_new_session=True, preexec_fn=tie,
         )
     cap = max(timeout, HARD_TIMEOUT_FACTOR * timeout if hard_timeout is None else hard_timeout)
     meter = _CpuMeter(proc.pid, run_dir, idle_window(timeout))

@@ -2,7 +2,8 @@
 
 torchrun starts `python -m megalab.lab.worker CELL.py` once per rank. The worker
 
-    1. ties its life to torchrun's (PR_SET_PDEATHSIG), so no rank outlives its launcher;
+    1. ties its life to torchrun's (megalab/lab/procs.py: PR_SET_PDEATHSIG on Linux, a thread watching the
+       parent elsewhere), so no rank outlives its launcher;
     2. sends its stdout/stderr (file descriptors 1 and 2, so C++ output too) to files of its own:
        RUN_DIR/rank{k}.out and rank{k}.err, which the launcher prints grouped by rank;
     3. arms faulthandler: SIGUSR1 dumps every thread's Python stack to rank{k}.stack (how a
@@ -20,7 +21,6 @@ asks through the shared run dir (RUN_DIR/stop) or Slurm signals the step, so no 
 on a node the launcher cannot reach.
 """
 
-import ctypes
 import faulthandler
 import json
 import linecache
@@ -37,14 +37,10 @@ CELL_FILENAME = "<torchrun cell>"
 
 
 def _die_with_parent() -> None:
-    """Ask Linux to SIGKILL this process when torchrun dies, however torchrun dies."""
-    if not sys.platform.startswith("linux"):
-        return
-    parent = os.getppid()
-    PR_SET_PDEATHSIG = 1
-    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    if os.getppid() != parent:  # the parent died before prctl took effect
-        os._exit(1)
+    """This rank dies when torchrun dies, however torchrun dies (megalab/lab/procs.py)."""
+    from megalab.lab import procs
+
+    procs.die_with_parent()
 
 
 def _redirect(fd: int, path: Path) -> None:
@@ -152,38 +148,11 @@ def main(cell_path: str) -> None:
 AGENT_POLL = 0.2  # seconds between looks at RUN_DIR/stop
 
 
-def _descendants(pid: int) -> list[int]:
-    """Every live descendant of `pid` on this node (from /proc parent links)."""
-    children: dict[int, list[int]] = {}
-    for entry in os.scandir("/proc"):
-        if entry.name.isdigit():
-            try:
-                ppid = int(Path(entry.path, "stat").read_bytes().rpartition(b")")[2].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(entry.name))
-    found, todo = [], list(children.get(pid, []))
-    while todo:
-        child = todo.pop()
-        found.append(child)
-        todo += children.get(child, [])
-    return found
-
-
 def _kill_tree(pid: int) -> None:
     """SIGKILL `pid` and all its descendants (ranks have sessions of their own: walk the parent links)."""
-    for _ in range(50):
-        victims = [*_descendants(pid), pid]
-        alive = False
-        for victim in victims:
-            try:
-                os.kill(victim, signal.SIGKILL)
-                alive = True
-            except ProcessLookupError:
-                pass
-        if not alive:
-            return
-        time.sleep(0.05)
+    from megalab.lab import procs
+
+    procs.kill_tree(pid)
 
 
 def node_agent(run_dir: Path, cmd: list[str]) -> int:
@@ -194,7 +163,10 @@ def node_agent(run_dir: Path, cmd: list[str]) -> int:
     stop_requested = []
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, lambda signum, frame: stop_requested.append(signum))
-    proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent)
+    from megalab.lab import procs
+
+    cmd, tie = procs.tied_to_parent(cmd)
+    proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, preexec_fn=tie)
     step = f"{os.environ.get('SLURM_JOB_ID', '')}.{os.environ.get('SLURM_STEP_ID', '')}"
     (run_dir / f"node{node}.agent").write_text(json.dumps({"host": socket.gethostname(), "pid": os.getpid(),
                                                            "step": step}))
