@@ -26,3 +26,21 @@ def pytest_collection_modifyitems(config, items):
 
 # the megatron-core oracle's fixtures (tests/megatron_oracle.py): parity tests fail, never skip, without it
 from tests.megatron_oracle import mcore, mcore_installed  # noqa: E402, F401
+
+
+def _linux_path_taken(*args, **kwargs):
+    raise AssertionError("the /proc fast path ran with the Linux-only facilities switched off")
+
+
+@pytest.fixture(params=["linux", "portable"])
+def facilities(request, monkeypatch):
+    """Run a launcher test twice: with Linux's /proc, prctl and sched_getaffinity, and without them, the path
+    macOS takes (megalab/lab/procs.py): MEGALAB_PORTABLE=1 for the launcher and, through the environment, its
+    ranks; in this process sched_getaffinity is gone and the /proc scan fails if anything still takes it."""
+    if request.param == "portable":
+        from megalab.lab import procs
+
+        monkeypatch.setenv(procs.PORTABLE_ENV, "1")
+        monkeypatch.delattr(os, "sched_getaffinity", raising=False)
+        monkeypatch.setattr(procs, "_processes_proc", _linux_path_taken)
+    return request.param

@@ -65,7 +65,7 @@ def test_ranks_filter_and_progress_lines():
     assert single.text() == "hello from rank 1 of 2\nsum 3\n"  # one rank shown: no prefix
 
 
-def test_crash_names_rank_and_exception_quickly():
+def test_crash_names_rank_and_exception_quickly(facilities):
     code = textwrap.dedent("""
         import torch.distributed as dist
         from megalab.lab import dist as mdist
@@ -118,7 +118,7 @@ def test_exit_codes():
         launch.run("import sys\nsys.exit(3)\n", 1)
 
 
-def test_deadlock_timeout_shows_each_ranks_stuck_line():
+def test_deadlock_timeout_shows_each_ranks_stuck_line(facilities):
     code = textwrap.dedent("""
         import torch, torch.distributed as dist
         from megalab.lab import dist as mdist
@@ -159,7 +159,7 @@ def test_two_launches_at_once_do_not_collide():
     assert results == [results[0]] * 2 and "sum 3" in results[0]
 
 
-def test_interrupt_kills_every_rank(tmp_path):
+def test_interrupt_kills_every_rank(tmp_path, facilities):
     marker = tmp_path / "started"
     script = textwrap.dedent(f"""
         import signal
@@ -184,6 +184,40 @@ def test_interrupt_kills_every_rank(tmp_path):
         proc.kill()
     assert "interrupted" in out
     assert not _workers_alive()
+
+
+def test_a_killed_launcher_leaves_no_rank_behind(tmp_path, facilities):
+    """SIGKILL the launcher (a crashed kernel: no cleanup runs): torchrun and every rank die with it, through the
+    kernel's death signal on Linux, through threads watching their parent where there is none (macOS)."""
+    script = textwrap.dedent(f"""
+        from megalab.lab import launch
+        code = (
+            "import os, pathlib, threading, time\\n"
+            "watching = any(t.name == 'megalab-parent-watch' for t in threading.enumerate())\\n"
+            "pathlib.Path({str(tmp_path)!r}, os.environ['RANK']).write_text(str(watching))\\n"
+            "time.sleep(600)\\n"
+        )
+        launch.run(code, 2, timeout=600)
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", script])
+    try:
+        deadline = time.monotonic() + 90
+        while not all((tmp_path / r).exists() for r in "01") and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert all((tmp_path / r).exists() for r in "01"), "ranks never started"
+        # the rank watches its parent itself exactly where the kernel cannot be asked to (portable)
+        assert {(tmp_path / r).read_text() for r in "01"} == {str(facilities == "portable")}
+        assert _workers_alive()
+        proc.kill()
+        proc.wait()
+        deadline = time.monotonic() + 30
+        while _workers_alive() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not _workers_alive()
+    finally:
+        proc.kill()
+        for pid in _workers_alive():
+            os.kill(pid, signal.SIGKILL)
 
 
 def test_bad_requests_are_clear_errors(monkeypatch):

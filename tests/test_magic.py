@@ -15,7 +15,7 @@ def shell():
     InteractiveShell.clear_instance()
 
 
-def test_cell_output_and_published_values(shell, capsys):
+def test_cell_output_and_published_values(shell, capsys, facilities):
     cell = (
         "from megalab.lab import dist as mdist\n"
         "rank, world = mdist.init()\n"
