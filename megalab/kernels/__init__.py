@@ -19,6 +19,27 @@ import torch
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1" or not torch.cuda.is_available()
 
+@functools.cache
+def triton_status() -> tuple[bool, str]:
+    """Whether Triton can be imported here, and why not: Triton publishes wheels for Linux only (WSL2 is Linux),
+    so on macOS the Triton kernels cannot run at all; their algorithm (online_softmax_attention) is plain
+    PyTorch and runs everywhere."""
+    import sys
+
+    try:
+        found = sys.modules["triton"] is not None if "triton" in sys.modules else importlib.util.find_spec("triton") is not None
+    except (ImportError, ValueError):
+        found = False
+    if found:
+        return True, "triton installed"
+    if sys.platform == "darwin":
+        return False, ("Triton publishes no wheels for macOS, so the Triton kernels cannot run on a Mac (on a Linux "
+                       "machine, WSL2 included, they run interpreted on CPU or compiled on a GPU); the online-softmax "
+                       "algorithm, online_softmax_attention, is plain PyTorch and runs here")
+    return False, ("triton is not installed (pip install -e . installs it on Linux; it has wheels for Linux only); "
+                   "online_softmax_attention, the kernels' algorithm in plain PyTorch, runs without it")
+
+
 # Backends of CoreAttention (config.attention_backend) that dispatch here; "unfused" stays in the model.
 FUSED_BACKENDS = ("sdpa", "triton", "flash_attn", "auto")
 
@@ -99,6 +120,8 @@ def explain_attention_backend(requested: str, device: torch.device, dtype: torch
         if not ok:
             raise ValueError(f'attention_backend="flash_attn" cannot run: {why}. flash-attn needs a CUDA GPU and '
                              '`pip install flash-attn`; use "auto" to fall back to SDPA')
+    if requested == "triton" and not triton_status()[0]:
+        raise ValueError(f'attention_backend="triton" cannot run: {triton_status()[1]}. Use "auto" or "sdpa"')
     if requested == "triton" and packed:
         raise ValueError('the Triton kernels take no document boundaries: with packed sequences use '
                          'attention_backend "auto", "sdpa", "flash_attn" or "unfused"')

@@ -36,12 +36,29 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from megalab.kernels import INTERPRET
+from megalab.kernels import INTERPRET, triton_status
 
 if INTERPRET and "triton" not in sys.modules:  # the interpreter is chosen when triton is imported
     os.environ.setdefault("TRITON_INTERPRET", "1")
-import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
+NO_TRITON = None  # why triton cannot be imported here (None: it can)
+try:
+    import triton
+    import triton.language as tl
+except ImportError as e:  # no Triton wheels for macOS: the kernels stay plain functions, flash_attention says why
+    NO_TRITON = triton_status()[1] if not triton_status()[0] else f"triton does not import ({type(e).__name__}: {e})"
+
+    class _NoTriton:
+        """Stands in for triton and triton.language where they cannot be imported: `@triton.jit` leaves the
+        kernel a plain (never called) function, so the module and online_softmax_attention still load."""
+
+        @staticmethod
+        def jit(fn):
+            return fn
+
+        def __getattr__(self, name):
+            raise RuntimeError(NO_TRITON)
+
+    triton = tl = _NoTriton()
 
 
 @triton.jit
@@ -268,6 +285,8 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
     leaves q k^T unchanged. In the interpreter the kernels compute in fp32 (`tl.dot` on bf16 is
     wrong there); the output has the input's dtype.
     """
+    if NO_TRITON:
+        raise RuntimeError(f"flash_attention needs Triton: {NO_TRITON}")
     if not (q.shape == k.shape == v.shape and q.dim() == 4):
         raise ValueError(f"q, k, v must all be [b, h, s, d] with the same shape, got {tuple(q.shape)}, "
                          f"{tuple(k.shape)}, {tuple(v.shape)} (repeat k/v heads for GQA first)")
