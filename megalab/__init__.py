@@ -11,6 +11,30 @@ Importing the package is cheap: torch is imported only by the modules that need 
 
 __version__ = "0.1.0"
 
+MIN_PYTHON = (3, 12)
+
+
+def unsupported(platform=None, version=None):
+    """Why megalab cannot run here (None when it can): native Windows (no fork, no POSIX signals: use WSL2) or a
+    Python older than MIN_PYTHON. Plain syntax, so that an old Python gets this message, not a SyntaxError."""
+    import sys
+
+    platform = sys.platform if platform is None else platform
+    version = tuple(sys.version_info[:2]) if version is None else tuple(version[:2])
+    if platform in ("win32", "cygwin", "msys"):
+        return ("megalab does not run on Windows itself (its launcher needs POSIX processes and signals); it runs "
+                "in WSL2, the Linux inside Windows: in PowerShell run `wsl --install`, restart, open Ubuntu and "
+                "follow README's Windows (WSL2) steps there")
+    if version < MIN_PYTHON:
+        return ("megalab needs Python >= %d.%d, and this is Python %d.%d (%s): run `make setup`, which finds or "
+                "names a Python %d.%d (tools/find_python.sh), then use .venv/bin/python"
+                % (MIN_PYTHON + version + (sys.executable,) + MIN_PYTHON))
+    return None
+
+
+if unsupported() is not None:
+    raise ImportError(unsupported())
+
 
 def load_ipython_extension(ipython):
     import sys

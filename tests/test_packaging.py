@@ -99,6 +99,25 @@ def test_find_python_takes_only_the_python_given(tmp_path):
     assert "old: Python 3.11.7 (too old)" in out.stderr
 
 
+def test_make_setup_on_windows_itself_says_to_use_wsl2_before_anything(tmp_path):
+    bin_dir = _fake_bin(tmp_path, python3=FAKE_PYTHON.format(version="3.12.4"),
+                        uname='#!/bin/sh\necho MINGW64_NT-10.0-19045\n')  # Git Bash
+    out = _run(tmp_path, bin_dir, ROOT / "tools" / "make_venv.sh", tmp_path / ".venv")
+    assert out.returncode == 1 and not (tmp_path / ".venv").exists()
+    for line in ("this is Windows itself", "wsl --install", "not under /mnt/c", 'section "Windows (WSL2)"',
+                 "Nothing was installed"):
+        assert line in out.stderr, (line, out.stderr)
+
+
+def test_importing_megalab_on_windows_or_an_old_python_says_what_to_do():
+    import megalab
+
+    assert "runs in WSL2" in megalab.unsupported("win32", (3, 12)) and "wsl --install" in megalab.unsupported("win32")
+    assert "needs Python >= 3.12, and this is Python 3.11" in megalab.unsupported("linux", (3, 11))
+    assert "make setup" in megalab.unsupported("darwin", (3, 9))
+    assert megalab.unsupported("darwin", (3, 12)) is None and megalab.unsupported("linux", (3, 13)) is None
+
+
 def test_make_venv_without_a_new_python_stops_before_creating_anything(tmp_path):
     bin_dir = _fake_bin(tmp_path, python3=FAKE_PYTHON.format(version="3.11.7"), **{"python3.12": BROKEN_SHIM})
     out = _run(tmp_path, bin_dir, ROOT / "tools" / "make_venv.sh", tmp_path / ".venv")

@@ -3,6 +3,20 @@
 # Tried in order: $PYTHON if set (then only it), python3, python3.12, python3.13, python3.14, then pyenv's
 # $PYENV_ROOT/versions/3.1[2-9]*/bin/python3 (a pyenv shim for a version that is not active errors: skipped).
 # The chosen interpreter and its version go to stderr; stdout is the path alone.
+# Windows itself (Git Bash, MSYS2, Cygwin) cannot run the course: say what to do before looking for a Python.
+case "$(uname -s 2>/dev/null)" in
+    MINGW*|MSYS*|CYGWIN*|Windows*)
+        cat >&2 <<'EOF'
+make setup: this is Windows itself (Git Bash, MSYS2 or Cygwin), where the course cannot run: its launcher needs
+Linux or macOS processes and signals. Run it in WSL2, the Linux inside Windows:
+  1. in PowerShell (as administrator): wsl --install     then restart Windows
+  2. open "Ubuntu" from the Start menu, make your Linux user
+  3. in Ubuntu: sudo apt update && sudo apt install -y git make python3.12-venv   (or: python3-venv)
+  4. clone the course inside Ubuntu's home (~/), not under /mnt/c, and run make setup there
+README.md, section "Windows (WSL2)", has the details. Nothing was installed.
+EOF
+        exit 1 ;;
+esac
 MIN_MAJOR=3
 MIN_MINOR=12
 tried=""
