@@ -220,6 +220,23 @@ def test_a_killed_launcher_leaves_no_rank_behind(tmp_path, facilities):
             os.kill(pid, signal.SIGKILL)
 
 
+def _can_rename_host() -> bool:
+    return shutil.which("unshare") is not None and subprocess.run(
+        ["unshare", "-u", "hostname", "megalab-probe"], capture_output=True).returncode == 0
+
+
+@pytest.mark.skipif(not _can_rename_host(), reason="needs `unshare -u` (root) to give the machine a hostname that does not resolve")
+def test_a_hostname_that_does_not_resolve_does_not_stop_a_run_on_one_machine():
+    """Many Macs have a hostname their DNS does not know. A one-machine run must not depend on it: its ranks meet
+    on 127.0.0.1 (gloo and torchrun's rendezvous bound to loopback). Without that, torchrun waits forever."""
+    script = "from megalab.lab import launch\nprint(launch.run(HELLO, 2, timeout=60).text(), end='')\n"
+    host = f"megalab-nowhere-{os.getpid()}"
+    out = subprocess.run(["unshare", "-u", "sh", "-c", f'hostname {host} && exec "$0" -c "$1"', sys.executable,
+                          f"HELLO = {HELLO!r}\n" + script], capture_output=True, text=True, timeout=400)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout == "".join(f"[rank {r}] hello from rank {r} of 2\n[rank {r}] sum 3\n" for r in range(2))
+
+
 def test_bad_requests_are_clear_errors(monkeypatch):
     import torch
 

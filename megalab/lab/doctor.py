@@ -79,6 +79,53 @@ def _course_parts(f: dict) -> list[tuple[str, str]]:
     ]
 
 
+def platform_limits(system: str | None = None, machine: str | None = None, release: str | None = None,
+                    environ: dict | None = None, hostname: str | None = None,
+                    resolve_timeout: float = 3.0) -> list[tuple[str, str]]:
+    """Rows naming this platform (Linux, WSL2, macOS on Apple silicon or Intel) and what will not run on it, and
+    whether the hostname resolves (a Mac's often does not: single-machine runs do not need it)."""
+    import socket
+
+    from megalab.kernels import triton_status
+    from megalab.lab import procs
+
+    system = system or platform.system()
+    machine = machine or platform.machine()
+    release = release if release is not None else platform.release()
+    environ = os.environ if environ is None else environ
+    if system == "Darwin":
+        chip = "Apple silicon" if machine in ("arm64", "aarch64") else "Intel"
+        rows = [("platform", f"macOS on {chip} ({machine}): every %%torchrun chapter runs on gloo (CPU); processes "
+                             "are read through psutil, ranks watch their launcher themselves"),
+                ("  not here", "the Triton kernels of 06 · 03 (Triton has no macOS wheels; its online-softmax exercise "
+                               "runs in plain PyTorch), flash-attn, NCCL and every GPU check (no CUDA on a Mac; the "
+                               "course does not use Apple's MPS), FP8 tensor cores (FP8 is emulated on CPU)")]
+    elif system == "Linux" and ("microsoft" in release.lower() or "WSL_DISTRO_NAME" in environ):
+        rows = [("platform", f"Windows through WSL2 ({machine}, Linux {release}): the whole course runs, as on Linux; "
+                             "an NVIDIA GPU needs only its Windows driver (CUDA on WSL)"),
+                ("  keep in mind", "keep the course in the Linux home (~/), not under /mnt/c: files there are many "
+                                   "times slower; open JupyterLab's URL in a Windows browser")]
+    elif system == "Linux":
+        rows = [("platform", f"Linux ({machine}): the whole course runs (gloo on CPU; NCCL on CUDA GPUs)")]
+    elif system == "Windows":
+        rows = [("platform", "Windows itself: the course does not run here; use WSL2 (README, \"Windows (WSL2)\")")]
+    else:
+        rows = [("platform", f"{system} ({machine}): not tested; Linux, macOS and WSL2 are")]
+    ok, why = triton_status()
+    if not ok and system != "Darwin":
+        rows.append(("  triton", why))
+    name = hostname or socket.gethostname()
+    address = procs.resolve(name, resolve_timeout)
+    if address:
+        rows.append(("hostname", f"{name} resolves to {address}"))
+    else:
+        rows.append(("hostname", f"{name} does not resolve (within {resolve_timeout:g} s). Runs on this machine do not "
+                                 "need it: their ranks meet on 127.0.0.1. Runs across machines do: give it an address "
+                                 f"(a line `127.0.0.1 {name}` in /etc/hosts for this machine alone, its LAN address for "
+                                 "several)"))
+    return rows
+
+
 def which_megalab(cwd: Path | None = None) -> list[tuple[str, str]]:
     """Rows saying which megalab this Python imports and which tree the current folder belongs to."""
     import megalab
@@ -129,4 +176,7 @@ def report() -> str:
     parts = _course_parts(f)
     pw = max(len(k) for k, _ in parts)
     lines += [f"  {k:<{pw}}  {v}" for k, v in parts]
+    limits = platform_limits()  # this platform and what will not run on it
+    lw = max(len(k) for k, _ in limits)
+    lines += ["", "This platform:", *(f"  {k:<{lw}}  {v}" for k, v in limits)]
     return "\n".join(lines)

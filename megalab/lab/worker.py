@@ -2,7 +2,7 @@
 
 torchrun starts `python -m megalab.lab.worker CELL.py` once per rank. The worker
 
-    1. ties its life to torchrun's (megalab/lab/procs.py: PR_SET_PDEATHSIG on Linux, a thread watching the
+    1. ties its life to torchrun's (megalab/lab/procs.py: the kernel's parent-death signal on Linux, a thread watching the
        parent elsewhere), so no rank outlives its launcher;
     2. sends its stdout/stderr (file descriptors 1 and 2, so C++ output too) to files of its own:
        RUN_DIR/rank{k}.out and rank{k}.err, which the launcher prints grouped by rank;
