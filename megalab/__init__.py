@@ -26,9 +26,9 @@ def unsupported(platform=None, version=None):
                 "in WSL2, the Linux inside Windows: in PowerShell run `wsl --install`, restart, open Ubuntu and "
                 "follow README's Windows (WSL2) steps there")
     if version < MIN_PYTHON:
-        return ("megalab needs Python >= %d.%d, and this is Python %d.%d (%s): run `make setup`, which finds or "
-                "names a Python %d.%d (tools/find_python.sh), then use .venv/bin/python"
-                % (MIN_PYTHON + version + (sys.executable,) + MIN_PYTHON))
+        need = "{}.{}".format(*MIN_PYTHON)
+        return (f"megalab needs Python >= {need}, and this is Python {version[0]}.{version[1]} ({sys.executable}): "
+                f"run `make setup`, which finds or names a Python {need} (tools/find_python.sh), then use .venv/bin/python")
     return None
 
 
