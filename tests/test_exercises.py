@@ -119,7 +119,7 @@ def _toy_tree(root: Path) -> Path:
     (root / "megalab" / "__init__.py").write_text("")
     (root / "megalab" / "lab").mkdir()
     (root / "megalab" / "lab" / "__init__.py").write_text("")
-    for module in ("cpu_guard.py", "exercises.py", "grading.py", "launch.py", "notebooks.py", "progress.py", "translate.py",
+    for module in ("cpu_guard.py", "exercises.py", "grading.py", "launch.py", "notebooks.py", "procs.py", "progress.py", "translate.py",
                    "worker.py", "workspace.py"):  # `megalab grade` loads its plugin here
         shutil.copy(REPO / "megalab" / "lab" / module, root / "megalab" / "lab" / module)
     (root / "megalab" / "toy.py").write_text(SOURCE)
