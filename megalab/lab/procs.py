@@ -209,8 +209,8 @@ def tied_to_parent(cmd: list[str]) -> tuple[list[str], object]:
     `python -m megalab.lab.procs --die-with-parent -m MODULE ...`, whose watching thread does it."""
     if linux_fast_path():
         return cmd, die_with_parent
-    if cmd[1:2] != ["-m"]:
-        raise ValueError(f"tied_to_parent runs Python modules ([python, -m, MODULE, ...]), not {cmd[:3]}")
+    if cmd[1:2] != ["-m"]:  # not Python (srun: Slurm stops its own steps, and Slurm clusters run Linux)
+        return cmd, None
     return [cmd[0], "-m", "megalab.lab.procs", "--die-with-parent", *cmd[1:]], None
 
 
