@@ -203,12 +203,24 @@ def resolve(host: str, timeout: float = 3.0) -> str | None:
     return found[0] if found else None
 
 
+_LIBC = None  # the C library, loaded by the parent: between fork and exec the child must not import or lock
+
+
+def _death_signal() -> None:  # subprocess's preexec_fn (Linux): SIGKILL when the parent dies
+    _LIBC.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
 def tied_to_parent(cmd: list[str]) -> tuple[list[str], object]:
     """(command, preexec_fn) that start a Python `cmd` ([python, -m, MODULE, ...]) so that it dies with this
     process: on Linux the kernel's death signal, set between fork and exec; elsewhere the command runs under
     `python -m megalab.lab.procs --die-with-parent -m MODULE ...`, whose watching thread does it."""
     if linux_fast_path():
-        return cmd, die_with_parent
+        global _LIBC
+        if _LIBC is None:
+            import ctypes
+
+            _LIBC = ctypes.CDLL(None, use_errno=True)
+        return cmd, _death_signal
     if cmd[1:2] != ["-m"]:  # not Python (srun: Slurm stops its own steps, and Slurm clusters run Linux)
         return cmd, None
     return [cmd[0], "-m", "megalab.lab.procs", "--die-with-parent", *cmd[1:]], None
