@@ -152,3 +152,11 @@ def test_doctor_says_what_an_unresolvable_hostname_means(monkeypatch):
     rows = dict(platform_limits("Darwin", "arm64", "24.1.0", {}, hostname="my-macbook"))
     assert "my-macbook does not resolve" in rows["hostname"] and "127.0.0.1 my-macbook" in rows["hostname"]
     assert "ranks meet on 127.0.0.1" in rows["hostname"]
+
+
+def test_doctor_without_triton_says_the_kernels_do_not_run():
+    from megalab.lab.doctor import _course_parts
+
+    facts = {"gpus": [], "fp8_tensor_cores": False, "triton": "not installed", "flash_attn_ok": False, "flash_attn": None}
+    assert dict(_course_parts(facts))["FlashAttention in Triton"].startswith("does not run: no triton")
+    assert "TRITON_INTERPRET=1" in dict(_course_parts({**facts, "triton": "3.7.1"}))["FlashAttention in Triton"]

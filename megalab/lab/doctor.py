@@ -72,7 +72,8 @@ def _course_parts(f: dict) -> list[tuple[str, str]]:
         ("collectives, DP, TP, PP, CP, EP", "NCCL" if n else "gloo on CPU (full)"),
         ("FP8 matmul (torch._scaled_mm)", "megalab.transformer_engine.fp8 path: tensor cores" if f["fp8_tensor_cores"]
          else "megalab.transformer_engine.fp8 path: emulated (real fp8 rounding, not fp8 speed)"),
-        ("FlashAttention in Triton", "compiled for the GPU" if n and f["triton"] != "not installed" else f"{cpu}: TRITON_INTERPRET=1, small sizes"),
+        ("FlashAttention in Triton", "does not run: no triton (Linux wheels only); its exercise runs in plain PyTorch"
+         if f["triton"] == "not installed" else "compiled for the GPU" if n else f"{cpu}: TRITON_INTERPRET=1, small sizes"),
         ("flash-attn library", f"flash-attn {f['flash_attn']}" if f["flash_attn_ok"] else f"{cpu}: PyTorch SDPA"),
         ("sequence packing (cu_seqlens)", "flash_attn_varlen_func" if n and f["flash_attn_ok"]
          else "PyTorch SDPA with the document-causal mask"),
