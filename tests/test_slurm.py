@@ -277,6 +277,7 @@ def test_an_unresolvable_node_name_fails_fast(slurm_cluster, monkeypatch, tmp_pa
     """Launched from outside the allocation (a login node), the rendezvous is on the first node, whose name must
     resolve: a clear error at once, not a wait for the timeout."""
     monkeypatch.setenv("PATH", slurm_cluster.env["PATH"])
+    monkeypatch.setenv("SLURM_CONF", slurm_cluster.env["SLURM_CONF"])
     monkeypatch.setenv("SLURM_JOB_ID", "999")
     monkeypatch.setenv("SLURM_JOB_NODELIST", "megalab-no-such-node[1-2]")
     monkeypatch.delenv("SLURMD_NODENAME", raising=False)
@@ -296,7 +297,7 @@ def test_doctor_slurm_in_an_allocation(job, slurm_cluster, tmp_path):  # noqa: F
                          env=_driver_env(job.env), capture_output=True, text=True, timeout=180)
     assert out.returncode == 0, out.stdout + out.stderr
     text = out.stdout
-    assert re.search(r"srun +slurm[- ]\S*\d+\.\d+", text), text
+    assert re.search(r"srun +slurm\S* +\d+\.\d+", text), text
     assert re.search(r"shared run folder +ok", text) and re.search(r"node names resolve +ok", text), text
     assert re.search(r"GPUs per node +0 ", text) and "All checks passed." in text, text
     bad = subprocess.run([sys.executable, "-m", "megalab.lab.cli", "doctor", "--slurm"], cwd=tmp_path,

@@ -240,7 +240,12 @@ def slurm_nodes() -> list[str]:
     if "SLURM_JOB_ID" not in os.environ:
         raise LaunchError("--slurm needs a Slurm allocation: run inside `salloc`/`sbatch` (SLURM_JOB_ID is unset)")
     nodelist = os.environ.get("SLURM_JOB_NODELIST") or os.environ.get("SLURM_NODELIST", "")
-    out = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True, check=True)
+    try:
+        out = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise LaunchError(f"--slurm needs Slurm's scontrol to list the allocation's nodes: {exc}") from None
+    if out.returncode != 0 or not out.stdout.split():
+        raise LaunchError(f"`scontrol show hostnames {nodelist}` failed: {out.stderr.strip() or out.returncode}")
     return out.stdout.split()
 
 
