@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import socket
 import subprocess
 import sys
 import threading
@@ -93,21 +94,6 @@ def _assert_nothing_left(cluster, folder: Path, seconds: float = 20) -> None:
     assert not runs.exists() or not list(runs.iterdir()), f"run folders left: {list(runs.iterdir())}"
 
 
-def test_allreduce_across_two_nodes_in_one_named_step(in_job, slurm_cluster, tmp_path):  # noqa: F811
-    steps: list[str] = []
-
-    def on_progress(elapsed, last):
-        if not steps:
-            steps.extend(slurm_cluster.steps())
-
-    res = launch.run(ALLREDUCE, 1, slurm=True, timeout=120, name="ch01-cell7", on_progress=on_progress)
-    assert res.world_size == 2 and res.results["total"] == {0: 3.0, 1: 3.0}
-    assert sorted(res.results["node"].values()) == sorted(in_job.nodes)  # one rank on each node
-    assert "sum 3" in res.text()
-    assert steps and all(s.split()[1] == "megalab-ch01-cell7" for s in steps), steps  # one step, named after the cell
-    _assert_nothing_left(slurm_cluster, tmp_path)
-
-
 CRASH = """\
 import os
 from megalab.lab import dist as mdist
@@ -119,15 +105,47 @@ dist.barrier()
 """
 
 
+def _run_folder(runs: Path, pid: int) -> Path:
+    """A run folder as a launcher with process `pid` on this host leaves it."""
+    folder = runs / f"megalab-run-{pid}"
+    folder.mkdir(parents=True)
+    (folder / "launcher.json").write_text(json.dumps({"host": socket.gethostname(), "pid": pid}))
+    return folder
+
+
 def test_a_crash_on_the_other_node_is_named(in_job, slurm_cluster, monkeypatch, tmp_path):  # noqa: F811
+    """Also: the cell is one Slurm step named after it, and the folder a restarted kernel left is cleaned."""
     _other_node_hidden(monkeypatch)
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    stale, live = _run_folder(tmp_path / ".megalab" / "runs", gone.pid), _run_folder(tmp_path / ".megalab" / "runs", os.getpid())
+    steps: list[str] = []
+
+    def on_progress(elapsed, last):
+        if not steps:
+            steps.extend(slurm_cluster.steps())
+
     with pytest.raises(RankFailedError) as err:
-        launch.run(CRASH, 1, slurm=True, timeout=120)
+        launch.run(CRASH, 1, slurm=True, timeout=120, name="ch01 cell7", on_progress=on_progress)
     other = in_job.nodes[1]
     assert "ValueError: bad shard on the second node" in str(err.value)
     assert f"on node {other}" in str(err.value), str(err.value)
     assert 'raise ValueError("bad shard on the second node")' in err.value.details
+    assert steps and all(s.split()[1] == "megalab-ch01-cell7" for s in steps), steps  # one step, named after the cell
+    assert not stale.exists() and live.exists()  # a live kernel's run is not touched
+    live.joinpath("launcher.json").unlink()
+    live.rmdir()
     _assert_nothing_left(slurm_cluster, tmp_path)
+
+
+def test_the_first_traceback_is_shown_when_the_ranks_cannot_start(tmp_path):
+    """The cause is at the top of torchrun's log; its last lines are the launcher's own report of the failure."""
+    log = ("Traceback (most recent call last):\n  File \"worker.py\", line 9, in main\n"
+           "    run_dir = Path(os.environ[\"MEGALAB_RUN_DIR\"])\nKeyError: 'MEGALAB_RUN_DIR'\n"
+           + "torch.distributed.elastic: worker group failed, restarting nothing\n" * 100)
+    err = launch._failure_error(tmp_path, 2, log, slurm=True)
+    assert isinstance(err, LaunchError) and "KeyError: 'MEGALAB_RUN_DIR'" in str(err), str(err)
+    assert "megalab doctor --slurm" in str(err)
 
 
 DEADLOCK = """\
@@ -170,7 +188,7 @@ def test_a_slow_cell_on_the_other_node_is_not_a_deadlock(in_job, slurm_cluster, 
     """The busy rank is on the node the launcher cannot see; the waiting one is on its own node."""
     _other_node_hidden(monkeypatch)
     res = launch.run(SLOW_ON_THE_OTHER_NODE, 1, slurm=True, timeout=5, hard_timeout=300,
-                     env={"BUSY_SECONDS": "8"})
+                     env={"BUSY_SECONDS": "6"})
     assert res.text() == "[rank 0] done\n[rank 1] done\n"
     _assert_nothing_left(slurm_cluster, tmp_path)
 
@@ -269,7 +287,9 @@ def test_a_job_submitted_with_export_none(slurm_cluster, tmp_path):  # noqa: F81
     assert (tmp_path / "export.txt").read_text().strip() == "1"  # the job's srun would inherit NONE
     error = (tmp_path / "error.txt").read_text()
     assert state == "COMPLETED", f"{state}: {error}"
-    assert json.loads((tmp_path / "result.json").read_text())["total"] == {"0": 3.0, "1": 3.0}
+    result = json.loads((tmp_path / "result.json").read_text())
+    assert result["total"] == {"0": 3.0, "1": 3.0}  # an all-reduce across the two nodes
+    assert sorted(result["node"].values()) == sorted(slurm_cluster.nodes)  # one rank on each
     _assert_nothing_left(slurm_cluster, tmp_path)
 
 
