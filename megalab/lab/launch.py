@@ -34,11 +34,17 @@ A deadlock is not called before `timeout`: a cell may sleep, wait for another no
 file, and CPU time cannot tell that from a deadlock. On NCCL a rank waiting for a stuck GPU
 collective may spin on the CPU, so there a deadlock can look like "overloaded".
 
-Slurm (`slurm=True`): the run dir lives under `cwd/.megalab/runs`, which every node must share; srun
-starts one agent per node (megalab.lab.worker.node_agent), which runs torchrun there. To stop a run,
-the launcher asks the agents (RUN_DIR/stop), then srun, then scancel: killing srun alone would leave
-the other nodes' ranks running. After srun ends, the launcher waits (bounded) until every node's exit
-file and every rank's results are visible on the shared filesystem.
+Slurm (`slurm=True`): the run dir lives under `cwd/.megalab/runs`, which every node must share; one
+srun step per cell (`srun --export=ALL --job-name megalab-NAME`) starts one agent per node
+(megalab.lab.worker.node_agent), which runs torchrun there with the variables of RUN_DIR/agent.json (so a
+job submitted with --export=NONE still gives the ranks their run dir and PYTHONPATH). The launcher cannot
+see other nodes' processes: each agent judges its own ranks' CPU time (_NodeMeter) and reports it in
+RUN_DIR/node{N}.cpu; the run waits (a deadlock, once past `timeout`) only when every node says so, and
+the stacks of a stopped run come from every node's agent (RUN_DIR/dump). To stop a run, the launcher
+asks the agents (RUN_DIR/stop), then srun, then scancel: killing srun alone would leave the other nodes'
+ranks running. After srun ends, the launcher waits (bounded) until every node's exit file and every
+rank's results are visible on the shared filesystem. Run folders whose launcher is gone (a restarted
+kernel) are removed by the next --slurm run.
 """
 
 from __future__ import annotations

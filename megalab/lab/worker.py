@@ -17,7 +17,8 @@ torchrun starts `python -m megalab.lab.worker CELL.py` once per rank. The worker
 Under Slurm, `python -m megalab.lab.worker --node-agent RUN_DIR -- TORCHRUN...` is what srun starts on
 each node (`node_agent`): it runs that node's torchrun and stops it, ranks included, when the launcher
 asks through the shared run dir (RUN_DIR/stop) or Slurm signals the step, so no rank outlives a timeout
-on a node the launcher cannot reach.
+on a node the launcher cannot reach. It also reports its ranks' CPU time (RUN_DIR/node{N}.cpu) and has them
+dump their stacks when asked (RUN_DIR/dump): the launcher judges timeouts from every node.
 """
 
 import ctypes
