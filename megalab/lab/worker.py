@@ -276,6 +276,9 @@ def node_agent(run_dir: Path, cmd: list[str]) -> int:
             dumped = token
         time.sleep(AGENT_POLL)
     code = proc.wait()
+    # this node's ranks are gone: they use no CPU, whatever the last report said (other nodes may still run)
+    _write_json(run_dir / f"node{node}.cpu", {"busy": False, "cpu": 0.0, "busiest": 0.0, "span": window,
+                                               "starting": False, "host": host})
     tmp = run_dir / f"node{node}.exit.tmp"
     tmp.write_text(str(code))
     tmp.rename(run_dir / f"node{node}.exit")
