@@ -757,7 +757,7 @@ def _rank_stacks(run_dir: Path, workers: dict[int, int], source: str) -> dict[in
     return stacks
 
 
-STACKS_WAIT = 10.0  # seconds the node agents get to have their ranks' stacks dumped (they poll every AGENT_POLL)
+STACKS_WAIT = 15.0  # seconds the node agents get to have their ranks' stacks dumped (they poll every AGENT_POLL)
 
 
 def _node_stacks(run_dir: Path, nnodes: int, source: str) -> tuple[dict[int, str], dict[int, str]]:

@@ -214,8 +214,8 @@ def _dump_stacks(run_dir: Path, node: str, host: str, torchrun: int, token: str)
             os.kill(pid, signal.SIGUSR1)
         except ProcessLookupError:
             offsets.pop(rank)
-    deadline = time.monotonic() + 2.0
-    while time.monotonic() < deadline:  # faulthandler writes from its signal handler: fast
+    deadline = time.monotonic() + 5.0  # fast (faulthandler writes from its signal handler) unless the node is busy
+    while time.monotonic() < deadline:
         if all((run_dir / f"rank{r}.stack").stat().st_size > o for r, o in offsets.items()):
             break
         time.sleep(0.05)
