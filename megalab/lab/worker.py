@@ -208,18 +208,24 @@ def _dump_stacks(run_dir: Path, node: str, host: str, torchrun: int, token: str)
     ranks = _local_ranks(run_dir, torchrun)
     offsets = {}
     for rank, pid in ranks.items():
-        path = run_dir / f"rank{rank}.stack"
-        offsets[rank] = path.stat().st_size if path.exists() else 0
+        offsets[rank] = _size(run_dir / f"rank{rank}.stack")
         try:
             os.kill(pid, signal.SIGUSR1)
         except ProcessLookupError:
             offsets.pop(rank)
     deadline = time.monotonic() + 5.0  # fast (faulthandler writes from its signal handler) unless the node is busy
     while time.monotonic() < deadline:
-        if all((run_dir / f"rank{r}.stack").stat().st_size > o for r, o in offsets.items()):
+        if all(_size(run_dir / f"rank{r}.stack") > o for r, o in offsets.items()):
             break
         time.sleep(0.05)
     _write_json(run_dir / f"node{node}.dumped", {"token": token, "host": host, "ranks": offsets})
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:  # a rank that has not opened its stack file yet
+        return 0
 
 
 def _write_json(path: Path, value) -> None:
