@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from megalab.lab import cli
-from megalab.lab.classview import collect, self_reported
+from megalab.lab.classview import self_reported
 from megalab.lab.grading import Row, grade
 from megalab.lab.progress import ProgressError, hint, load_state, record_grades
 from megalab.lab.workspace import create
@@ -60,7 +60,7 @@ def _tree_hash(root: Path) -> dict[str, str]:
 @pytest.fixture
 def klass(reference, tmp_path):
     """A class of three workspaces (alice right, bob wrong but his own file claims a pass, carol's module does not
-    parse), a stray folder and a stray file."""
+    parse and her progress file is damaged), a stray folder and a stray file."""
     folder = tmp_path / "students"
     for name in ("alice", "bob", "carol"):
         create(reference, folder / name)
@@ -72,6 +72,7 @@ def klass(reference, tmp_path):
                                                  "when": "2026-01-01 10:00", "hints": 0}},
         "history": {"chain.double": {"first": "2026-01-01 09:55", "attempts": 1, "passed": "2026-01-01 10:00"}}}))
     _solve(folder / "carol", "chain.double", "return 2 * (x")
+    (folder / "carol" / ".megalab" / "progress.json").write_text("{damaged")
     (folder / "stray").mkdir()
     (folder / "notes.txt").write_text("not a learner")
     return folder
@@ -97,6 +98,7 @@ def test_the_class_view_regrades_each_learner_in_a_sandbox_and_writes_nothing_of
     assert "[own file says passed]" in text
     assert carol["status"] == "failed" and carol["detail"].startswith("SyntaxError")
     assert "megalab/chain.py does not import (SyntaxError: '(' was never closed, line 4)" in text
+    assert "progress not shown: their progress file" in text and "is damaged" in text  # carol's, kept as it was
     assert "notes.txt: not a folder" in text and "stray: not a megalab workspace (no .megalab/workspace.json)" in text
     page = out_html.read_text()
     assert page.startswith("<!doctype html>") and page.count("<tr>") == 4 and "own file says passed" in page

@@ -173,15 +173,22 @@ async def _execute(url: str, token: str, code: str, timeout: float) -> tuple[str
     return "".join(text), errors
 
 
-def test_a_learner_server_spawned_by_jupyterhub_on_slurm_runs_a_torchrun_slurm_cell(hub_tools, slurm_cluster, tmp_path):
+def test_a_learner_server_spawned_by_jupyterhub_on_slurm_runs_a_torchrun_slurm_cell(hub_tools, slurm_cluster, tmp_path):  # noqa: F811
+    start = time.monotonic()
     hub = Hub(tmp_path, slurm_cluster)
+
+    def phase(what: str) -> None:  # where the time goes (pytest -s shows it)
+        print(f"{time.monotonic() - start:6.1f} s  {what}")
+
     try:
         hub.wait("the hub's API", lambda: hub.api("GET", "/hub/api/").status_code == 200, 90)
+        phase("hub up")
         user = hub.user
         assert hub.api("POST", f"/hub/api/users/{user}").status_code in (201, 409)
         assert hub.api("POST", f"/hub/api/users/{user}/server", timeout=120).status_code in (201, 202), hub.logs()
         hub.wait("the learner's server", lambda: hub.api("GET", f"/hub/api/users/{user}").json()["servers"][""]["ready"],
                  240)
+        phase("the learner's server is up in its Slurm job")
         jobs = slurm_cluster.jobs()
         assert len(jobs) == 1 and slurm_cluster.job_field(jobs[0], "NumNodes") == "2"
         assert slurm_cluster.job_field(jobs[0], "JobName") == f"megalab-{user}"
@@ -196,13 +203,16 @@ def test_a_learner_server_spawned_by_jupyterhub_on_slurm_runs_a_torchrun_slurm_c
         assert where.split() == [str(workspace / "megalab" / "__init__.py"), jobs[0]]  # their megalab, in the job
         out, errors = asyncio.run(_execute(url, hub.token, "%load_ext megalab", 120))
         assert not errors, errors
+        phase("kernel up, megalab loaded")
         out, errors = asyncio.run(_execute(url, hub.token, CELL, 300))
         assert not errors, (errors, out, hub.logs())
         said = re.findall(r"^\[rank (\d)\] rank \1 of 2 on node (\d): sum 3$", out, re.M)
         assert sorted(rank for rank, _ in said) == ["0", "1"] and sorted(node for _, node in said) == ["0", "1"], out
+        phase("the %%torchrun --slurm cell ran on both nodes")
 
         assert hub.api("DELETE", f"/hub/api/users/{user}/server", timeout=120).status_code in (202, 204)
         hub.wait("the learner's job to end", lambda: not slurm_cluster.jobs(), 120)
+        phase("server stopped, job gone")
     finally:
         hub.stop()
         for job in slurm_cluster.jobs():

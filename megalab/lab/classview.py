@@ -295,7 +295,7 @@ def regrade(name: str, workspace: Path, reference: Path, selected: list[Exercise
     try:
         state = load_state(workspace)  # read only
     except ProgressError as exc:
-        learner.notes.append(f"progress not shown: {exc}")
+        learner.notes.append("progress not shown: " + str(exc).replace("your progress file", "their progress file"))
         return learner
     for ex_id, cell in learner.cells.items():
         for key, value in self_reported(state, ex_id).items():
