@@ -37,7 +37,7 @@ from megalab.lab.exercises import SOURCE_DIR, TESTS_DIR, Exercise, ExerciseError
 from megalab.lab.workspace import CONFIG, STATE_DIR
 
 STATUSES = ("passed", "failed", "not implemented", "not graded")
-_IMPORT_FAILURE = re.compile(r"\b(SyntaxError|IndentationError|TabError|ModuleNotFoundError|ImportError|NameError)\b")
+_IMPORT_FAILURE = re.compile(r"\b(SyntaxError|IndentationError|TabError|ModuleNotFoundError|ImportError)\b")
 _SKIP_TOP = {SOURCE_DIR, TESTS_DIR, STATE_DIR, ".git", ".venv", "build", "__pycache__"}
 
 
