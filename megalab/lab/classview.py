@@ -25,7 +25,6 @@ import io
 import json
 import os
 import re
-import shutil
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -330,39 +329,3 @@ def collect(folder: str | Path, reference: str | Path, target: str | None = None
                                learners))
     return ClassView(str(folder), str(reference), [ex.id for ex in selected], graded, problems,
                      time.perf_counter() - start)
-
-
-# --------------------------------------------------------------------------- `megalab grade` in another's workspace
-
-
-def grade_private_copy(root: Path, owner: str, target: str | None, timeout: float, notebooks: bool):
-    """`megalab grade` in a workspace that belongs to another user: grade a private copy of it (the learner's
-    folder is only read), and say so. The learner's progress is not updated."""
-    from megalab.lab.grading import grade
-
-    with tempfile.TemporaryDirectory(prefix="megalab-grade-copy-") as tmp:
-        copy = Path(tmp) / root.name
-
-        def ignore(folder, names):
-            rel = Path(folder).relative_to(root).as_posix()
-            out = {n for n in names if n in ("__pycache__", ".ipynb_checkpoints", ".git", ".venv")}
-            if rel == STATE_DIR:
-                out |= {n for n in names if n in ("backup", "runs")}
-            return out
-
-        try:
-            shutil.copytree(root, copy, symlinks=True, ignore=ignore)
-        except shutil.Error as exc:
-            unreadable = [src for src, _, _ in exc.args[0]]
-            others = [s for s in unreadable if Path(s).name != "progress.json"]  # theirs alone: hints shown as 0
-            if others:
-                raise RuntimeError(f"cannot read {len(others)} file(s) of {root} (first: {others[0]}): grade it as "
-                                   "its owner, or make the workspace readable (`chmod -R a+rX WORKSPACE`)") from None
-        for folder, _, _ in os.walk(copy):  # a read-only folder of theirs must not stay read-only in our copy
-            os.chmod(folder, os.stat(folder).st_mode | 0o700)
-        report = grade(copy, target, timeout=timeout, notebooks=notebooks)
-    report.root = str(root)
-    report.problems.append(f"graded a private copy of {root}: it belongs to {owner}, and grading another user's "
-                           "workspace never writes into it (its progress is not updated; `megalab class` views a "
-                           "whole class)")
-    return report

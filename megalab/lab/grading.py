@@ -461,9 +461,15 @@ def grade(root: str | Path = ".", target: str | None = None, timeout: float = DE
     ws = open_workspace(root)
     owner = foreign_owner(root) if ws else None
     if owner:  # another user's workspace (an instructor grading it): grade a copy, write nothing into theirs
-        from megalab.lab.classview import grade_private_copy
+        from megalab.lab.sandbox import private_copy
 
-        return grade_private_copy(root, owner, target, timeout, notebooks)
+        with private_copy(root) as copy:
+            report = grade(copy, target, timeout, notebooks)
+        report.root = str(root)
+        report.problems.append(f"graded a private copy of {root}: it belongs to {owner}, and grading another user's "
+                               "workspace never writes into it (its progress is not updated; `megalab class` views a "
+                               "whole class)")
+        return report
     registry = load(root)  # in a workspace the exercises are the reference's: deleting a marker hides none
     reference = load(ws.reference) if ws else registry
     label, selected, nb_paths = choose(reference, target, root)
