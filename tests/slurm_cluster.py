@@ -72,7 +72,7 @@ def node_names() -> list[str]:
 class Allocation:
     """A Slurm job holding nodes (what `salloc` gives a shell): `env` is what a process in it sees."""
 
-    cluster: "SlurmCluster"
+    cluster: SlurmCluster
     job_id: str
     nodes: list[str]
     env: dict[str, str]

@@ -26,7 +26,7 @@ def test_sbatch_template_prints_the_tunnel_and_starts_jupyterlab(tmp_path):
     out = subprocess.run(["bash", str(SCRIPT)], env=env, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert "job 77, nodes: gpu[1-2]" in out.stdout and "ssh -N -L 8888:" in out.stdout
-    assert "http://127.0.0.1:8888/?token=" in out.stdout and "%%torchrun --slurm -n 8" in out.stdout
+    assert "http://127.0.0.1:8888/?token=" in out.stdout and "%%torchrun --slurm -n 8   (one rank per GPU" in out.stdout
     args = (tmp_path / "jupyter.args").read_text().split()
     assert args[:3] == ["jupyter", "lab", "--no-browser"] and "--ServerApp.root_dir=." in args
     assert "--LabApp.default_url=/lab/tree/course/01_foundations/01_setup_and_torchrun.ipynb" in args
@@ -52,3 +52,14 @@ def test_sbatch_template_in_a_workspace_uses_the_shared_environment(tmp_path):
     out = subprocess.run(["bash", str(SCRIPT)], env=env, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert (tmp_path / "pythonpath").read_text().split(":")[0].strip() == str(ws)
+
+
+def test_sbatch_template_on_a_cpu_partition_suggests_cpu_ranks(tmp_path):
+    """No GPUs in the job (--gpus-per-node=0, or a CPU partition): the banner suggests CPU ranks, never `-n 0`."""
+    for gpus in ("0", None):
+        env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM")}
+        env.update(MEGALAB_VENV=str(_fake_venv(tmp_path / f"g{gpus}")), SLURM_JOB_ID="79", SLURM_SUBMIT_DIR=str(REPO),
+                   SLURM_CPUS_PER_TASK="4", **({"SLURM_GPUS_PER_NODE": gpus} if gpus else {}))
+        out = subprocess.run(["bash", str(SCRIPT)], env=env, capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        assert "%%torchrun --slurm -n 2   (no GPUs in this job: CPU ranks on gloo)" in out.stdout, out.stdout

@@ -307,6 +307,8 @@ def test_slurm_allocation_runs_torchrun_on_every_node(tmp_path, monkeypatch):
 
 def test_slurm_rendezvous_port_is_never_fixed(monkeypatch):
     monkeypatch.setenv("SLURM_JOB_ID", "123456")
+    monkeypatch.delenv("SLURMD_NODENAME", raising=False)
+    monkeypatch.setattr(launch.socket, "getaddrinfo", lambda host, port: [])  # the cluster's names resolve there
     assert launch.slurm_rdzv_endpoint(["gpu-a17", "gpu-a18"]) == "gpu-a17:23456"  # from the job id: not ours
     here = socket.gethostname().split(".")[0]
     host, _, port = launch.slurm_rdzv_endpoint([here, "gpu-b2"]).rpartition(":")

@@ -62,3 +62,28 @@ def test_a_blank_exercise_reached_from_another_notebook_says_which_and_where(she
     assert "This needs" not in capsys.readouterr().out
     err = RankFailedError(0, "rank 0 failed: NotImplementedError", f"Traceback ...\nNotImplementedError: {BLANK}\n")
     assert err._render_traceback_()[-1].startswith("This needs exercise parallel_state.create_groups first")
+
+
+def test_slurm_status_line_counts_every_nodes_ranks_and_names_the_step(shell, monkeypatch):
+    """%%torchrun --slurm -n 2 on a 3-node allocation: 6 ranks on the status line; the step is named after the cell."""
+    from megalab.lab import magic
+
+    updates, seen = [], {}
+
+    class Handle:
+        def update(self, data, raw=True):
+            updates.append(data["text/plain"])
+
+    def fake_run(code, nproc, **options):
+        seen.update(options)
+        options["on_progress"](1.0, "step 1")
+        raise launch.LaunchError("stop here")
+
+    monkeypatch.setattr(magic, "display", lambda *a, **k: Handle())
+    monkeypatch.setattr(launch, "slurm_nodes", lambda: ["n1", "n2", "n3"])
+    monkeypatch.setattr(launch, "run", fake_run)
+    monkeypatch.setenv("JPY_SESSION_NAME", "/home/ada/course/01_foundations/01_setup_and_torchrun.ipynb")
+    with pytest.raises(launch.LaunchError):
+        shell.run_cell_magic("torchrun", "--slurm -n 2", "pass\n")
+    assert updates[0].startswith("running on 6 ranks, 1 s · step 1"), updates
+    assert seen["name"] == f"01_setup_and_torchrun-cell{shell.execution_count}" and seen["slurm"]

@@ -12,6 +12,12 @@ from megalab.lab.translate import LANGS
 
 
 def _doctor(args: argparse.Namespace) -> int:
+    if args.slurm:
+        from megalab.lab.doctor import slurm_report
+
+        text, ok = slurm_report()
+        print(text)
+        return 0 if ok else 1
     from megalab.lab.doctor import report
 
     print(report())
@@ -276,6 +282,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("doctor", help="what this machine can run: versions, GPUs, FP8, flash-attn, Triton")
+    p.add_argument("--slurm", action="store_true",
+                   help="pre-flight for %%%%torchrun --slurm in this allocation: srun, export setting, node names, "
+                        "shared run folder, GPUs per node")
     p.set_defaults(func=_doctor)
 
     p = sub.add_parser("notebooks", help="re-execute notebooks in place, top to bottom, in a clean kernel")

@@ -130,3 +130,138 @@ def report() -> str:
     pw = max(len(k) for k, _ in parts)
     lines += [f"  {k:<{pw}}  {v}" for k, v in parts]
     return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------- megalab doctor --slurm
+
+_SLURM_PROBE = """\
+import json, os, shutil, socket, subprocess, sys
+run_dir, names = sys.argv[1], sys.argv[2:]
+node = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+unresolved = []
+for name in names:
+    try:
+        socket.getaddrinfo(name, None)
+    except OSError:
+        unresolved.append(name)
+gpus = 0
+if shutil.which("nvidia-smi"):
+    out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=60)
+    gpus = sum(line.startswith("GPU ") for line in out.stdout.splitlines())
+visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+if visible is not None:
+    gpus = min(gpus, len([d for d in visible.split(",") if d.strip()]))
+report = {"node": node, "sees_marker": os.path.exists(os.path.join(run_dir, "marker")), "unresolved": unresolved,
+          "gpus": gpus, "probe_env": os.environ.get("MEGALAB_DOCTOR_PROBE")}
+with open(os.path.join(run_dir, f"probe-{node}.json"), "w") as f:
+    json.dump(report, f)
+"""
+
+
+def slurm_report(cwd: Path | None = None, timeout: float = 120.0) -> tuple[str, bool]:
+    """`megalab doctor --slurm`: what a `%%torchrun --slurm` cell needs from the allocation it runs in, checked
+    the way megalab launches (one srun step, one task per node): srun's version, the export setting, node names
+    that resolve on every node, a run folder every node sees, GPUs per node. (text, True when all is well)."""
+    import json
+    import shutil
+    import socket
+    import subprocess
+    import tempfile
+
+    from megalab.lab.launch import LaunchError, slurm_cpus_per_node, slurm_nodes
+
+    rows: list[tuple[str, str]] = []
+    problems: list[str] = []
+
+    def result() -> tuple[str, bool]:
+        width = max(len(k) for k, _ in rows)
+        lines = ["megalab doctor --slurm", "=" * 22, *(f"{k:<{width}}  {v}" for k, v in rows)]
+        lines += ["", "Problems:", *(f"  - {p}" for p in problems)] if problems else ["", "All checks passed."]
+        return "\n".join(lines), not problems
+
+    srun = shutil.which("srun")
+    if not srun:
+        rows.append(("srun", "not found"))
+        problems.append("no srun on PATH: run this on a login or compute node of the cluster")
+        return result()
+    version = subprocess.run([srun, "--version"], capture_output=True, text=True, timeout=30).stdout.strip()
+    rows.append(("srun", version or "(no version)"))
+    major_minor = tuple(int(x) for x in version.split()[-1].split(".")[:2]) if version.split() else (0, 0)
+    if major_minor < (20, 11):
+        problems.append(f"{version}: megalab's srun uses --overlap, new in Slurm 20.11")
+    export = os.environ.get("SLURM_EXPORT_ENV")
+    rows.append(("export setting", f"SLURM_EXPORT_ENV={export}" if export else "SLURM_EXPORT_ENV unset (srun passes the "
+                                                                               "environment on: ALL)"))
+    if export and "ALL" not in export.upper().split(","):
+        problems.append(f"SLURM_EXPORT_ENV={export}: srun passes on {'no' if export.upper() == 'NONE' else 'only part of the'}"
+                        " environment (a job submitted with --export=NONE, batchspawner's default, sets this). "
+                        "megalab's own srun asks for --export=ALL, but other srun commands (grading through srun) "
+                        "lose PYTHONPATH: `export SLURM_EXPORT_ENV=ALL` in the job script")
+    try:
+        nodes = slurm_nodes()
+    except (LaunchError, OSError, subprocess.SubprocessError) as exc:
+        rows.append(("allocation", "none"))
+        problems.append(f"{exc}: the other checks need an allocation (`salloc -N2`, or run it in the JupyterLab job)")
+        return result()
+    rows.append(("allocation", f"job {os.environ['SLURM_JOB_ID']}, {len(nodes)} node{'s' if len(nodes) != 1 else ''}: "
+                               f"{', '.join(nodes)}; {slurm_cpus_per_node()} CPUs per node"))
+    here = socket.gethostname()
+    unresolved_here = []
+    for name in nodes:
+        try:
+            socket.getaddrinfo(name, None)
+        except OSError:
+            unresolved_here.append(name)
+
+    base = Path(cwd or Path.cwd()).resolve() / ".megalab" / "runs"
+    base.mkdir(parents=True, exist_ok=True)
+    run_dir = Path(tempfile.mkdtemp(prefix="megalab-doctor-", dir=base))
+    try:
+        (run_dir / "marker").write_text("megalab doctor")
+        cmd = [srun, f"--nodes={len(nodes)}", f"--ntasks={len(nodes)}", "--ntasks-per-node=1", "--overlap",
+               "--cpus-per-task=1", "--export=ALL", "--job-name=megalab-doctor", sys.executable, "-c", _SLURM_PROBE,
+               str(run_dir), *nodes, here]
+        env = {**os.environ, "MEGALAB_DOCTOR_PROBE": "1"}
+        try:
+            out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=run_dir.parent)
+            failed = out.returncode != 0 and (out.stderr.strip() or f"exit code {out.returncode}")
+        except subprocess.TimeoutExpired:
+            failed = f"no answer within {timeout:g} s"
+        reports = {}
+        for path in run_dir.glob("probe-*.json"):
+            report = json.loads(path.read_text())
+            reports[report["node"]] = report
+        if failed:
+            problems.append(f"srun could not run a step on every node: {str(failed)[:500]}")
+        unresolved = {name: [r["node"] for r in reports.values() if name in r["unresolved"]] for name in [*nodes, here]}
+        if unresolved_here:
+            unresolved.update({n: [*unresolved.get(n, []), here] for n in unresolved_here})
+        bad = {n: w for n, w in unresolved.items() if w}
+        rows.append(("node names resolve", "ok" if not bad and reports else
+                     "; ".join(f"{n} not on {', '.join(w)}" for n, w in bad.items()) or "unknown (no node answered)"))
+        if bad:
+            problems.append("node names that do not resolve on every node (the ranks meet at the first node or at "
+                            f"this one, {here}): {', '.join(bad)}; ask the admins (DNS or /etc/hosts)")
+        unseen = [n for n in nodes if n not in reports]
+        blind = [r["node"] for r in reports.values() if not r["sees_marker"]]
+        shared = not unseen and not blind
+        rows.append(("shared run folder", f"ok ({base})" if shared else
+                     f"NOT shared: {base} " + ", ".join(filter(None, [
+                         f"no files from {', '.join(unseen)}" if unseen else "",
+                         f"not seen by {', '.join(blind)}" if blind else ""]))))
+        if not shared:
+            problems.append(f"{base} is not on a filesystem every node shares: run the notebook from a shared folder "
+                            "(home or project space, not /tmp)")
+        lost = [r["node"] for r in reports.values() if r["probe_env"] != "1"]
+        if lost:
+            problems.append(f"megalab's srun (--export=ALL) did not pass the environment on to {', '.join(lost)}: "
+                            "a site setting overrides it; ask the admins")
+        gpus = {r["node"]: r["gpus"] for r in reports.values()}
+        counts = sorted(set(gpus.values()))
+        rows.append(("GPUs per node", (f"{counts[0]}" if len(counts) == 1 else "uneven: " + ", ".join(
+            f"{n}: {g}" for n, g in sorted(gpus.items()))) + (" (gloo on CPU: %%torchrun --slurm -n CPU_RANKS)"
+                                                              if counts == [0] else " (%%torchrun --slurm -n GPUS)")
+                     if gpus else "unknown"))
+    finally:
+        shutil.rmtree(run_dir, ignore_errors=True)
+    return result()

@@ -34,11 +34,17 @@ A deadlock is not called before `timeout`: a cell may sleep, wait for another no
 file, and CPU time cannot tell that from a deadlock. On NCCL a rank waiting for a stuck GPU
 collective may spin on the CPU, so there a deadlock can look like "overloaded".
 
-Slurm (`slurm=True`): the run dir lives under `cwd/.megalab/runs`, which every node must share; srun
-starts one agent per node (megalab.lab.worker.node_agent), which runs torchrun there. To stop a run,
-the launcher asks the agents (RUN_DIR/stop), then srun, then scancel: killing srun alone would leave
-the other nodes' ranks running. After srun ends, the launcher waits (bounded) until every node's exit
-file and every rank's results are visible on the shared filesystem.
+Slurm (`slurm=True`): the run dir lives under `cwd/.megalab/runs`, which every node must share; one
+srun step per cell (`srun --export=ALL --job-name megalab-NAME`) starts one agent per node
+(megalab.lab.worker.node_agent), which runs torchrun there with the variables of RUN_DIR/agent.json (so a
+job submitted with --export=NONE still gives the ranks their run dir and PYTHONPATH). The launcher cannot
+see other nodes' processes: each agent judges its own ranks' CPU time (_NodeMeter) and reports it in
+RUN_DIR/node{N}.cpu; the run waits (a deadlock, once past `timeout`) only when every node says so, and
+the stacks of a stopped run come from every node's agent (RUN_DIR/dump). To stop a run, the launcher
+asks the agents (RUN_DIR/stop), then srun, then scancel: killing srun alone would leave the other nodes'
+ranks running. After srun ends, the launcher waits (bounded) until every node's exit file and every
+rank's results are visible on the shared filesystem. Run folders whose launcher is gone (a restarted
+kernel) are removed by the next --slurm run.
 """
 
 from __future__ import annotations
@@ -199,19 +205,40 @@ def available_cpus() -> int:
 
 
 def slurm_cpus_per_node() -> int:
-    """Cores for the ranks of one node in a Slurm allocation: the job's --cpus-per-task, else what this
-    node's task may use."""
-    return int(os.environ.get("SLURM_CPUS_PER_TASK") or available_cpus())
+    """Cores for the ranks of one node in a Slurm allocation: the job's --cpus-per-task, else the CPUs the job
+    holds on this node (SLURM_CPUS_ON_NODE in a job, SLURM_JOB_CPUS_PER_NODE as salloc gives it: "4(x2)"),
+    else what this process may use. Never more than the job holds: srun would refuse the step."""
+    held = os.environ.get("SLURM_CPUS_PER_TASK") or os.environ.get("SLURM_CPUS_ON_NODE")
+    if not held and (m := re.match(r"\d+", os.environ.get("SLURM_JOB_CPUS_PER_NODE", ""))):
+        held = m.group(0)
+    return int(held or available_cpus())
 
 
 def slurm_rdzv_endpoint(nodes: list[str]) -> str:
     """Where the ranks meet: a free port on this node when it is part of the allocation (the notebook's
-    kernel usually runs on the first node), else on the first node a port derived from SLURM_JOB_ID (so two
-    jobs sharing a node do not collide)."""
+    kernel usually runs on the first node; Slurm names it in SLURMD_NODENAME), else on the first node a port
+    derived from SLURM_JOB_ID (so two jobs sharing a node do not collide). The host must resolve on every node:
+    a name that does not resolve here is a LaunchError at once, not a rendezvous that waits for the timeout."""
     here = socket.gethostname().split(".")[0]
-    if here in (n.split(".")[0] for n in nodes):
+    short = [n.split(".")[0] for n in nodes]
+    if os.environ.get("SLURMD_NODENAME", here).split(".")[0] in short or here in short:
         return f"{here}:{free_port()}"
-    return f"{nodes[0]}:{20000 + int(os.environ.get('SLURM_JOB_ID', '0')) % 20000}"
+    host = nodes[0]
+    try:
+        socket.getaddrinfo(host, None)
+    except OSError:
+        raise LaunchError(
+            f"the first node of the allocation, {host!r}, does not resolve from {here} (the ranks meet there): "
+            "run the notebook on a node of the allocation (sbatch course/slurm/jupyterlab.sbatch), or ask the "
+            "cluster's admins why node names do not resolve on this machine (`megalab doctor --slurm` checks)"
+        ) from None
+    return f"{host}:{20000 + int(os.environ.get('SLURM_JOB_ID', '0')) % 20000}"
+
+
+def slurm_step_name(name: str | None) -> str:
+    """The Slurm step name of a cell (`sacct`, `squeue --steps`): megalab-<notebook/cell>, Slurm-safe characters."""
+    safe = re.sub(r"[^A-Za-z0-9_.-]+", "-", name or "cell").strip("-") or "cell"
+    return f"megalab-{safe}"[:64]
 
 
 def slurm_nodes() -> list[str]:
@@ -219,7 +246,12 @@ def slurm_nodes() -> list[str]:
     if "SLURM_JOB_ID" not in os.environ:
         raise LaunchError("--slurm needs a Slurm allocation: run inside `salloc`/`sbatch` (SLURM_JOB_ID is unset)")
     nodelist = os.environ.get("SLURM_JOB_NODELIST") or os.environ.get("SLURM_NODELIST", "")
-    out = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True, check=True)
+    try:
+        out = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise LaunchError(f"--slurm needs Slurm's scontrol to list the allocation's nodes: {exc}") from None
+    if out.returncode != 0 or not out.stdout.split():
+        raise LaunchError(f"`scontrol show hostnames {nodelist}` failed: {out.stderr.strip() or out.returncode}")
     return out.stdout.split()
 
 
@@ -230,6 +262,7 @@ def torchrun_command(
     node_rank: int | None = None,
     rdzv_endpoint: str | None = None,
     slurm: bool = False,
+    name: str | None = None,
 ) -> list[str]:
     """The command line: torchrun (single node, static multi-node, c10d multi-node or srun)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc_per_node}", "--max-restarts=0"]
@@ -241,8 +274,11 @@ def torchrun_command(
         cmd += [f"--nnodes={nnodes}", "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}", f"--rdzv-id=megalab-{job}"]
         cmd += ["-m", "megalab.lab.worker", str(script)]
         agent = [sys.executable, "-m", "megalab.lab.worker", "--node-agent", str(script.parent), "--"]
+        # --export=ALL: a job submitted with --export=NONE (batchspawner's default) passes that on to its sruns;
+        # what the ranks need also travels in RUN_DIR/agent.json, which the agents read (see _write_agent_config)
         return ["srun", f"--nodes={nnodes}", f"--ntasks={nnodes}", "--ntasks-per-node=1",
-                f"--cpus-per-task={slurm_cpus_per_node()}", "--overlap", "--kill-on-bad-exit=1", *agent, *cmd]
+                f"--cpus-per-task={slurm_cpus_per_node()}", "--overlap", "--kill-on-bad-exit=1", "--export=ALL",
+                f"--job-name={slurm_step_name(name)}", *agent, *cmd]
     elif nnodes == 1 and rdzv_endpoint is None:
         cmd += ["--standalone"]  # torchrun binds a free port itself: parallel launches never collide
     else:
@@ -425,6 +461,49 @@ def _stop_slurm_step(proc: subprocess.Popen, run_dir: Path) -> None:
     _wait_exit(proc, 5.0)
 
 
+RANK_ENV = ("MEGALAB_RUN_DIR", "MEGALAB_BACKEND", "MEGALAB_CWD", "PYTHONPATH", "PYTHONUNBUFFERED", "MPLBACKEND",
+            "OMP_NUM_THREADS")  # what the ranks need from the launcher, whatever the job's export setting
+STALE_RUN_AGE = 24 * 3600.0  # seconds after which a run folder of another host counts as abandoned
+
+
+def _write_agent_config(run_dir: Path, child_env: dict[str, str], extra: dict[str, str], window: float) -> None:
+    """RUN_DIR/agent.json for the node agents: the variables the ranks need (passed explicitly, so a job whose
+    srun exports nothing still runs) and the idle window each agent judges its ranks' CPU time by. Also
+    RUN_DIR/launcher.json (host, pid), by which a later launch knows a run folder whose launcher is gone."""
+    needed = {k: v for k, v in child_env.items() if k in RANK_ENV or k in extra or k.startswith("MEGALAB_")}
+    (run_dir / "agent.json").write_text(json.dumps({"env": needed, "idle_window": window}))
+    (run_dir / "launcher.json").write_text(json.dumps({"host": socket.gethostname(), "pid": os.getpid()}))
+
+
+def _clean_stale_runs(base: Path) -> None:
+    """Remove run folders their launcher left behind (a kernel restarted, killed, or cut off mid-cell): this
+    host's whose launcher process is gone, other hosts' after STALE_RUN_AGE. Live runs, ours or another
+    kernel's, are left alone."""
+    here = socket.gethostname()
+    for run_dir in base.glob("megalab-run-*"):
+        try:
+            owner = json.loads((run_dir / "launcher.json").read_text())
+            age = time.time() - run_dir.stat().st_mtime
+        except (OSError, ValueError):
+            continue  # not ours to judge (or still being written)
+        if owner.get("host") == here:
+            if _pid_alive(int(owner.get("pid", 0))):  # a live kernel's run (a reused pid keeps a folder: harmless)
+                continue
+        elif age < STALE_RUN_AGE:
+            continue
+        shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+
+
 def _missing_node_files(run_dir: Path, nnodes: int, world: int) -> list[str]:
     """What the run dir still lacks of a finished multi-node run: each node agent's exit file, each rank's
     .done (or .error.json), and the values each .done lists as published."""
@@ -502,10 +581,13 @@ class _CpuMeter:
             self.samples.clear()
             self.with_launchers = with_launchers
         table = _processes()
-        tree = _run_tree(table, self.launcher, self.run_dir, with_launchers)
+        tree = self.tree(table, with_launchers)
         self.samples.append((elapsed, {pid: table[pid][1] for pid in tree}))
         while len(self.samples) > 2 and self.samples[1][0] <= elapsed - self.window:
             del self.samples[0]  # keep one sample at or before the window's start
+
+    def tree(self, table: _Processes, with_launchers: bool) -> set[int]:
+        return _run_tree(table, self.launcher, self.run_dir, with_launchers)
 
     def used(self) -> tuple[float, float, float]:
         """(CPU seconds of all processes, of the busiest one, over how many seconds) in the last
@@ -522,6 +604,54 @@ class _CpuMeter:
         return busiest >= IDLE_CPU_SHARE * span
 
 
+class _NodeMeter(_CpuMeter):
+    """One Slurm node's CPU meter, run by its agent (megalab.lab.worker.node_agent): the node's torchrun
+    (`launcher`) and its descendants only, whatever else runs there. The agent writes `report()` to
+    RUN_DIR/node{N}.cpu for the launcher, which cannot see other nodes' processes."""
+
+    def tree(self, table: _Processes, with_launchers: bool) -> set[int]:
+        children: dict[int, list[int]] = {}
+        for pid, (ppid, _, _) in table.items():
+            children.setdefault(ppid, []).append(pid)
+        tree, todo = set(), list(children.get(self.launcher, []))
+        while todo:
+            pid = todo.pop()
+            if pid not in tree:
+                tree.add(pid)
+                todo += children.get(pid, [])
+        return tree | {self.launcher} if with_launchers and self.launcher in table else tree
+
+    def report(self) -> dict:
+        cpu, busiest, span = self.used() if self.samples else (0.0, 0.0, 0.0)
+        return {"busy": self.busy() if self.samples else None, "cpu": cpu, "busiest": busiest, "span": span,
+                "starting": self.with_launchers}
+
+
+class _NodesMeter:
+    """The launcher's meter under Slurm: every node's agent judges its own ranks (_NodeMeter) and reports in
+    RUN_DIR/node{N}.cpu; the run computes when any node does, and waits only when every node says so."""
+
+    def __init__(self, run_dir: Path, nnodes: int, window: float):
+        self.run_dir, self.nnodes, self.window = run_dir, nnodes, window
+        self.reports: dict[int, dict] = {}
+
+    def sample(self, elapsed: float, with_launchers: bool) -> None:
+        for node in range(self.nnodes):
+            with contextlib.suppress(OSError, ValueError):
+                self.reports[node] = json.loads((self.run_dir / f"node{node}.cpu").read_text())
+
+    def used(self) -> tuple[float, float, float]:
+        reports = list(self.reports.values())
+        return (sum(r["cpu"] for r in reports), max((r["busiest"] for r in reports), default=0.0),
+                min((r["span"] for r in reports), default=0.0))
+
+    def busy(self) -> bool | None:
+        answers = [self.reports.get(node, {}).get("busy") for node in range(self.nnodes)]
+        if any(a is True for a in answers):
+            return True
+        return False if answers and all(a is False for a in answers) else None
+
+
 @dataclass
 class _Watch:
     """When a run past its timeout stops, and what it says meanwhile (see the module docstring)."""
@@ -531,7 +661,7 @@ class _Watch:
     local_ranks: int
     world: int
     multi_node: bool
-    meter: _CpuMeter
+    meter: _CpuMeter | _NodesMeter
 
     def verdict(self, elapsed: float, started: bool) -> str | None:
         """None while the run may go on, else the LaunchTimeoutError kind to stop it with."""
@@ -627,19 +757,58 @@ def _rank_stacks(run_dir: Path, workers: dict[int, int], source: str) -> dict[in
     return stacks
 
 
-def _timeout_error(run_dir: Path, source: str, kind: str, reason: str) -> LaunchTimeoutError:
-    """The error for a run stopped by the watch: `reason` says why, the ranks' stacks say where."""
-    workers = _alive_workers(run_dir)
+STACKS_WAIT = 10.0  # seconds the node agents get to have their ranks' stacks dumped (they poll every AGENT_POLL)
+
+
+def _node_stacks(run_dir: Path, nnodes: int, source: str) -> tuple[dict[int, str], dict[int, str]]:
+    """Under Slurm: ({rank: stack}, {rank: node}) of the live ranks of every node. The launcher cannot signal
+    other nodes' processes: it asks every node's agent (RUN_DIR/dump), which has its own ranks dump their
+    stacks (SIGUSR1) and answers in RUN_DIR/node{N}.dumped which ranks and where their dump starts."""
+    token = str(time.time_ns())
+    tmp = run_dir / "dump.tmp"
+    tmp.write_text(token)
+    tmp.rename(run_dir / "dump")
+    answers: dict[int, dict] = {}
+    deadline = time.monotonic() + STACKS_WAIT
+    while len(answers) < nnodes and time.monotonic() < deadline:
+        for node in range(nnodes):
+            with contextlib.suppress(OSError, ValueError):
+                answer = json.loads((run_dir / f"node{node}.dumped").read_text())
+                if answer["token"] == token:
+                    answers[node] = answer
+        time.sleep(0.1)
+    lines, stacks, hosts = source.splitlines(), {}, {}
+    for answer in answers.values():
+        for rank, offset in answer["ranks"].items():
+            path = run_dir / f"rank{rank}.stack"
+            text = path.read_text(errors="replace")[offset:] if path.exists() else ""
+            stacks[int(rank)] = _stack_of(text, lines)
+            hosts[int(rank)] = answer["host"]
+    silent = sorted(set(range(nnodes)) - set(answers))
+    if silent:
+        hosts[-1] = f"nodes {silent} did not answer within {STACKS_WAIT:g} s"
+    return dict(sorted(stacks.items())), hosts
+
+
+def _timeout_error(run_dir: Path, source: str, kind: str, reason: str, nnodes: int = 0) -> LaunchTimeoutError:
+    """The error for a run stopped by the watch: `reason` says why, the ranks' stacks say where (under Slurm,
+    `nnodes` > 0, from every node's agent)."""
     if kind == "not started":
         log = (run_dir / "torchrun.log").read_text(errors="replace")[-2000:]
         return LaunchTimeoutError(reason, log or "(torchrun printed nothing)", {}, kind)
-    stacks = _rank_stacks(run_dir, workers, source)
+    if nnodes:
+        stacks, hosts = _node_stacks(run_dir, nnodes, source)
+    else:
+        stacks, hosts = _rank_stacks(run_dir, _alive_workers(run_dir), source), {}
     where = "stuck" if kind == "deadlock" else "busy"
-    summary = f"{reason}; " + "; ".join(f"rank {r} {where} at {_stuck_line(s)}" for r, s in stacks.items())
+    on = {r: f" (node {hosts[r]})" if r in hosts else "" for r in stacks}
+    summary = f"{reason}; " + "; ".join(f"rank {r}{on[r]} {where} at {_stuck_line(s)}" for r, s in stacks.items())
+    if -1 in hosts:
+        summary += f" ({hosts[-1]})"
     done = sorted(_rank_files(run_dir, "done"))
     if done:
         summary += f" (ranks {done} had finished)"
-    details = "\n".join(f"[rank {r}] stack when stopped (most recent call first):\n{s}" for r, s in stacks.items())
+    details = "\n".join(f"[rank {r}]{on[r]} stack when stopped (most recent call first):\n{s}" for r, s in stacks.items())
     return LaunchTimeoutError(summary, details, stacks, kind)
 
 
@@ -658,7 +827,22 @@ def _how(code: int) -> str:
     return f"killed by {signal.Signals(-code).name}" if code < 0 and -code in signal.valid_signals() else f"exit code {code}"
 
 
-def _failure_error(run_dir: Path, world: int, torchrun_log: str) -> Exception:
+def _first_traceback(log: str) -> str | None:
+    """The first Python traceback in a log, up to its exception line: the root cause (later ones, and the
+    launcher's own reports, are fallout); None without one."""
+    lines = log.splitlines()
+    for i, line in enumerate(lines):
+        if line.strip().startswith("Traceback (most recent call last):"):
+            out = [line.strip()]
+            for following in lines[i + 1:i + 200]:
+                out.append(following)
+                if following.strip() and not following[0].isspace():  # the exception line ends it
+                    break
+            return "\n".join(out)
+    return None
+
+
+def _failure_error(run_dir: Path, world: int, torchrun_log: str, slurm: bool = False) -> Exception:
     errors = {e["rank"]: e for e in (json.loads(p.read_text()) for p in _rank_files(run_dir, "error.json").values())}
     # A rank that vanished without a Python error is the root cause: its peers' collectives then fail
     # ("Connection reset by peer"), and those errors are fallout, however early they were written.
@@ -666,7 +850,8 @@ def _failure_error(run_dir: Path, world: int, torchrun_log: str) -> Exception:
     if errors and not killed:
         first = min(errors.values(), key=lambda e: e["time"])  # the root cause; later ones are fallout
         others = sorted(r for r in errors if r != first["rank"])
-        summary = f"rank {first['rank']} failed: {first['type']}"
+        where = f" on node {first['node']}" if first.get("node") else ""  # under Slurm
+        summary = f"rank {first['rank']}{where} failed: {first['type']}"
         if first["message"]:
             summary += f": {first['message']}"
         details = f"[rank {first['rank']}] {first['traceback']}"
@@ -675,7 +860,16 @@ def _failure_error(run_dir: Path, world: int, torchrun_log: str) -> Exception:
         return RankFailedError(first["rank"], summary, details)
     started = _rank_files(run_dir, "pid")
     if not started:
-        return LaunchError(f"torchrun could not start the ranks:\n{torchrun_log[-3000:]}")
+        first = _first_traceback(torchrun_log)
+        srun_errors = [ln for ln in torchrun_log.splitlines() if ln.startswith("srun: error:")]
+        if slurm and srun_errors and first is None:
+            return LaunchError("srun could not start the ranks:\n" + "\n".join(srun_errors[:5]) +
+                               "\n(`megalab doctor --slurm` checks the allocation)")
+        if first is None:
+            return LaunchError(f"torchrun could not start the ranks:\n{torchrun_log[-3000:]}")
+        hint = ("\n(under Slurm, `megalab doctor --slurm` checks what the ranks need: the export setting, "
+                "node names, a shared run folder)" if slurm else "")
+        return LaunchError(f"torchrun could not start the ranks; the first error in its output:\n{first}{hint}")
     # No Python exception from the culprit: a rank died (signal, os._exit).
     cause = None
     if killed:
@@ -727,11 +921,13 @@ def _wait(
         if now >= next_sample:
             elapsed, started = now - start, bool(_rank_files(run_dir, "pid"))
             watch.meter.sample(elapsed, with_launchers=not started)
-            if _finished(run_dir, watch.local_ranks):  # torchrun is winding down, the ranks use no CPU
+            if _finished(run_dir, watch.world if isinstance(watch.meter, _NodesMeter) else watch.local_ranks):
+                # torchrun is winding down, the ranks use no CPU
                 if elapsed >= watch.hard_timeout:
                     return None  # the cell is done everywhere: only torchrun lingers
             elif kind := watch.verdict(elapsed, started):
-                return _timeout_error(run_dir, code, kind, watch.reason(kind, elapsed))
+                nodes = watch.meter.nnodes if isinstance(watch.meter, _NodesMeter) else 0
+                return _timeout_error(run_dir, code, kind, watch.reason(kind, elapsed), nodes)
             if on_progress:
                 last = _last_line(run_dir / f"rank{shown}.err") or _last_line(run_dir / f"rank{shown}.out")
                 on_progress(elapsed, " · ".join(filter(None, [watch.note(elapsed, started), last])))
@@ -756,6 +952,7 @@ def run(
     cwd: str | os.PathLike | None = None,
     on_progress: Callable[[float, str], None] | None = None,
     keep_run_dir: bool = False,
+    name: str | None = None,
 ) -> LaunchResult:
     """Run `code` (a Python script as text) on `nproc_per_node` ranks per node under torchrun.
 
@@ -763,7 +960,8 @@ def run(
     the first failing rank's traceback, LaunchError for impossible requests, and
     LaunchTimeoutError (with every rank's stack and a `kind`): at `timeout` seconds if every
     rank is waiting (a deadlock), at `hard_timeout` (default HARD_TIMEOUT_FACTOR x timeout, never
-    less than timeout) if they are still computing. KeyboardInterrupt stops all ranks.
+    less than timeout) if they are still computing. KeyboardInterrupt stops all ranks. `name` names the
+    Slurm step (megalab-NAME).
     """
     if nproc_per_node < 1 or nnodes < 1:
         raise LaunchError("need at least one rank per node and one node")
@@ -776,6 +974,7 @@ def run(
     base = cwd / ".megalab" / "runs" if slurm else None  # ranks on other nodes need a shared path
     if base:
         base.mkdir(parents=True, exist_ok=True)
+        _clean_stale_runs(base)
     run_dir = Path(tempfile.mkdtemp(prefix="megalab-run-", dir=base))
     script = run_dir / "cell.py"
     script.write_text(code)
@@ -796,8 +995,10 @@ def run(
     cpus = slurm_cpus_per_node() if slurm else available_cpus()
     child_env.setdefault("OMP_NUM_THREADS", str(max(1, cpus // nproc_per_node)))
     child_env.update(env or {})
+    if slurm:
+        _write_agent_config(run_dir, child_env, env or {}, idle_window(timeout))
 
-    cmd = torchrun_command(script, nproc_per_node, nnodes, node_rank, rdzv_endpoint, slurm)
+    cmd = torchrun_command(script, nproc_per_node, nnodes, node_rank, rdzv_endpoint, slurm, name)
     log_path = run_dir / "torchrun.log"
     start = time.monotonic()
     with open(log_path, "wb") as log:
@@ -806,7 +1007,7 @@ def run(
             start_new_session=True, preexec_fn=_die_with_parent,
         )
     cap = max(timeout, HARD_TIMEOUT_FACTOR * timeout if hard_timeout is None else hard_timeout)
-    meter = _CpuMeter(proc.pid, run_dir, idle_window(timeout))
+    meter = _NodesMeter(run_dir, nnodes, idle_window(timeout)) if slurm else _CpuMeter(proc.pid, run_dir, idle_window(timeout))
     watch = _Watch(timeout, cap, nproc_per_node, world, nnodes > 1, meter)
     error: BaseException | None
     try:
@@ -827,7 +1028,7 @@ def run(
             "under the notebook's folder) must be on a filesystem every node of the allocation shares")
     local_ranks = set(_rank_files(run_dir, "pid"))
     if error is None and not _finished(run_dir, world if slurm else nproc_per_node):
-        error = _failure_error(run_dir, world, torchrun_log)
+        error = _failure_error(run_dir, world, torchrun_log, slurm)
     if error is not None:
         if not keep_run_dir:
             shutil.rmtree(run_dir, ignore_errors=True)

@@ -20,13 +20,24 @@ on, the status line saying so, until `--hard-timeout` (3 x --timeout by default)
 
 from __future__ import annotations
 
+import os
 import sys
+from pathlib import Path
 
 from IPython.core.magic import Magics, cell_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 from IPython.display import display
 
 from megalab.lab import launch
+
+
+def step_name(execution_count: int | None) -> str:
+    """What names the cell's Slurm step: the notebook (Jupyter Server sets JPY_SESSION_NAME to its path) and
+    the cell's execution count, e.g. 01_setup_and_torchrun-cell7."""
+    notebook = os.environ.get("JPY_SESSION_NAME", "")
+    stem = Path(notebook).stem if notebook else ""
+    cell = f"cell{execution_count}" if execution_count else "cell"
+    return f"{stem}-{cell}" if stem else cell
 
 
 @magics_class
@@ -48,11 +59,14 @@ class TorchrunMagics(Magics):
     def torchrun(self, line: str, cell: str):
         """Run the cell under torchrun on N ranks; see `megalab.lab.launch.run`."""
         args = parse_argstring(self.torchrun, line)
+        nodes = len(launch.slurm_nodes()) if args.slurm else args.nnodes  # --slurm: every node of the allocation
+        world = args.nproc_per_node * nodes
         status = display({"text/plain": ""}, raw=True, display_id=True)
 
         def on_progress(elapsed: float, last: str) -> None:
             shown = f" · {last[:200]}" if last else " · starting"  # room for the overload note
-            status.update({"text/plain": f"running on {args.nproc_per_node * args.nnodes} ranks, {elapsed:.0f} s{shown}"}, raw=True)
+            status.update({"text/plain": f"running on {world} rank{'s' if world != 1 else ''}, {elapsed:.0f} s{shown}"},
+                          raw=True)
 
         try:
             result = launch.run(
@@ -67,6 +81,7 @@ class TorchrunMagics(Magics):
                 rdzv_endpoint=args.rdzv_endpoint,
                 slurm=args.slurm,
                 on_progress=on_progress,
+                name=step_name(self.shell.execution_count),
             )
         finally:
             status.update({"text/plain": ""}, raw=True)  # the saved output equals the first display

@@ -17,7 +17,8 @@ torchrun starts `python -m megalab.lab.worker CELL.py` once per rank. The worker
 Under Slurm, `python -m megalab.lab.worker --node-agent RUN_DIR -- TORCHRUN...` is what srun starts on
 each node (`node_agent`): it runs that node's torchrun and stops it, ranks included, when the launcher
 asks through the shared run dir (RUN_DIR/stop) or Slurm signals the step, so no rank outlives a timeout
-on a node the launcher cannot reach.
+on a node the launcher cannot reach. It also reports its ranks' CPU time (RUN_DIR/node{N}.cpu) and has them
+dump their stacks when asked (RUN_DIR/dump): the launcher judges timeouts from every node.
 """
 
 import ctypes
@@ -84,6 +85,7 @@ def _write_error(run_dir: Path, rank: int, exc: BaseException) -> None:
         "message": str(exc).strip().splitlines()[0] if str(exc).strip() else "",
         "traceback": "".join(lines),
         "time": time.time(),
+        "node": os.environ.get("SLURMD_NODENAME", ""),  # under Slurm, which node (the launcher names it)
     }
     tmp = run_dir / f"rank{rank}.error.json.tmp"
     tmp.write_text(json.dumps(report))
@@ -186,24 +188,97 @@ def _kill_tree(pid: int) -> None:
         time.sleep(0.05)
 
 
+def _local_ranks(run_dir: Path, torchrun: int) -> dict[int, int]:
+    """{rank: pid} of the ranks this node's torchrun started (pid files are shared by every node)."""
+    mine = set(_descendants(torchrun))
+    ranks = {}
+    for path in run_dir.glob("rank*.pid"):
+        try:
+            pid = int(path.read_text())
+        except (OSError, ValueError):
+            continue
+        if pid in mine:
+            ranks[int(path.name[4:-4])] = pid
+    return ranks
+
+
+def _dump_stacks(run_dir: Path, node: str, host: str, torchrun: int, token: str) -> None:
+    """Have this node's ranks dump their stacks (SIGUSR1, faulthandler) and answer in RUN_DIR/node{N}.dumped:
+    the ranks and where their new dump starts in rank{k}.stack."""
+    ranks = _local_ranks(run_dir, torchrun)
+    offsets = {}
+    for rank, pid in ranks.items():
+        path = run_dir / f"rank{rank}.stack"
+        offsets[rank] = path.stat().st_size if path.exists() else 0
+        try:
+            os.kill(pid, signal.SIGUSR1)
+        except ProcessLookupError:
+            offsets.pop(rank)
+    deadline = time.monotonic() + 2.0
+    while time.monotonic() < deadline:  # faulthandler writes from its signal handler: fast
+        if all((run_dir / f"rank{r}.stack").stat().st_size > o for r, o in offsets.items()):
+            break
+        time.sleep(0.05)
+    _write_json(run_dir / f"node{node}.dumped", {"token": token, "host": host, "ranks": offsets})
+
+
+def _write_json(path: Path, value) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(value))
+    tmp.rename(path)
+
+
 def node_agent(run_dir: Path, cmd: list[str]) -> int:
     """Run this node's torchrun (`cmd`); stop it and its ranks when RUN_DIR/stop appears or on SIGTERM/
     SIGINT/SIGHUP (srun forwards them; scancel sends them). Writes RUN_DIR/node{N}.agent (host, pid, Slurm
-    step) when started and RUN_DIR/node{N}.exit (torchrun's exit code) when done."""
+    step) when started and RUN_DIR/node{N}.exit (torchrun's exit code) when done.
+
+    Meanwhile it judges its own ranks' CPU time (megalab.lab.launch._NodeMeter) and reports to the launcher,
+    which cannot see this node's processes, in RUN_DIR/node{N}.cpu; when the launcher asks for stacks
+    (RUN_DIR/dump), it has its ranks dump theirs. The variables the ranks need come from RUN_DIR/agent.json,
+    whatever srun passed on."""
+    from megalab.lab.launch import SAMPLE_INTERVAL, _NodeMeter
+
     node = os.environ.get("SLURM_NODEID", "0")
+    host = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
     stop_requested = []
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, lambda signum, frame: stop_requested.append(signum))
-    proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent)
+    env, window = dict(os.environ), 3.0
+    try:
+        config = json.loads((run_dir / "agent.json").read_text())
+        env.update(config["env"])
+        window = config["idle_window"]
+    except (OSError, ValueError, KeyError):
+        pass
+    proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, env=env, preexec_fn=_die_with_parent)
     step = f"{os.environ.get('SLURM_JOB_ID', '')}.{os.environ.get('SLURM_STEP_ID', '')}"
-    (run_dir / f"node{node}.agent").write_text(json.dumps({"host": socket.gethostname(), "pid": os.getpid(),
-                                                           "step": step}))
+    (run_dir / f"node{node}.agent").write_text(json.dumps({"host": host, "pid": os.getpid(), "step": step}))
+    meter = _NodeMeter(proc.pid, run_dir, window)
+    start = next_sample = time.monotonic()
+    dumped, started = "", False
     while proc.poll() is None:
         if stop_requested or (run_dir / "stop").exists():
             _kill_tree(proc.pid)
             break
+        now = time.monotonic()
+        if now >= next_sample:
+            started = started or bool(_local_ranks(run_dir, proc.pid))  # rank processes are up here
+            meter.sample(now - start, with_launchers=not started)
+            _write_json(run_dir / f"node{node}.cpu", {**meter.report(), "host": host})
+            next_sample = now + SAMPLE_INTERVAL
+        try:
+            token = (run_dir / "dump").read_text()
+        except OSError:
+            token = dumped
+        if token != dumped:
+            _dump_stacks(run_dir, node, host, proc.pid, token)
+            dumped = token
         time.sleep(AGENT_POLL)
     code = proc.wait()
+    # this node's ranks are gone: they use no CPU, whatever the last report said (other nodes may still run)
+    _write_json(run_dir / f"node{node}.cpu", {"busy": False, "cpu": 0.0, "busiest": 0.0, "span": window,
+                                               "starting": False, "host": host})
     tmp = run_dir / f"node{node}.exit.tmp"
     tmp.write_text(str(code))
     tmp.rename(run_dir / f"node{node}.exit")
