@@ -65,7 +65,8 @@ c.SlurmSpawner.req_partition = PARTITION
 c.SlurmSpawner.req_gres = f"gpu:{GPUS}" if GPUS else ""
 # batchspawner's template, with two changes: the job holds NODES nodes (one task each), and its srun steps export
 # the whole environment. batchspawner submits with `--export=<a list>`, which Slurm hands down to every srun in the
-# job: without SLURM_EXPORT_ENV=ALL the ranks of a `%%torchrun --slurm` cell would lose the learner's environment.
+# job; megalab's own srun passes --export=ALL, and SLURM_EXPORT_ENV=ALL gives the learner's own srun (a terminal)
+# their environment too.
 c.SlurmSpawner.batch_script = f"""#!/bin/bash
 #SBATCH --job-name=megalab-{{{{username}}}}
 #SBATCH --output={STUDENTS}/{{{{username}}}}/.megalab/jupyterhub-%j.log
