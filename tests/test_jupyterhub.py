@@ -143,6 +143,25 @@ c.JupyterHub.load_roles = [{{"name": "megalab-test", "services": ["megalab-test"
             except (ValueError, ProcessLookupError):
                 pass
         self.log.close()
+        deadline = time.monotonic() + 30  # the proxy and the learner's server end shortly after the hub
+        while _left_running(self.root) and time.monotonic() < deadline:
+            time.sleep(0.5)
+
+
+def _left_running(root: Path) -> list[str]:
+    """Processes whose working folder or command line is under `root` (the hub, its proxy, a learner's server)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            cmd = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            cwd = os.readlink(entry / "cwd")
+        except OSError:
+            continue
+        if cwd.startswith(str(root)) or str(root) in cmd:
+            found.append(f"{entry.name}: {cmd[:200]}")
+    return found
 
 
 async def _execute(url: str, token: str, code: str, timeout: float) -> tuple[str, list[dict]]:
@@ -217,6 +236,8 @@ def test_a_learner_server_spawned_by_jupyterhub_on_slurm_runs_a_torchrun_slurm_c
         assert hub.api("DELETE", f"/hub/api/users/{user}/server", timeout=120).status_code in (202, 204)
         hub.wait("the learner's job to end", lambda: not hub.jobs(), 120)
         phase("server stopped, job gone")
+        hub.stop()
+        assert not _left_running(tmp_path), "still running after the hub stopped"
     finally:
         hub.stop()
         for job in hub.jobs():
