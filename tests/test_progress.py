@@ -11,7 +11,7 @@ import pytest
 from megalab.lab import cli
 from megalab.lab.exercises import load, write_student
 from megalab.lab.grading import Outcome, Row, exercise_row
-from megalab.lab.progress import HintError, chart, hint, load_state, record_grades, summary, table
+from megalab.lab.progress import HintError, ProgressError, chart, hint, load_state, record_grades, summary, table
 
 matplotlib.use("Agg")
 
@@ -104,10 +104,14 @@ def test_the_commands(tree, capsys, monkeypatch):
     assert json.loads(capsys.readouterr().out)[0]["hints"] == 1
 
 
-def test_a_damaged_progress_file_starts_again(tree):
+def test_a_damaged_progress_file_is_said_never_replaced(tree):
+    assert load_state(tree) == {"hints": {}, "grades": {}, "history": {}}  # none yet: an empty history
     (tree / ".megalab").mkdir()
     (tree / ".megalab" / "progress.json").write_text("{not json")
-    assert load_state(tree) == {"hints": {}, "grades": {}}
+    with pytest.raises(ProgressError, match="is damaged"):
+        hint(tree, "toy.add")
+    assert (tree / ".megalab" / "progress.json").read_text() == "{not json"
+    (tree / ".megalab" / "progress.json").rename(tree / ".megalab" / "progress.json.damaged")  # the fix it names
     hint(tree, "toy.add")
     assert load_state(tree)["hints"] == {"toy.add": 1}
 

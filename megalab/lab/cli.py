@@ -1,5 +1,5 @@
 """The `megalab` command: doctor, notebooks, timings; the learner's tools (workspace, grade, restore, update) and the
-instructor's (exercises, student, report)."""
+instructor's (exercises, student, report, class)."""
 
 from __future__ import annotations
 
@@ -156,7 +156,7 @@ def _progress(args: argparse.Namespace) -> int:
 
     try:
         rows = summary(find_root())
-    except ValueError as exc:
+    except ValueError as exc:  # a ProgressError too: an unreadable or damaged progress file, left as it is
         print(f"megalab progress: {exc}", file=sys.stderr)
         return 2
     print(json.dumps([asdict(r) for r in rows], indent=1) if args.json else table(rows))
@@ -257,6 +257,26 @@ def _report(args: argparse.Namespace) -> int:
     return 0
 
 
+def _class(args: argparse.Namespace) -> int:
+    from megalab.lab.classview import ClassError, collect
+    from megalab.lab.exercises import ExerciseError, find_root
+
+    try:
+        reference = Path(args.reference) if args.reference else find_root()
+        view = collect(args.folder, reference, args.target, jobs=args.jobs, timeout=args.timeout,
+                       cpu_limit=args.cpu_limit)
+    except (ClassError, ExerciseError) as exc:
+        print(f"megalab class: {exc}", file=sys.stderr)
+        return 2
+    print(view.table())
+    for path, text in ((args.csv, view.csv), (args.html, view.html)):
+        if path:
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+            Path(path).write_text(text(), encoding="utf-8")
+            print(f"wrote {path}")
+    return 0 if view.learners else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="megalab", description="megalab: build Megatron-LM's ideas yourself")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -328,6 +348,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("files", nargs="+", help="the students' JSON files, e.g. grades/*.json")
     p.add_argument("--csv", metavar="FILE", help="also write the table as CSV")
     p.set_defaults(func=_report)
+
+    p = sub.add_parser("class", help="instructors: re-grade every workspace of a class folder from the learners' code "
+                       "(in a sandbox each, nothing written into theirs); a table, CSV and HTML")
+    p.add_argument("folder", help="the class folder: one workspace per learner, named after the learner")
+    p.add_argument("target", nargs="?", help="an exercise id or a chapter (default: every exercise)")
+    p.add_argument("-j", "--jobs", type=int, default=1, help="learners graded at once (default 1)")
+    p.add_argument("--reference", help="the course the workspaces were made from (default: the repository here)")
+    p.add_argument("--timeout", type=float, default=300, help="seconds per test (default 300)")
+    p.add_argument("--cpu-limit", type=float, help="CPU seconds per test before it is an endless loop (default 30)")
+    p.add_argument("--csv", metavar="FILE", help="also write the table as CSV")
+    p.add_argument("--html", metavar="FILE", help="also write a small HTML page")
+    p.set_defaults(func=_class)
     return parser
 
 

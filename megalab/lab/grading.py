@@ -453,9 +453,23 @@ def grade(root: str | Path = ".", target: str | None = None, timeout: float = DE
           notebooks: bool = True) -> Report:
     """Grade the tree at `root`: one exercise (`target` an id: no notebooks), one notebook (and the exercises it
     teaches), a chapter, or everything."""
+    from megalab.lab.progress import ProgressError, foreign_owner, load_state, record_grades  # (not at import: this
+    # module is also pytest's plugin)
+
     start = time.perf_counter()
     root = Path(root).resolve()
     ws = open_workspace(root)
+    owner = foreign_owner(root) if ws else None
+    if owner:  # another user's workspace (an instructor grading it): grade a copy, write nothing into theirs
+        from megalab.lab.sandbox import private_copy
+
+        with private_copy(root) as copy:
+            report = grade(copy, target, timeout, notebooks)
+        report.root = str(root)
+        report.problems.append(f"graded a private copy of {root}: it belongs to {owner}, and grading another user's "
+                               "workspace never writes into it (its progress is not updated; `megalab class` views a "
+                               "whole class)")
+        return report
     registry = load(root)  # in a workspace the exercises are the reference's: deleting a marker hides none
     reference = load(ws.reference) if ws else registry
     label, selected, nb_paths = choose(reference, target, root)
@@ -471,18 +485,19 @@ def grade(root: str | Path = ".", target: str | None = None, timeout: float = DE
     else:
         rows = grade_in_workspace(root, ws, selected, reference.exercises, timeout)
         cells = grade_notebooks(root, ws, nb_paths, timeout)
-    from megalab.lab.progress import load_state, record_grades  # (not at import: this module is also pytest's plugin)
-
-    used = load_state(root)["hints"]
+    try:
+        used = load_state(root)["hints"]
+    except ProgressError:  # said below, by record_grades; the grade itself stands
+        used = {}
     for row, ex in zip(rows, selected):
         mine = registry.exercises.get(ex.id)
         row.where = mine.where if mine else f"{ex.path} (its `# EXERCISE {ex.id}:` line is gone: put it back)"
         row.notebook = ex.notebook
         row.hints = int(used.get(ex.id, 0))
-    record_grades(root, rows)  # `megalab progress` reads them
+    unrecorded = record_grades(root, rows)  # `megalab progress` reads them; None, or why they were not recorded
     blank = {nb: blank_dependencies(root, nb, list(reference.exercises.values())) for nb in nb_paths} if ws else None
-    return Report(str(root), label, time.perf_counter() - start, rows,
-                  notebook_rows(nb_paths, cells, blank), registry.problems(), ws.config.get("lang", "en") if ws else "en")
+    return Report(str(root), label, time.perf_counter() - start, rows, notebook_rows(nb_paths, cells, blank),
+                  registry.problems() + ([unrecorded] if unrecorded else []), ws.config.get("lang", "en") if ws else "en")
 
 
 def grade_notebooks(root: Path, ws, notebooks: list[str], timeout: float) -> dict[str, Outcome]:

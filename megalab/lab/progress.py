@@ -9,6 +9,9 @@ Hints live in the reference's source, as the first lines of each exercise's regi
 a workspace reads them from the reference it keeps (.megalab/reference), a plain student copy from the
 .megalab/hints.json that `megalab student` writes. Nothing here needs a network: every number comes from
 `megalab grade` runs on this machine. An exercise is done when its last grade passed.
+
+The file is the learner's alone: another user (an instructor grading this workspace) never writes it, a file
+that cannot be read or is damaged is said so and left as it is, and every write replaces it whole.
 """
 
 from __future__ import annotations
@@ -30,41 +33,125 @@ class HintError(ValueError):
     """No such exercise or hint level; the message says what exists."""
 
 
+class ProgressError(ValueError):
+    """The progress file cannot be read or written (another user's file, a damaged one); nothing was changed."""
+
+
 # --------------------------------------------------------------------------- the state file
 
 
+def _owner(path: Path) -> str:
+    try:
+        import pwd
+
+        uid = path.stat().st_uid
+        try:
+            return f"{pwd.getpwuid(uid).pw_name} (uid {uid})"
+        except KeyError:
+            return f"uid {uid}"
+    except (ImportError, OSError):
+        return "another user"
+
+
+def foreign_owner(root: Path) -> str | None:
+    """Who owns the workspace at `root` when it is not the user running this (an instructor grading a learner's
+    workspace, root included), else None. Such a workspace is only ever read, never written."""
+    if not hasattr(os, "geteuid"):
+        return None
+    for path in (Path(root) / ".megalab", Path(root)):
+        try:
+            uid = path.stat().st_uid
+        except OSError:
+            continue
+        return None if uid == os.geteuid() else _owner(path)
+    return None
+
+
 def load_state(root: Path) -> dict:
+    """{"hints": {id: deepest level seen}, "grades": {id: the last grade}, "history": {id: first attempt, attempts,
+    first pass}}. No file yet: empty. A file that cannot be read or is damaged: ProgressError (never an empty
+    history that the next save would write over the real one)."""
     path = Path(root) / STATE
     try:
-        state = json.loads(path.read_text())
-    except (OSError, ValueError):  # none yet, or a damaged file: start again rather than fail a learner
-        state = {}
-    return {"hints": dict(state.get("hints", {})), "grades": dict(state.get("grades", {}))}
+        text = path.read_text()
+    except FileNotFoundError:
+        return {"hints": {}, "grades": {}, "history": {}}
+    except OSError as exc:
+        raise ProgressError(f"cannot read your progress file {path} ({exc.strerror}; it belongs to {_owner(path)}, mode "
+                            f"{oct(path.stat().st_mode & 0o777) if path.exists() else '?'}): it was left as it is. "
+                            f"Fix: make it yours again (`sudo chown $USER {path}` or ask whoever wrote it), then retry"
+                            ) from None
+    try:
+        state = json.loads(text)
+        if not isinstance(state, dict):
+            raise ValueError("not a JSON object")
+        return {key: dict(state.get(key, {})) for key in ("hints", "grades", "history")}
+    except (ValueError, TypeError) as exc:
+        raise ProgressError(f"your progress file {path} is damaged ({exc}): it was left as it is. Fix: repair it, or "
+                            f"move it away to start a new history (`mv {path} {path}.damaged`)") from None
 
 
 def _save(root: Path, state: dict) -> None:
+    """Write the state whole or not at all (two terminals at once never leave half a file; a failure keeps the old
+    file); never into another user's workspace; the file keeps its mode."""
     path = Path(root) / STATE
-    path.parent.mkdir(parents=True, exist_ok=True)
-    gitignore = path.parent / ".gitignore"
-    if not gitignore.exists():
-        gitignore.write_text("*\n")
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".progress-", suffix=".json")
-    with os.fdopen(fd, "w") as f:
-        json.dump(state, f, indent=1, sort_keys=True)
-    os.replace(tmp, path)  # whole or not at all: two terminals grading at once never leave half a file
+    owner = foreign_owner(root)
+    if owner is not None:
+        raise ProgressError(f"not recorded: this workspace ({Path(root)}) belongs to {owner}; grading or reading "
+                            f"another user's workspace never writes into it")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        gitignore = path.parent / ".gitignore"
+        if not gitignore.exists():
+            gitignore.write_text("*\n")
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".progress-", suffix=".json")
+    except OSError as exc:
+        raise ProgressError(f"cannot write your progress file {path} ({exc.strerror}; {path.parent} belongs to "
+                            f"{_owner(path.parent)}): nothing was changed. Fix: make that folder writable for you "
+                            f"(`chmod u+w {path.parent}`, or `sudo chown -R $USER {path.parent}`)") from None
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(state, f, indent=1, sort_keys=True)
+            f.flush()
+            os.fsync(f.fileno())
+        try:
+            mode = path.stat().st_mode & 0o777
+        except FileNotFoundError:
+            mode = 0o644
+        os.chmod(tmp, mode)
+        os.replace(tmp, path)
+    except OSError as exc:
+        Path(tmp).unlink(missing_ok=True)
+        raise ProgressError(f"cannot write your progress file {path} ({exc}): the old file was kept") from None
 
 
 def _now() -> str:
     return time.strftime("%Y-%m-%d %H:%M")
 
 
-def record_grades(root: Path, rows) -> None:
-    """Remember each exercise row of a `megalab grade` run (status, its one-line verdict, when)."""
-    state = load_state(root)
-    for row in rows:
-        state["grades"][row.name] = {"status": row.status, "detail": row.detail[:300], "when": _now(),
-                                     "hints": state["hints"].get(row.name, 0)}
-    _save(root, state)
+def _attempt(state: dict, exercise_id: str, passed: bool | None = None) -> None:
+    """History of one exercise: when it was first tried (a grade or a hint), how many grades, when it first passed."""
+    now = _now()
+    entry = state["history"].setdefault(exercise_id, {"first": now, "attempts": 0})
+    if passed is not None:
+        entry["attempts"] = int(entry.get("attempts", 0)) + 1
+        if passed and not entry.get("passed"):
+            entry["passed"] = now
+
+
+def record_grades(root: Path, rows) -> str | None:
+    """Remember each exercise row of a `megalab grade` run (status, its one-line verdict, when). Returns None, or
+    why nothing was recorded (another user's workspace, an unreadable file): grading still goes on."""
+    try:
+        state = load_state(root)
+        for row in rows:
+            state["grades"][row.name] = {"status": row.status, "detail": row.detail[:300], "when": _now(),
+                                         "hints": state["hints"].get(row.name, 0)}
+            _attempt(state, row.name, row.status == "passed")
+        _save(root, state)
+    except ProgressError as exc:
+        return str(exc)
+    return None
 
 
 def hints_used(root: Path, exercise_id: str) -> int:
@@ -106,6 +193,7 @@ def hint(root: Path, exercise_id: str, level: int | None = None) -> tuple[int, i
     if not 1 <= level <= len(levels):
         raise HintError(f"exercise {exercise_id} has hints 1 to {len(levels)}, not {level}")
     state["hints"][exercise_id] = max(seen, level)
+    _attempt(state, exercise_id)
     _save(root, state)
     return level, len(levels), levels[level - 1]
 
