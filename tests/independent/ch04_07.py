@@ -1,8 +1,13 @@
-"""Independent wrong answers, chapters 04-07, written blind by hidB34 (issue 34; see __init__.py for the format).
-
-Written from the task lines, docstrings, hints and notebooks only, before tests/mistakes/, megalab/lab/mutants.py or
-any test's failure messages were read. A variant of a longer body is written as a .replace() on the body it
-changes (each replace is asserted to change something).
+"""Wrong answers for chapters 04-07, written BLIND (issue 34): from the notebooks' prose, the exercise regions' task
+lines, hints and docstrings only, before reading tests/mistakes/, megalab/lab/mutants.py or any test's failure
+messages. The same format as ch01_03.py: `WRONG = [dict(exercise, name, expect, words, code, half), ...]`
+  expect  in words, what a verdict that names the mistake correctly would say (the behaviour)
+  words   regular expressions (case-insensitive), written with the answer before any verdict was seen: a failing
+          verdict that matches every one of them names the mistake
+  code    the exercise region's body, as tests/blind/ solutions give it
+  half    a split fixed before any grader was changed: the 1st, 3rd, 5th, ... entry is "dev" (looked at while fixing
+          verdicts), the 2nd, 4th, ... "held" (never looked at while fixing: its naming rate is the honest one)
+A variant of a longer body is written as a .replace() on the body it changes (each replace must change something).
 """
 
 
@@ -13,8 +18,8 @@ def _edit(body: str, *pairs: tuple[str, str]) -> str:
     return body
 
 
-def W(exercise, name, behaviour, expect, code):  # noqa: N802
-    return dict(exercise=exercise, name=name, behaviour=behaviour, expect=expect, code=code)
+def W(exercise, name, expect, words, code):  # noqa: N802
+    return dict(exercise=exercise, name=name, expect=expect, words=[words], code=code)
 
 
 # ---------------------------------------------------------------------------------------------- longer bodies
@@ -716,4 +721,5 @@ WRONG = [
       "return dict(tokens=tokens, labels=labels, loss_mask=loss_mask, position_ids=position_ids)\n"),
 ]
 
-SOLUTIONS = WRONG  # `python -m megalab.lab.mutants --solutions tests/independent/ch04_07.py` runs them as they are
+for _i, _w in enumerate(WRONG):
+    _w["half"] = "dev" if _i % 2 == 0 else "held"
