@@ -9,7 +9,7 @@ from megalab.core.optimizer.grad_scaler import ConstantGradScaler, DynamicGradSc
 from megalab.extras import calc
 from megalab.extras.toy import mlp, regression_data
 from megalab.lab import launch
-from megalab.lab.checks import mistake
+from megalab.lab.checks import mistake, wrong
 from tests.feedback import close, equal, require
 
 INF, NAN = float("inf"), float("nan")
@@ -53,7 +53,8 @@ def test_dynamic_update_follows_megatron_rule_and_names_the_mistake():
     for overflow in overflows:
         scaler.update(overflow)
         scales.append(scaler.scale.item())
-    require(close(scales, _megatron_scales(overflows),
+    expected = _megatron_scales(overflows)
+    verdict = close(scales, expected,
                   f"DynamicGradScaler(1024, min_scale=128, growth_interval=3, hysteresis=2): the scale after each "
                   f"update (overflows {[int(o) for o in overflows]})", rtol=0, atol=0, mistakes={
                       "grew the scale on every clean step, not after growth_interval clean steps in a row":
@@ -64,7 +65,25 @@ def test_dynamic_update_follows_megatron_rule_and_names_the_mistake():
                           _megatron_scales(overflows, use_hysteresis=False),
                       "did not refill the hysteresis when the scale grew":
                           _megatron_scales(overflows, refill_hysteresis=False),
-                  }))
+                  })
+    if not verdict and not verdict.reason.startswith("likely mistake"):  # no typical mistake: say what it did
+        verdict = wrong(f"{_first_wrong_update(overflows, scales, expected)} — {verdict.reason}")
+    require(verdict)
+
+
+def _first_wrong_update(overflows, got, expected, initial=1024.0) -> str:
+    """The first update whose scale differs, in words: what it did (grew, backed off, stayed) and what Megatron does."""
+    i = next(i for i, (a, b) in enumerate(zip(got, expected)) if a != b)
+    before_got, before = (got[i - 1], expected[i - 1]) if i else (initial, initial)
+    clean = next((n for n, o in enumerate(reversed(overflows[: i + 1])) if o), i + 1)  # clean updates in a row
+    overflows_so_far = sum(overflows[: i + 1])
+
+    def did(a, b):
+        return f"stayed at {b:g}" if a == b else ("grew to " if b > a else "backed off to ") + f"{b:g}"
+
+    kind = (f"an overflow (overflow {overflows_so_far} so far; hysteresis=2)" if overflows[i] else
+            f"a clean step, {clean} in a row (growth_interval=3)")
+    return f"update {i} ({kind}): the scale {did(before_got, got[i])}; Megatron's {did(before, expected[i])}"
 
 
 @pytest.mark.exercise("mixed_precision.unscale")

@@ -245,6 +245,7 @@ def test_grad_norm_tp2_counts_each_gradient_once():
     local = [math.sqrt(sq["split"][0] + sq["replicated"][0]), n["split"][1]]  # what each rank owns
     right = math.sqrt(sum(sq["split"]) + sq["replicated"][0])
     summed = n["split"][0] + n["split"][1] + n["replicated"][0]
+    l1 = sum(g[0].grad.abs().sum().item() for g in grads) + grads[0][1].grad.abs().sum().item()  # owned |g|
     require(close([got[0], got[1]], [right, right], what, rtol=1e-5, atol=0, mistakes={
         "summed norms instead of squares: the norms of the gradients added up (add their squared elements, all-reduce "
         "that, take the root last)": [summed, summed],
@@ -256,6 +257,8 @@ def test_grad_norm_tp2_counts_each_gradient_once():
         "forgot the all-reduce over the model-parallel group: each rank returns the norm of its own share": local,
         "took the square root before the all-reduce: the ranks' norms added (all-reduce the squared sum)":
             [sum(local)] * 2,
+        "summed |g| (absolute values) instead of the squares g^2 under the root": [math.sqrt(l1)] * 2,
+        "summed |g| (the L1 norm) instead of the squares, and took no root": [l1] * 2,
     }))
 
 

@@ -89,6 +89,10 @@ def test_sliding_window_mask_names_the_mistake():
                           _band(s, -(window - 1), window - 1).int(),
                       "the band points the wrong way (j - i instead of i - j): queries see later keys":
                           _band(s, -(window - 1), 0).int(),
+                      "the diagonal is hidden: query i does not see its own key (0 < i - j; the window counts the "
+                      "query itself)": _band(s, 1, window - 1).int(),
+                      "the band is shifted one back: query i sees keys i - 1 .. i - W, not its own (0 <= i - j < W)":
+                          _band(s, 1, window).int(),
                   }))
 
 

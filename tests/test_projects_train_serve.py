@@ -20,6 +20,7 @@ from megalab.core.tokenizers.text.libraries.bytelevel_tokenizer import ByteToken
 from megalab.core.transformer.transformer_config import TransformerConfig
 from megalab.extras import projects
 from megalab.lab import launch
+from megalab.lab.checks import wrong
 from megalab.training.checkpointing import TRACKER, CheckpointError, checkpoint_dir
 from tests.feedback import close, require
 
@@ -64,7 +65,8 @@ def test_curves_match_names_the_mistake():
     def answers(**mistake):
         return [int(_continues(ref, resumed, rtol, **mistake)) for ref, resumed, rtol, _ in cases]
 
-    require(close(got, answers(), "curves_match's answers (1 True, 0 False) for: " + "; ".join(c[3] for c in cases),
+    expected = answers()
+    verdict = close(got, expected, "curves_match's answers (1 True, 0 False) for: " + "; ".join(c[3] for c in cases),
                   mistakes={
                       "compared the losses with the reference's last ones but never checked the iterations":
                           answers(by_iteration=False),
@@ -73,7 +75,12 @@ def test_curves_match_names_the_mistake():
                       "used rtol as an absolute tolerance (it is relative: |loss - ref| <= rtol * |ref|)":
                           answers(relative=False),
                       "compared with < instead of <= (rtol=0 must accept identical losses)": answers(inclusive=False),
-                  }))
+                  })
+    if not verdict and not verdict.reason.startswith("likely mistake"):  # no typical mistake: which answers differ
+        said = [f"{'True' if g else 'False'} for {c[3]!r} (expected {'True' if e else 'False'})"
+                for g, e, c in zip(got, expected, cases) if g != e]
+        verdict = wrong(f"curves_match answered {'; '.join(said)} — {verdict.reason}")
+    require(verdict)
 
 
 @pytest.mark.exercise("projects.curves_match")

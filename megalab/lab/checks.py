@@ -152,8 +152,12 @@ def _pattern(a, e, rtol: float, atol: float) -> str | None:
     if norm > 0:
         k = float((a64 * e64).sum()) / norm
         if abs(k - 1) > 1e-3 and k != 0 and same(a64, k * e64):
-            return (f"exactly {_fmt(k)} x the expected: a missing or extra scale "
-                    "(1/world_size? a sum instead of a mean?)")
+            whole = max(abs(k), 1 / abs(k))  # a factor of n or 1/n is what a scale slip gives
+            if abs(whole - round(whole)) < 1e-3 * whole:
+                return (f"exactly {_fmt(k)} x the expected: a missing or extra scale "
+                        "(1/world_size? a sum instead of a mean?)")
+            if len({round(x, 9) for x in e64.flatten().tolist() if x}) >= 2:  # one factor across different values
+                return f"exactly {_fmt(k)} x the expected (one constant factor)"
     if a64.dim() >= 2 and a64.shape[-1] == a64.shape[-2] and same(a64, e64.transpose(-1, -2)):
         return "the transpose of the expected: a transposed shard or weight?"
     for dim in range(a64.dim()):

@@ -1,0 +1,69 @@
+"""Grade every wrong answer of tests/independent/ch04_07.py the way `megalab grade` does and classify it.
+
+    python -m tests.independent.ch04_07_measure [--exercise ID ...] [--half dev|held] [--json OUT]
+
+A row: NOT CAUGHT (every test passed), caught + named (the first failure's verdict matches every `words` regex),
+caught, not named. Whether a verdict that does not match names the mistake WRONGLY is judged by reading it
+(RESULTS_ch04_07.md)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from dataclasses import asdict
+from pathlib import Path
+from types import SimpleNamespace
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def classify(verdict_status: str, verdict: str, words: list[str]) -> str:
+    if verdict_status in ("NOT CAUGHT", "error"):
+        return verdict_status
+    return "caught + named" if all(re.search(w, verdict, re.I) for w in words) else "caught, not named"
+
+
+def measure(wrong: list[dict], echo: bool = False) -> list[dict]:
+    from megalab.lab.mutants import run
+
+    as_mistakes = [SimpleNamespace(exercise=w["exercise"], name=w["name"], says="\0", code=w["code"],
+                                   fresh=w.get("fresh", False)) for w in wrong]
+    rows = []
+    for w, r in zip(wrong, run(ROOT, as_mistakes, echo=echo)):
+        row = {**asdict(r), "status": classify(r.status, r.verdict, w["words"]), "expect": w["expect"],
+               "words": w["words"], "half": w["half"]}
+        row.pop("says")
+        rows.append(row)
+    return rows
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--exercise", action="append")
+    p.add_argument("--half")
+    p.add_argument("--name", action="append", help="only answers with this name")
+    p.add_argument("--json")
+    args = p.parse_args(argv)
+    sys.path.insert(0, str(ROOT))
+    from tests.independent.ch04_07 import WRONG
+
+    wrong = [w for w in WRONG if (not args.exercise or w["exercise"] in args.exercise)
+             and (not args.half or w["half"] == args.half) and (not args.name or w["name"] in args.name)]
+    rows = measure(wrong)
+    for r in rows:
+        print(f"{r['half']:4} {r['exercise']:32.32} {r['name'][:40]:40} {r['status']:18} {r['seconds']:6.1f}s  "
+              f"{r['verdict'][:300]}", flush=True)
+    for half in ("dev", "held"):
+        mine = [r for r in rows if r["half"] == half]
+        if mine:
+            print(f"{half}: {len(mine)} answers, {sum(r['status'] != 'NOT CAUGHT' for r in mine)} fail, "
+                  f"{sum(r['status'] == 'caught + named' for r in mine)} named")
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
