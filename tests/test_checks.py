@@ -71,3 +71,13 @@ def test_generic_patterns_are_named():
     assert "1/2 of the expected elements" in said["shard"]
     noise = x + torch.randn(4, 4)
     assert "it looks like" not in close(noise, x, "y").reason
+
+
+def test_a_factor_names_a_cause_only_when_the_evidence_shows_one():
+    """Issue 34: a scale slip gives n or 1/n; any other factor is said as measured, with no cause guessed, and one
+    number alone (always a multiple of the expected) says nothing about a factor."""
+    x = torch.arange(1.0, 7.0)
+    assert "(1/world_size? a sum instead of a mean?)" in close(x / 4, x, "y").reason
+    odd = close(x * 0.5721, x, "y").reason
+    assert "exactly 0.5721 x the expected (one constant factor)" in odd and "world_size" not in odd
+    assert "it looks like" not in close(torch.tensor([6.053, 6.053]), torch.tensor([10.58, 10.58]), "y").reason
