@@ -352,6 +352,8 @@ def _blending_mistakes(weights, size):
 
     found["the error uses weights * i, without Megatron's max(i, 1): sample 0 then goes to the first dataset by "
           "the tie, not to the heaviest"] = greedy(lambda i: i)
+    found["the targets run one sample ahead: weights * (i + 1) in place of weights * max(i, 1) (Megatron's target for "
+          "sample i is weights * i)"] = greedy(lambda i: i + 1)
     index, _ = greedy(lambda i: max(i, 1))
     found["dataset_sample_index holds the position in the blend instead of the count of samples taken from that "
           "dataset"] = index, list(range(size))

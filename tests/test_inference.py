@@ -66,10 +66,10 @@ def _caches(config):
 @pytest.mark.exercise("inference.paged_slots")
 def test_paged_slots_go_through_the_block_table_and_name_the_mistake():
     cache = PagedKVCache(TransformerConfig(**BASE), num_blocks=8, block_size=4)
-    for length in (4, 8, 12):  # two sequences growing in turns: sequence 0 holds every other block
+    for length in (4, 8, 12, 16):  # two sequences growing in turns: sequence 0 holds every other block
         cache.reserve(0, length)
         cache.reserve(1, length)
-    table, positions = torch.tensor(cache.block_tables[0]), torch.arange(3, 9)
+    table, positions = torch.tensor(cache.block_tables[0]), torch.arange(3, 9)  # 4 blocks: any p % 4 indexes it
     got = torch.stack(cache.slots(0, 3, 6))
     require(close(got, torch.stack([table[positions // 4], positions % 4]),
                   f"PagedKVCache(block_size=4).slots(sequence 0, start 3, 6 positions) with block table "
@@ -80,6 +80,8 @@ def test_paged_slots_go_through_the_block_table_and_name_the_mistake():
                           torch.stack([table[-(-positions // 4)], positions % 4]),
                       "counted the positions from 0, not from start":
                           torch.stack([table[torch.arange(6) // 4], torch.arange(6) % 4]),
+                      "swapped quotient and remainder: the block looked up by position % block_size, the offset "
+                      "position // block_size": torch.stack([table[positions % 4], positions // 4]),
                   }))
 
 

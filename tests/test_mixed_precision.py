@@ -100,12 +100,18 @@ def test_unscale_is_in_place_by_inv_scale_and_finds_every_inf_and_nan():
                           torch.cat(scaled),
                   }))
     require(equal(found, False, f"what {where} returns (True only for an inf or NaN)"))
-    reported = {}
+    reported, left_scaled = {}, []
     for position in (0, 1):
         for bad in (INF, NAN):
             grads = [g.clone() for g in scaled]
             grads[position][1] = bad
             reported[position, str(bad)] = bool(mp.unscale_and_check_for_nan(grads, torch.tensor(1 / 8)))
+            if position == 0 and torch.equal(grads[1], scaled[1]):
+                left_scaled.append(str(bad))
+    if left_scaled:
+        require(mistake("stopped at the first inf/NaN: the gradients after it were left scaled (unscale every "
+                        "gradient, then report)", f"with a{'n' if left_scaled[0] == 'inf' else ''} {left_scaled[0]} "
+                        "in gradient 0 of 2, gradient 1 came back unchanged (still x 8)"))
     missed = [f"{bad} in gradient {position}" for (position, bad), found in reported.items() if not found]
     if missed == [f"{bad} in gradient {position}" for position in (0, 1) for bad in ("inf", "nan")]:
         require(mistake("never reported an inf/NaN (found_inf stays False)", "no inf or NaN in 2 gradients was found"))

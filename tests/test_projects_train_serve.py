@@ -3,6 +3,7 @@ a tp2·pp2 training checkpoint becomes one GPTModel with the trained model's log
 times first tokens of streamed requests and counts every failure."""
 
 import dataclasses
+import re
 import shutil
 import tempfile
 import warnings
@@ -20,7 +21,7 @@ from megalab.core.tokenizers.text.libraries.bytelevel_tokenizer import ByteToken
 from megalab.core.transformer.transformer_config import TransformerConfig
 from megalab.extras import projects
 from megalab.lab import launch
-from megalab.lab.checks import wrong
+from megalab.lab.checks import mistake, wrong
 from megalab.training.checkpointing import TRACKER, CheckpointError, checkpoint_dir
 from tests.feedback import close, require
 
@@ -163,7 +164,16 @@ def test_load_inference_model_loads_every_parameter_and_names_the_mistake(tmp_pa
             p.add_(torch.randn(p.shape) * 0.1)
     _write_tp1_checkpoint(tmp_path, trained)
     torch.manual_seed(2)  # the model load_inference_model builds starts from other weights
-    model = projects.load_inference_model(tmp_path)
+    try:
+        model, failed = projects.load_inference_model(tmp_path), None
+    except CheckpointError as e:
+        model, failed = None, str(e)
+    if failed is not None:  # said outside the handler: the grader shows the first error of a traceback
+        lacked = re.search(r"lacks '([^']+)'", failed)
+        if lacked and lacked[1] in dict(trained.named_parameters()):
+            require(mistake("asked the checkpoint for the parameter's own name; it stores each one as model.<name>",
+                            f"read_state found no '{lacked[1]}' (the checkpoint holds 'model.{lacked[1]}')"))
+        raise AssertionError(f"load_inference_model raised CheckpointError: {failed}")
     assert isinstance(model, GPTModel), f"load_inference_model returned a {type(model).__name__}, not a GPTModel"
     saved = dict(trained.named_parameters())
     names = list(saved)

@@ -39,13 +39,41 @@ def measure(wrong: list[dict], echo: bool = False) -> list[dict]:
     return rows
 
 
+def table(rows: list[dict], judged: dict | None = None) -> str:
+    """Markdown: counts per half and status, then one row per answer (judged: {(exercise, name): (status, why)}
+    overrides the regex where a reader judged the verdict otherwise)."""
+    judged = judged or {}
+    out = []
+    for r in rows:
+        status, why = judged.get((r["exercise"], r["name"]), (r["status"], ""))
+        out.append({**r, "status": status, "why": why})
+    kinds = ["caught + named", "caught, not named", "named WRONGLY", "NOT CAUGHT", "not wrong", "error"]
+    lines = ["| half | answers | " + " | ".join(kinds) + " | named rate |", "|---" * (len(kinds) + 3) + "|"]
+    for half in ("dev", "held"):
+        mine = [r for r in out if r["half"] == half]
+        counted = [r for r in mine if r["status"] != "not wrong"]
+        named = sum(r["status"] == "caught + named" for r in counted)
+        lines.append(f"| {half} | {len(mine)} | " + " | ".join(str(sum(r['status'] == k for r in mine)) for k in kinds)
+                     + f" | {named}/{len(counted)} = {100 * named / max(len(counted), 1):.0f} % |")
+    lines += ["", "| half | exercise | wrong answer | status | the grader's line (start) |", "|---|---|---|---|---|"]
+    for r in out:
+        verdict = r["verdict"].replace("AssertionError: ", "").replace("|", "\\|")[:220]
+        note = f" ({r['why']})" if r["why"] else ""
+        lines.append(f"| {r['half']} | `{r['exercise']}` | {r['name']} | {r['status']}{note} | {verdict} |")
+    return "\n".join(lines) + "\n"
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--exercise", action="append")
     p.add_argument("--half")
     p.add_argument("--name", action="append", help="only answers with this name")
     p.add_argument("--json")
+    p.add_argument("--table", nargs=2, metavar=("JSON", "MD"), help="write the markdown table of a --json run")
     args = p.parse_args(argv)
+    if args.table:
+        Path(args.table[1]).write_text(table(json.loads(Path(args.table[0]).read_text())))
+        return 0
     sys.path.insert(0, str(ROOT))
     from tests.independent.ch04_07 import WRONG
 
