@@ -87,11 +87,14 @@ def _output_layer_case():
 def test_output_layer_sends_every_vocab_slices_gradient_back():
     res = launch.run_function(_output_layer_case, 2, launch=dict(timeout=90)).returns
     for rank, out in res.items():
-        if out["logits_shape"][-1] != out["vocab"] // 2:
-            require(mistake(f"the logits hold {out['logits_shape'][-1]} of the {out['vocab']} vocabulary entries on "
-                            f"rank {rank}, not this rank's slice of vocab/2 (gather_output=True?): "
-                            "vocab_parallel_cross_entropy reads them as a slice and computes a wrong loss",
-                            f"logits {out['logits_shape']}"))
+        held, vocab = out["logits_shape"][-1], out["vocab"]
+        if held != vocab // 2:
+            cause = ("the whole vocabulary: gathered (gather_output=True?) or not split at all" if held == vocab else
+                     "vocab/4: the layer was given vocab/2 and split it again (give ColumnParallelLinear the whole "
+                     "padded vocabulary)" if held == vocab // 4 else "neither vocab/2 nor vocab")
+            require(mistake(f"the logits hold {held} of the {vocab} vocabulary entries on rank {rank}, not this "
+                            f"rank's slice of vocab/2 ({cause}): vocab_parallel_cross_entropy reads them as a slice "
+                            "and computes a wrong loss", f"logits {out['logits_shape']}"))
         require(close(out["grad"], out["reference"], f"the hidden state's gradient on TP rank {rank}", atol=1e-5,
                       mistakes={"a plain Linear: the hidden state's gradient misses the other ranks' vocabulary "
                                 "slices (no copy_to_tensor_model_parallel_region, whose backward all-reduces)":

@@ -71,3 +71,16 @@ def test_generic_patterns_are_named():
     assert "1/2 of the expected elements" in said["shard"]
     noise = x + torch.randn(4, 4)
     assert "it looks like" not in close(noise, x, "y").reason
+
+
+def test_a_factor_names_a_cause_only_when_the_evidence_shows_one():
+    """Issue 34: a factor is said as measured, never with a cause the numbers cannot show (which scale went missing
+    is the test's to name); one number alone (always a multiple of the expected) says nothing about a factor, and
+    values that repeat are no evidence of slices in another order."""
+    x = torch.arange(1.0, 7.0)
+    quarter = close(x / 4, x, "y").reason
+    assert "exactly 0.25 x the expected: a factor of 4 missing or extra" in quarter and "world_size" not in quarter
+    assert "another order" not in close(torch.tensor([0, 1, 0, 0, 1]), torch.tensor([0, 0, 1, 0, 1]), "y").reason
+    odd = close(x * 0.5721, x, "y").reason
+    assert "exactly 0.5721 x the expected (one constant factor)" in odd and "world_size" not in odd
+    assert "it looks like" not in close(torch.tensor([6.053, 6.053]), torch.tensor([10.58, 10.58]), "y").reason

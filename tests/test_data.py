@@ -238,6 +238,15 @@ def test_sample_index_worked_example():
                       "counted the whole document instead of what is left of it after the offset (its size minus "
                       "doc_offset)": [[0, 0], [0, 3], [0, 6], [0, 9]],
                   }))
+    # the same stream through a shuffled document_index: documents of 2, 6, 5 tokens visited in order 2, 0, 1
+    got = build_sample_index(np.array([2, 6, 5]), np.array([2, 0, 1]), seq_length=3, num_samples=3)
+    require(close(got, [[0, 0], [0, 3], [1, 1], [2, 2]],
+                  "build_sample_index(document sizes [2, 6, 5], order [2, 0, 1], seq_length=3, num_samples=3) (rows "
+                  "(index into document_index, offset); the walk visits document 2 (5 tokens), 0 (2), then 1 (6))",
+                  rtol=0, atol=0, mistakes={
+                      "read the sizes in storage order (sizes[doc_pos]) instead of through the shuffle "
+                      "(sizes[document_index[doc_pos]])": [[0, 0], [1, 1], [1, 4], [2, 1]],
+                  }))
     # documents of 3, 2 and 4 tokens visited in order 0, 1, 2; seq_length 3 (each sample reads 4 tokens):
     # stream a0 a1 a2 | b0 b1 | c0 c1 c2 c3 ; sample 0 = a0 a1 a2 b0, sample 1 = b0 b1 c0 c1, sample 2 = c1 c2 c3 + ?
     got = build_sample_index(np.array([3, 2, 4]), np.array([0, 1, 2]), seq_length=3, num_samples=2)
@@ -343,6 +352,8 @@ def _blending_mistakes(weights, size):
 
     found["the error uses weights * i, without Megatron's max(i, 1): sample 0 then goes to the first dataset by "
           "the tie, not to the heaviest"] = greedy(lambda i: i)
+    found["the targets run one sample ahead: weights * (i + 1) in place of weights * max(i, 1) (Megatron's target for "
+          "sample i is weights * i)"] = greedy(lambda i: i + 1)
     index, _ = greedy(lambda i: max(i, 1))
     found["dataset_sample_index holds the position in the blend instead of the count of samples taken from that "
           "dataset"] = index, list(range(size))

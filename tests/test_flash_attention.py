@@ -82,6 +82,10 @@ def test_online_softmax_rescales_across_tiles_and_names_the_mistake():
                           lambda: _tiled_softmax_attention(q, k, v, 4, hide_diagonal=True),
                       "no causal mask (every query sees every key)":
                           lambda: F.scaled_dot_product_attention(q, k, v),
+                      "the scores are not scaled by 1/sqrt(d) (softmax of q k^T itself)":
+                          lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=1.0),
+                      "the scores are scaled by 1/d instead of 1/sqrt(d)":
+                          lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=1 / q.shape[-1]),
                   }))
 
 

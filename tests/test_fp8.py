@@ -60,6 +60,8 @@ def test_compute_scale_follows_the_formula_for_both_formats_and_names_the_mistak
             torch.stack([_scales(amax, old, m, 1, keep_for_nonfinite=False) for m in (448.0, 57344.0)]),
         "did not clamp an overflowing scale (a tiny amax) to FP32 max":
             torch.stack([_scales(amax, old, m, 1, clamp_overflow=False) for m in (448.0, 57344.0)]),
+        "inverted the quotient: amax / fp8_max (the scale maps amax ONTO fp8_max: fp8_max / amax)":
+            torch.stack([torch.where((amax > 0) & amax.isfinite(), amax / m / 2, old) for m in (448.0, 57344.0)]),
     }))
 
 
@@ -150,20 +152,24 @@ def test_current_scaling_matches_transformer_engine(amax, epsilon, pow2, expecte
 
 @pytest.mark.exercise("fp8.quantize")
 def test_quantize_saturates_in_both_formats_and_names_the_mistake():
-    x = torch.tensor([0.01, -0.3, 1.7, 100.0, -1000.0, 30000.0], dtype=torch.bfloat16)
+    x = torch.tensor([0.001, 0.01, -0.3, 1.7, 100.0, -1000.0, 30000.0], dtype=torch.bfloat16)
 
     def rows(fn):  # [2, 6]: E4M3 then E5M2, as floats
         return torch.stack([fn(torch.finfo(dtype).max).to(dtype).float() for dtype in (E4M3, E5M2)])
 
     got = torch.stack([fp8.quantize(x, torch.tensor(4.0), dtype).float() for dtype in (E4M3, E5M2)])
     require(close(got, rows(lambda m: (x.float() * 4).clamp(-m, m)),
-                  "quantize(bf16 [0.01, -0.3, 1.7, 100, -1000, 30000], scale 4) as floats, row 0 E4M3, row 1 E5M2",
+                  "quantize(bf16 [0.001, 0.01, -0.3, 1.7, 100, -1000, 30000], scale 4) as floats, row 0 E4M3, row 1 "
+                  "E5M2",
                   rtol=0, atol=0, mistakes={
                       "cast without clamping to +-fp8 max (out-of-range values overflow to inf in E5M2)":
                           rows(lambda m: x.float() * 4),
                       "divided by the scale instead of multiplying": rows(lambda m: (x.float() / 4).clamp(-m, m)),
                       "clamped to E4M3's 448 for every format (take the max from torch.finfo(dtype))":
                           rows(lambda m: (x.float() * 4).clamp(-448.0, 448.0)),
+                      "cast x to FP8 before multiplying by the scale (0.001 rounds to FP8 first): multiply in fp32, "
+                      "then cast once": torch.stack([(x.to(d).float() * 4).clamp(-torch.finfo(d).max, torch.finfo(d).max)
+                                                     .to(d).float() for d in (E4M3, E5M2)]),
                   }))
 
 

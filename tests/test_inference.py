@@ -66,10 +66,10 @@ def _caches(config):
 @pytest.mark.exercise("inference.paged_slots")
 def test_paged_slots_go_through_the_block_table_and_name_the_mistake():
     cache = PagedKVCache(TransformerConfig(**BASE), num_blocks=8, block_size=4)
-    for length in (4, 8, 12):  # two sequences growing in turns: sequence 0 holds every other block
+    for length in (4, 8, 12, 16):  # two sequences growing in turns: sequence 0 holds every other block
         cache.reserve(0, length)
         cache.reserve(1, length)
-    table, positions = torch.tensor(cache.block_tables[0]), torch.arange(3, 9)
+    table, positions = torch.tensor(cache.block_tables[0]), torch.arange(3, 9)  # 4 blocks: any p % 4 indexes it
     got = torch.stack(cache.slots(0, 3, 6))
     require(close(got, torch.stack([table[positions // 4], positions % 4]),
                   f"PagedKVCache(block_size=4).slots(sequence 0, start 3, 6 positions) with block table "
@@ -80,6 +80,8 @@ def test_paged_slots_go_through_the_block_table_and_name_the_mistake():
                           torch.stack([table[-(-positions // 4)], positions % 4]),
                       "counted the positions from 0, not from start":
                           torch.stack([table[torch.arange(6) // 4], torch.arange(6) % 4]),
+                      "swapped quotient and remainder: the block looked up by position % block_size, the offset "
+                      "position // block_size": torch.stack([table[positions % 4], positions // 4]),
                   }))
 
 
@@ -223,7 +225,13 @@ def _filter_reference(logits, top_k, top_p):
 @pytest.mark.exercise("inference.filter_logits")
 def test_filter_logits_keeps_ties_and_the_crossing_token_and_names_the_mistake():
     def kept(logits, top_k, top_p):
-        return sorted(torch.nonzero(filter_logits(logits, top_k, top_p) > float("-inf")).flatten().tolist())
+        before = logits.clone()
+        out = filter_logits(logits, top_k, top_p)
+        changed = (logits != before).nonzero().flatten().tolist()
+        if changed:
+            require(mistake("filtered the caller's logits in place (clone them first)",
+                            f"filter_logits(top_k={top_k}, top_p={top_p}) changed its input at positions {changed}"))
+        return sorted(torch.nonzero(out > float("-inf")).flatten().tolist())
 
     distinct = torch.tensor([0.5, 3.0, 1.0, 2.0, -1.0], dtype=torch.float64)
     ties = torch.tensor([3.0, 1.0, 2.0, 2.0, 0.0, 2.0, -1.0], dtype=torch.float64)  # three logits tie at the 2nd place
@@ -259,7 +267,14 @@ def test_filter_logits_keeps_ties_and_the_crossing_token_and_names_the_mistake()
 @pytest.mark.parametrize("top_k,top_p", [(0, 0.0), (5, 0.0), (0, 0.5), (0, 0.9), (10, 0.8), (1, 0.0), (0, 1e-6)])
 def test_filter_logits_keeps_the_top_k_and_the_nucleus(top_k, top_p):
     logits = torch.randn(50, generator=torch.Generator().manual_seed(top_k + int(100 * top_p)), dtype=torch.float64)
+    original = logits.clone()
     filtered = filter_logits(logits, top_k, top_p)
+    changed = (logits != original).nonzero().flatten().tolist()
+    if changed:
+        require(mistake("filtered the caller's logits in place (clone them first)",
+                        f"filter_logits(50 logits, top_k={top_k}, top_p={top_p}) changed {len(changed)} of its input's "
+                        f"values, the first at positions {changed[:5]}"))
+    logits = original
     kept = set(torch.nonzero(filtered > float("-inf")).flatten().tolist())
     expected = _filter_reference(logits, top_k, top_p)
     assert kept == expected, (
@@ -300,7 +315,8 @@ def test_sampling_params_reject_bad_values(bad, message):
 
 # ------------------------------------------------------------------ the engine
 def _admissions(waiting, running=(), max_batch_size=8, max_tokens=16, num_blocks=40, block_size=4, *, fifo=True,
-                count_decode_tokens=True, budget_with_the_prompt=True, check_cache=True, batch_counts_running=True):
+                count_decode_tokens=True, budget_with_the_prompt=True, check_cache=True, batch_counts_running=True,
+                fill_budget=True):
     """The indices of `waiting` ((prompt length, final length) pairs) schedule() admits beside `running` (final
     lengths), by the rule, or under one typical mistake (the keyword flags)."""
     admitted, tokens = [], len(running) if count_decode_tokens else 0
@@ -308,6 +324,7 @@ def _admissions(waiting, running=(), max_batch_size=8, max_tokens=16, num_blocks
         if (len(running) if batch_counts_running else 0) + len(admitted) >= max_batch_size:
             break
         over_budget = tokens + prompt > max_tokens if budget_with_the_prompt else tokens > max_tokens
+        over_budget |= not fill_budget and tokens + prompt == max_tokens
         blocks = sum(-(-length // block_size) for length in [*running, *(waiting[j][1] for j in admitted), final])
         if over_budget or (check_cache and blocks > num_blocks):
             if fifo:
@@ -323,6 +340,7 @@ def test_schedule_keeps_every_budget_and_names_the_mistake():
     model = _model()
     scenarios = {  # name: (prompts of the running requests, prompts waiting, engine settings); 4 tokens to generate
         "prompts 5, 9, 6, 1 and max_tokens=16": ((), (5, 9, 6, 1), dict(max_tokens=16)),
+        "prompts 7, 9 and max_tokens=16 (exactly full)": ((), (7, 9), dict(max_tokens=16)),
         "2 running and prompts 6, 9 (max_tokens=16)": ((3, 3), (6, 9), dict(max_tokens=16)),
         "2 running, 3 waiting, max_batch_size=3": ((3, 3), (3, 3, 3), dict(max_batch_size=3, max_tokens=64)),
         "3 waiting needing 4 KV blocks each, 10 blocks": ((), (4, 4, 4), dict(max_tokens=64, num_blocks=10)),
@@ -353,6 +371,8 @@ def test_schedule_keeps_every_budget_and_names_the_mistake():
             {name: rule(batch_counts_running=False) for name, rule in rules.items()},
         "did not check that the KV cache fits every admitted request (cache.fits)":
             {name: rule(check_cache=False) for name, rule in rules.items()},
+        "refused a request that fills max_tokens exactly (tokens + prompt == max_tokens fits: compare with >)":
+            {name: rule(fill_budget=False) for name, rule in rules.items()},
     }))
 
 

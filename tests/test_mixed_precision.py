@@ -9,7 +9,7 @@ from megalab.core.optimizer.grad_scaler import ConstantGradScaler, DynamicGradSc
 from megalab.extras import calc
 from megalab.extras.toy import mlp, regression_data
 from megalab.lab import launch
-from megalab.lab.checks import mistake
+from megalab.lab.checks import mistake, wrong
 from tests.feedback import close, equal, require
 
 INF, NAN = float("inf"), float("nan")
@@ -53,7 +53,8 @@ def test_dynamic_update_follows_megatron_rule_and_names_the_mistake():
     for overflow in overflows:
         scaler.update(overflow)
         scales.append(scaler.scale.item())
-    require(close(scales, _megatron_scales(overflows),
+    expected = _megatron_scales(overflows)
+    verdict = close(scales, expected,
                   f"DynamicGradScaler(1024, min_scale=128, growth_interval=3, hysteresis=2): the scale after each "
                   f"update (overflows {[int(o) for o in overflows]})", rtol=0, atol=0, mistakes={
                       "grew the scale on every clean step, not after growth_interval clean steps in a row":
@@ -64,7 +65,25 @@ def test_dynamic_update_follows_megatron_rule_and_names_the_mistake():
                           _megatron_scales(overflows, use_hysteresis=False),
                       "did not refill the hysteresis when the scale grew":
                           _megatron_scales(overflows, refill_hysteresis=False),
-                  }))
+                  })
+    if not verdict and not verdict.reason.startswith("likely mistake"):  # no typical mistake: say what it did
+        verdict = wrong(f"{_first_wrong_update(overflows, scales, expected)} — {verdict.reason}")
+    require(verdict)
+
+
+def _first_wrong_update(overflows, got, expected, initial=1024.0) -> str:
+    """The first update whose scale differs, in words: what it did (grew, backed off, stayed) and what Megatron does."""
+    i = next(i for i, (a, b) in enumerate(zip(got, expected)) if a != b)
+    before_got, before = (got[i - 1], expected[i - 1]) if i else (initial, initial)
+    clean = next((n for n, o in enumerate(reversed(overflows[: i + 1])) if o), i + 1)  # clean updates in a row
+    overflows_so_far = sum(overflows[: i + 1])
+
+    def did(a, b):
+        return f"stayed at {b:g}" if a == b else ("grew to " if b > a else "backed off to ") + f"{b:g}"
+
+    kind = (f"an overflow (overflow {overflows_so_far} so far; hysteresis=2)" if overflows[i] else
+            f"a clean step, {clean} in a row (growth_interval=3)")
+    return f"update {i} ({kind}): the scale {did(before_got, got[i])}; Megatron's {did(before, expected[i])}"
 
 
 @pytest.mark.exercise("mixed_precision.unscale")
@@ -81,12 +100,18 @@ def test_unscale_is_in_place_by_inv_scale_and_finds_every_inf_and_nan():
                           torch.cat(scaled),
                   }))
     require(equal(found, False, f"what {where} returns (True only for an inf or NaN)"))
-    reported = {}
+    reported, left_scaled = {}, []
     for position in (0, 1):
         for bad in (INF, NAN):
             grads = [g.clone() for g in scaled]
             grads[position][1] = bad
             reported[position, str(bad)] = bool(mp.unscale_and_check_for_nan(grads, torch.tensor(1 / 8)))
+            if position == 0 and torch.equal(grads[1], scaled[1]):
+                left_scaled.append(str(bad))
+    if left_scaled:
+        require(mistake("stopped at the first inf/NaN: the gradients after it were left scaled (unscale every "
+                        "gradient, then report)", f"with a{'n' if left_scaled[0] == 'inf' else ''} {left_scaled[0]} "
+                        "in gradient 0 of 2, gradient 1 came back unchanged (still x 8)"))
     missed = [f"{bad} in gradient {position}" for (position, bad), found in reported.items() if not found]
     if missed == [f"{bad} in gradient {position}" for position in (0, 1) for bad in ("inf", "nan")]:
         require(mistake("never reported an inf/NaN (found_inf stays False)", "no inf or NaN in 2 gradients was found"))

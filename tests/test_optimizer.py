@@ -63,6 +63,8 @@ def _wrong_lr(step, style, mistake):
         return (step + 1) / 5 if step < 5 else _expected(step, style)
     if step <= 5 or style == "constant" or step > 25:
         return _expected(step, style)
+    if mistake == "cosine without + 1":
+        return 0.1 + 0.9 * (0.5 * math.cos(math.pi * (step - 5) / 20) if style == "cosine" else 1 - (step - 5) / 20)
     r = (step - 5) / 20 if mistake == "no floor" else step / 25  # "from step 0": the ratio ignores the warmup
     coeff = 1 - r if style == "linear" else (1 + math.cos(math.pi * r)) / 2
     return coeff if mistake == "no floor" else 0.1 + 0.9 * coeff
@@ -74,6 +76,8 @@ LR_MISTAKES = {
     "decayed to 0, without the min_lr floor (lr = min_lr + coeff * (max_lr - min_lr))": "no floor",
     "decay counted from step 0 (step / lr_decay_steps): the ratio counts the decay steps done since warmup ended":
         "from step 0",
+    "the cosine coefficient without its + 1: 0.5 cos(pi r) starts halfway down and ends below min_lr "
+    "(coeff = (cos(pi r) + 1) / 2)": "cosine without + 1",
 }
 
 
@@ -108,8 +112,12 @@ def _require_schedule(lrs, expected, what, mistakes=None):
                 require(mistake(name, f"{what}: the learning rate at step {step} is {lrs[step]:.6g}, "
                                       f"expected {expected[step]:.6g}"))
     for step, (got, want) in enumerate(zip(lrs, expected)):
+        decay = ""  # a wrong decay phase, measured: where it starts and ends, and how low it goes
+        if 5 < step <= 25 and len(lrs) > 25:
+            decay = (f" (steps 6..25 run {lrs[6]:.3g} .. {lrs[25]:.3g}, lowest {min(lrs[6:26]):.3g}; expected "
+                     f"{expected[6]:.3g} .. {expected[25]:.3g}, lowest {min(expected[6:26]):.3g})")
         assert got == pytest.approx(want, abs=1e-12), (
-            f"{what}: the learning rate at step {step} is {got:.6g}, expected {want:.6g}")
+            f"{what}: the learning rate at step {step} is {got:.6g}, expected {want:.6g}{decay}")
     assert len(lrs) == len(expected), f"{what}: {len(lrs)} learning rates, expected {len(expected)}"
 
 
@@ -245,6 +253,16 @@ def test_grad_norm_tp2_counts_each_gradient_once():
     local = [math.sqrt(sq["split"][0] + sq["replicated"][0]), n["split"][1]]  # what each rank owns
     right = math.sqrt(sum(sq["split"]) + sq["replicated"][0])
     summed = n["split"][0] + n["split"][1] + n["replicated"][0]
+    l1 = sum(g[0].grad.abs().sum().item() for g in grads) + grads[0][1].grad.abs().sum().item()  # owned |g|
+
+    def accumulated_in(dtype):  # the squares summed into a 16-bit total on each rank, all-reduced in it too
+        totals = []
+        for owned in (grads[0][:2], grads[1][:1]):  # rank 0: split + replicated; rank 1: split
+            total = torch.zeros((), dtype=dtype)
+            for p in owned:
+                total += p.grad.float().pow(2).sum()
+            totals.append(total)
+        return [(totals[0] + totals[1]).float().sqrt().item()] * 2
     require(close([got[0], got[1]], [right, right], what, rtol=1e-5, atol=0, mistakes={
         "summed norms instead of squares: the norms of the gradients added up (add their squared elements, all-reduce "
         "that, take the root last)": [summed, summed],
@@ -256,6 +274,11 @@ def test_grad_norm_tp2_counts_each_gradient_once():
         "forgot the all-reduce over the model-parallel group: each rank returns the norm of its own share": local,
         "took the square root before the all-reduce: the ranks' norms added (all-reduce the squared sum)":
             [sum(local)] * 2,
+        "summed |g| (absolute values) instead of the squares g^2 under the root": [math.sqrt(l1)] * 2,
+        "summed |g| (the L1 norm) instead of the squares, and took no root": [l1] * 2,
+        "summed the squares in bfloat16 (off by its rounding): the statistic must be fp32":
+            accumulated_in(torch.bfloat16),
+        "summed the squares in float16 (off by its rounding): the statistic must be fp32": accumulated_in(torch.float16),
     }))
 
 

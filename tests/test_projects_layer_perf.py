@@ -89,6 +89,10 @@ def test_sliding_window_mask_names_the_mistake():
                           _band(s, -(window - 1), window - 1).int(),
                       "the band points the wrong way (j - i instead of i - j): queries see later keys":
                           _band(s, -(window - 1), 0).int(),
+                      "the diagonal is hidden: query i does not see its own key (0 < i - j; the window counts the "
+                      "query itself)": _band(s, 1, window - 1).int(),
+                      "the band is shifted one back: query i sees keys i - 1 .. i - W, not its own (0 <= i - j < W)":
+                          _band(s, 1, window).int(),
                   }))
 
 
@@ -119,7 +123,21 @@ def test_blocked_attention_names_the_mistake():
                           lambda: _band_attention(q, k, v, _band(s, 0, window)),
                       "queries see only their own block (the previous block's keys are never visible)":
                           lambda: _band_attention(q, k, v, _band(s, 0, window - 1) & same_block),
+                      "each block got the NEXT block's keys (later positions) instead of the previous block's":
+                          lambda: _next_block_attention(q, k, v, window),
                   }))
+
+
+def _next_block_attention(q, k, v, window):
+    """Blocked attention over [next block; own block] with the band mask: own keys up to the query, the next
+    block's keys after the query's offset (block 0's masked off; past the end: zero padding keys)."""
+    s = q.shape[2]
+    i, j = torch.arange(s)[:, None], torch.arange(s)[None, :]
+    block, offset = i // window, i % window
+    visible = ((j // window == block) & (j <= i)) | ((block >= 1) & (j // window == block + 1) & (j % window > offset))
+    padding = [sum((p // window + 1) * window + t >= s for t in range(p % window + 1, window)) if p >= window else 0
+               for p in range(s)]
+    return _band_attention(q, k, v, visible, padding)
 
 
 @pytest.mark.exercise("sliding_window.mask")

@@ -56,7 +56,8 @@ _END = re.compile(r"^[ \t]*### END SOLUTION\s*$")
 _BUGGY = re.compile(r"^[ \t]*### BUGGY\s*$")
 _HINT = re.compile(r"^[ \t]*# HINT (?P<level>\d+): ?(?P<text>.*)$")
 _HINT_MORE = re.compile(r"^[ \t]*#   +(?P<text>\S.*)$")  # a hint's next line: indented under its text
-NOT_FOR_STUDENTS = ("tests/mistakes/",)  # typical wrong answers, each one edit from the solution: the grader's only
+# the grader's only: wrong answers one edit from a solution (mistakes/, independent/), and whole solutions (blind/)
+NOT_FOR_STUDENTS = ("tests/mistakes/", "tests/independent/", "tests/blind/")
 _SKIP_DIRS = {".git", ".venv", "venv", "__pycache__", ".pytest_cache", ".ruff_cache", ".ipynb_checkpoints", ".megalab",
               "node_modules", "build", "dist"}
 
