@@ -45,18 +45,28 @@ EOF
 
 # 3. A venv that sees them. Made from a venv (the machine's python3 is /opt/torch/.venv's), --system-site-packages
 #    shows the base interpreter's packages, not that venv's: then a .pth file adds that venv's site-packages.
-"$PY" -m venv --system-site-packages "$VENV" >>"$LOG" 2>&1 || fail "could not make a venv with $PY -m venv (see $LOG)"
+#    The machine Python's pip installs into it (pip --python): no pip of its own to set up.
+"$PY" -m venv --without-pip --system-site-packages "$VENV" >>"$LOG" 2>&1 || fail "could not make a venv with $PY -m venv (see $LOG)"
 VPY="$VENV/bin/python"
+PIP="$PY -m pip --python $VPY"
+if ! $PIP --version >/dev/null 2>&1; then  # a pip older than 22.3: the venv gets its own
+    "$VPY" -m ensurepip -q >>"$LOG" 2>&1 || fail "could not set up pip in the venv (see $LOG)"
+    PIP="$VPY -m pip"
+fi
 if ! "$VPY" -c "import torch" 2>/dev/null; then
     site=$("$VPY" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
-    "$PY" -c "import site, sys; print('\n'.join(p for p in sys.path if p.endswith(('site-packages', 'dist-packages'))))" > "$site/_device_base.pth"
+    # every folder on the machine Python's path that the new venv's path lacks (its site-packages, its .pth folders)
+    "$PY" -c "import os, sys; print('\n'.join(p for p in sys.path if p and os.path.isdir(p)))" >"$WORK/base_path"
+    "$VPY" -c "import sys; print('\n'.join(sys.path))" >"$WORK/venv_path"
+    grep -vxF -f "$WORK/venv_path" "$WORK/base_path" | grep -v "^$PWD\$" > "$site/_device_base.pth"
     "$VPY" -c "import torch" 2>>"$LOG" || fail "the venv cannot import the machine's torch (see $LOG)"
 fi
 
-# 4. Offline install: the carried wheels (pinned), the image's packages (by name), then megalab itself (editable, no
+# 4. Offline install, no dependency resolution (the carried list is a whole pinned closure; torch's own CUDA packages
+#    stay as the machine has them): the carried wheels, the image's packages (by name), then megalab itself (editable, no
 #    deps: its pyproject pins the course's torch, and the machine's own torch is the point).
 grep -v '^#' tools/device_requirements.txt | grep '# image' | sed 's/==.*//' > "$WORK/image.txt"
-if ! "$VPY" -m pip install -q --no-index --find-links "$WHEELS" --no-cache-dir --disable-pip-version-check \
+if ! $PIP install -q --no-index --no-deps --no-compile --find-links "$WHEELS" --no-cache-dir --disable-pip-version-check \
         -r "$WHEELS/requirements.txt" -r "$WORK/image.txt" >"$WORK/pip.log" 2>&1; then
     cat "$WORK/pip.log" >>"$LOG"
     name=$(grep -o 'No matching distribution found for [^ ]*' "$WORK/pip.log" | head -1 | sed 's/.* //')
@@ -65,7 +75,7 @@ if ! "$VPY" -m pip install -q --no-index --find-links "$WHEELS" --no-cache-dir -
     fi
     fail "pip could not install ${name:-the carried wheels} offline (see $LOG): run 'sh tools/device_wheels.sh' and carry .device/wheels"
 fi
-"$VPY" -m pip install -q --no-index --no-deps --no-build-isolation --disable-pip-version-check -e . >>"$LOG" 2>&1 \
+$PIP install -q --no-index --no-deps --no-compile --no-build-isolation --disable-pip-version-check -e . >>"$LOG" 2>&1 \
     || fail "pip could not install megalab from this tree offline (see $LOG)"
 say "venv ready in $(( $(date +%s) - started )) s: torch $("$VPY" -c 'import torch; print(torch.__version__)'), $(ls "$WHEELS"/*.whl | wc -l) carried wheels"
 
