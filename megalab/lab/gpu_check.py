@@ -105,12 +105,22 @@ def _parse(source: str) -> ast.AST | None:
         return None
 
 
+def _dotted(node: ast.AST) -> str | None:
+    """'torch.distributed' for that attribute chain, None for anything else (a call, a subscript)."""
+    if isinstance(node, ast.Name):
+        return node.id
+    if isinstance(node, ast.Attribute):
+        owner = _dotted(node.value)
+        return owner and f"{owner}.{node.attr}"
+    return None
+
+
 def _references(tree: ast.AST) -> tuple[set[str], set[str]]:
     """(torch.distributed names it uses, other names it uses: bare names and attribute names)."""
     dist_names, names = set(), set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Attribute):
-            (dist_names if ast.unparse(node.value) in DIST_NAMES else names).add(node.attr)
+            (dist_names if _dotted(node.value) in DIST_NAMES else names).add(node.attr)
         elif isinstance(node, ast.Name):
             names.add(node.id)
     return dist_names, names
@@ -156,7 +166,9 @@ def _resolved(node: ast.AST, module: str, imports: dict[str, str], local: set[st
             elif sub.id in local:
                 out.add(f"{module}.{sub.id}")
         elif isinstance(sub, ast.Attribute):
-            owner = ast.unparse(sub.value)
+            owner = _dotted(sub.value)
+            if owner is None:
+                continue
             if owner in imports:
                 out.add(f"{imports[owner]}.{sub.attr}")
             elif owner == "self" and cls:
@@ -170,7 +182,7 @@ def _p2p_calls(node: ast.AST) -> set[str]:
     """The torch.distributed p2p functions `node` calls (dist.isend(...), dist.P2POp(...)): not ones it only names,
     as a tracer that wraps them does."""
     return {sub.func.attr for sub in ast.walk(node) if isinstance(sub, ast.Call) and isinstance(sub.func, ast.Attribute)
-            and sub.func.attr in P2P_CALLS and ast.unparse(sub.func.value) in DIST_NAMES}
+            and sub.func.attr in P2P_CALLS and _dotted(sub.func.value) in DIST_NAMES}
 
 
 @functools.cache
