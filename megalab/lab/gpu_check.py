@@ -475,7 +475,7 @@ def main(argv: list[str] | None = None) -> int:
 
     state, line = cuda_state()
     if args.cpu_rehearsal:
-        gpu, n_gpus, machine = False, 0, f"CPU rehearsal (no GPU claims), torch {torch.__version__}"
+        gpu, n_gpus, machine = False, 0, "CPU rehearsal (no GPU claims)"
     elif state != "ok":
         print(f"make gpu-test: {line}.")
         if state == "none":
