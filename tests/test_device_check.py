@@ -60,3 +60,7 @@ def test_rehearsal_on_torch_2_11_with_the_carried_wheels_only(tmp_path):
     venv_py = tmp_path / "venv" / "bin" / "python"
     done = subprocess.run([str(venv_py), "-c", imports], cwd=tmp_path, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0 and "imported 2.11" in done.stdout, done.stderr[-3000:]
+    # and every torch / triton name megalab uses exists there (tools/device_api_check.py)
+    done = subprocess.run([str(venv_py), "tools/device_api_check.py"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0 and "torch 2.11" in done.stdout and " 0 missing" in done.stdout, done.stdout + done.stderr

@@ -267,6 +267,19 @@ def test_host_staged_p2p_moves_cuda_tensors_through_cpu_copies(monkeypatch):
     assert c10d.isend.megalab_staged is isend
 
 
+def test_torch_2_11_gets_the_collectives_names_the_course_uses(monkeypatch):
+    """The lent GPU machine's torch 2.11 has all_gather_into_tensor / reduce_scatter_tensor only."""
+    import torch.distributed as dist
+
+    from megalab.lab import dist as mdist
+
+    monkeypatch.delattr(dist, "all_gather_single")
+    monkeypatch.delattr(dist, "reduce_scatter_single")
+    mdist.alias_new_collectives()
+    assert dist.all_gather_single is dist.all_gather_into_tensor
+    assert dist.reduce_scatter_single is dist.reduce_scatter_tensor
+
+
 def test_makefile_has_the_target():
     text = (ROOT / "Makefile").read_text()
     assert "gpu-test:" in text and "megalab.lab.gpu_check" in text

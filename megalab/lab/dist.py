@@ -23,6 +23,17 @@ import torch
 import torch.distributed as dist
 
 
+def alias_new_collectives() -> None:
+    """torch < 2.12 (the lent GPU machine has 2.11) names all_gather_single and reduce_scatter_single, which the
+    course uses, all_gather_into_tensor and reduce_scatter_tensor (the same signatures): give it the new names."""
+    for new, old in (("all_gather_single", "all_gather_into_tensor"), ("reduce_scatter_single", "reduce_scatter_tensor")):
+        if not hasattr(dist, new) and hasattr(dist, old):
+            setattr(dist, new, getattr(dist, old))
+
+
+alias_new_collectives()  # every rank imports this module (init) before it calls a collective
+
+
 def init(backend: str | None = None, timeout_s: float | None = None) -> tuple[int, int]:
     """init_process_group with the backend the launcher picked; returns (rank, world_size).
 

@@ -539,9 +539,13 @@ def _write_results(out: Path, machine: str, torch, nccl: str, notes: list[str], 
     out.mkdir(parents=True, exist_ok=True)
     failures = []
     for r in rows:
-        for c in r.cells if r.notebook != rows[0].notebook or not r.notebook.startswith("tests") else []:
-            if isinstance(c, dict) and c.get("status") == "failed":
-                failures.append(f"- {r.notebook} cell {c['index']}: {c['message']}")
+        if r.notebook.startswith("tests"):
+            if not r.result.startswith(("passed", "not run")):
+                failures.append(f"- {r.notebook}: {r.result}")
+            continue
+        failures += [f"- {r.notebook} cell {c['index']}: {c['message']}" for c in r.cells if c.get("status") == "failed"]
+        if r.result.startswith("FAILED") and not any(c.get("status") == "failed" for c in r.cells):
+            failures.append(f"- {r.notebook}: {r.result}")
     md = [f"# make gpu-test on {machine}", "",
           f"torch {torch.__version__}, CUDA {torch.version.cuda}, NCCL {nccl}; {seconds:.0f} s", "",
           *[f"- note: {n}" for n in notes], "", format_table(rows, markdown=True), "",
