@@ -47,7 +47,7 @@ def test_a_missing_carried_wheel_is_named(tmp_path):
                            "sh tools/device_rehearsal_image.sh): not in a fresh clone")
 def test_rehearsal_on_torch_2_11_with_the_carried_wheels_only(tmp_path):
     done = _check(tmp_path, "--cpu-rehearsal", "--notebook", "course/02_core_architecture/03_transformer_layer.ipynb",
-                  DEVICE_PYTHON=str(IMAGE_PY))
+                  DEVICE_PYTHON=str(IMAGE_PY), DEVICE_TOTAL_S="1500")  # setup here, under load, takes minutes
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
     assert "torch 2.11" in done.stdout and "venv ready" in done.stdout
     report = (tmp_path / "out" / "gpu_check.md").read_text()

@@ -84,7 +84,11 @@ case " $* " in
     *" --cpu-rehearsal "*) require= ;;
     *) require=--require-gpu ;;
 esac
-{ PYTHONUNBUFFERED=1 "$VPY" -m megalab.lab.gpu_check $require --out "$OUT" "$@"; echo $? >"$WORK/status"; } 2>&1 | tee -a "$LOG"
+# The whole call stays within DEVICE_TOTAL_S (480 s: the run call's timeout_s is 540): the check gets what setup left
+# (a --budget given here wins: the last one counts).
+budget=$(( ${DEVICE_TOTAL_S:-480} - ($(date +%s) - started) - 20 ))
+[ "$budget" -ge 60 ] || fail "setup took $(( $(date +%s) - started )) s: no time left for the check within ${DEVICE_TOTAL_S:-480} s"
+{ PYTHONUNBUFFERED=1 "$VPY" -m megalab.lab.gpu_check $require --out "$OUT" --budget "$budget" "$@"; echo $? >"$WORK/status"; } 2>&1 | tee -a "$LOG"
 code=$(cat "$WORK/status")
 say "done in $(( $(date +%s) - started )) s (gpu_check exit $code); results in $OUT: gpu_check.md, gpu_check.json, device_check.log"
 rm -rf "$WORK"
