@@ -280,6 +280,37 @@ def test_torch_2_11_gets_the_collectives_names_the_course_uses(monkeypatch):
     assert dist.reduce_scatter_single is dist.reduce_scatter_tensor
 
 
+def test_gpu_run_writes_the_table_the_failures_and_the_row(monkeypatch, tmp_path, capsys):
+    """main on a (faked) GPU: the jobs' rows become the table, gpu_check.md / .json under --out, and the row to paste."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i=0: "NVIDIA H100 80GB HBM3")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i=0: (9, 0))
+    monkeypatch.setattr(torch.distributed, "is_nccl_available", lambda: False)
+    good = _notebook(tmp_path, "print(1)", name="good.ipynb")
+    bad = _notebook(tmp_path, "print(2)", name="bad.ipynb")
+    seen = []
+
+    def fake_notebook(path, deadline, n_gpus, gpu, host_p2p, workdir):
+        seen.append((path.name, n_gpus, gpu, host_p2p))
+        ok = path.name == "good.ipynb"
+        cells = [{"index": 0, "status": "passed" if ok else "failed", "message": "" if ok else "line 1 reads '3'"}]
+        return gpu_check.Row(path.name, "1", "one process", "passed (1 cells)" if ok else "FAILED: cell 0 line 1", 1.0, cells)
+
+    monkeypatch.setattr(gpu_check, "run_notebook", fake_notebook)
+    monkeypatch.setattr(gpu_check, "run_tests", lambda deadline, gpu: gpu_check.Row("tests (-m gpu, 6 files)", "1", "cuda",
+                                                                                     "passed: 17 passed in 9s", 9.0))
+    out = tmp_path / "out"
+    assert gpu_check.main(["--notebook", str(good), "--notebook", str(bad), "--out", str(out), "--workers", "2"]) == 1
+    assert sorted(seen) == [("bad.ipynb", 1, True, True), ("good.ipynb", 1, True, True)]
+    md = (out / "gpu_check.md").read_text()
+    assert "| good.ipynb | 1 | one process | passed (1 cells) |" in md and "- bad.ipynb cell 0: line 1 reads '3'" in md
+    row = json.loads((out / "gpu_check.json").read_text())["row"]
+    assert row.endswith("| torch " + torch.__version__ + " | NCCL none | make gpu-test: gpu tests passed: 17 passed in "
+                        "9s; 1/2 notebooks passed (not: bad.ipynb) |") and "1 x NVIDIA H100 80GB HBM3" in row
+    assert row in capsys.readouterr().out
+
+
 def test_makefile_has_the_target():
     text = (ROOT / "Makefile").read_text()
     assert "gpu-test:" in text and "megalab.lab.gpu_check" in text

@@ -514,6 +514,8 @@ def main(argv: list[str] | None = None) -> int:
         for row in pool.map(job, jobs):
             rows.append(row)
             print(format_table([row]).splitlines()[-1], flush=True)
+            if args.out:  # as it goes: a run stopped from outside still leaves what finished
+                _write_results(Path(args.out), machine, torch, nccl, notes, rows, "(not finished)", time.time() - start)
     shutil.rmtree(workdir, ignore_errors=True)
     order = {_name(p): i for i, p in enumerate(paths)}
     rows.sort(key=lambda r: order.get(r.notebook, -1))
