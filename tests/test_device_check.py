@@ -16,6 +16,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 IMAGE_PY = ROOT / ".device" / "rehearsal" / "image" / "venv" / "bin" / "python"
 WHEELS = ROOT / ".device" / "wheels"
+AUTHORING_ONLY = {"nbformat", "nbclient", "nbval", "jupyterlab", "ipykernel", "playwright"}  # not carried
 
 
 def _check(tmp_path, *args, **env):
@@ -54,8 +55,11 @@ def test_rehearsal_on_torch_2_11_with_the_carried_wheels_only(tmp_path):
     assert "02_core_architecture/03_transformer_layer.ipynb | 1 | one process | passed (9 cells)" in report
     assert "not run: " in report and "skipped" in report  # the gpu tests: collected, skipped, not passed
     # every megalab module imports on the machine's torch, with the carried packages only
+    # (but the authoring tools: `megalab notebooks`, grading and workspaces need nbformat/nbclient, not carried)
     imports = ("import importlib, pkgutil, megalab, torch; assert torch.__version__.startswith('2.11'), torch.__version__\n"
-               "for m in pkgutil.walk_packages(megalab.__path__, 'megalab.'): importlib.import_module(m.name)\n"
+               "for m in pkgutil.walk_packages(megalab.__path__, 'megalab.'):\n"
+               "    try: importlib.import_module(m.name)\n"
+               f"    except ModuleNotFoundError as e:\n        if e.name not in {AUTHORING_ONLY}: raise\n"
                "print('imported', torch.__version__)")
     venv_py = tmp_path / "venv" / "bin" / "python"
     done = subprocess.run([str(venv_py), "-c", imports], cwd=tmp_path, capture_output=True, text=True, timeout=600)
