@@ -66,8 +66,10 @@ test: setup
 	$(PY) -m pytest tests course --nbval -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 # On a GPU node: the gpu-marked tests and every notebook's cells on CUDA (NCCL where a cell's ranks fit the GPUs,
-# else gloo with the ranks sharing the GPUs), a table per notebook and the course/INSTRUCTORS.md row to paste.
-# Without CUDA it says so and runs nothing. `python -m megalab.lab.gpu_check --plan 8` shows the plan anywhere.
+# else gloo with the ranks sharing the GPUs, p2p staged through host memory), compared with the committed CPU
+# outputs; the table and the course/INSTRUCTORS.md row to paste. Without CUDA it says "no CUDA GPU" and runs nothing;
+# with an NVIDIA driver this torch cannot use, "CUDA present but unusable" and fails (exit 2).
+# `python -m megalab.lab.gpu_check --plan 8` shows the plan anywhere.
 gpu-test: setup
 	$(PY) -m megalab.lab.gpu_check
 

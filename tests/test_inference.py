@@ -501,3 +501,22 @@ def test_the_engine_keeps_its_cache_where_the_model_runs(cache_kind):
     cache = PagedKVCache(model.config, 8, 4) if cache_kind == "paged" else ContiguousKVCache(model.config, 2)
     InferenceEngine(model, cache)
     assert cache.key.device.type == cache.value.device.type == "meta"
+
+
+# ------------------------------------------------------------------ on a GPU (make gpu-test runs these)
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_greedy_generation_on_one_gpu(variant):
+    """The inference path on CUDA (model, paged cache, continuous batching): the same greedy tokens as recomputing
+    the whole sequence each step on the GPU, and as the CPU where the top two logits are far apart."""
+    model, prompts = _model(variant), _prompts()
+    params = [SamplingParams(top_k=1, num_tokens_to_generate=n) for _, n in LENGTHS]
+    gpu = model.cuda()
+    expected = [generate_by_recompute(gpu, p, sp) for p, sp in zip(prompts, params)]
+    cache = PagedKVCache(gpu.config, num_blocks=40, block_size=4, device="cuda")
+    got = [r.generated_tokens for r in InferenceEngine(gpu, cache, max_batch_size=3, max_tokens=24).generate(prompts, params)]
+    assert got == expected
+    logits = gpu(torch.tensor([prompts[0]], device="cuda"))[0, -1].float().cpu()
+    top2 = logits.topk(2).values
+    if top2[0] - top2[1] > 1e-3:  # no near-tie: the CPU picks the same first token
+        assert generate_by_recompute(model.cpu(), prompts[0], params[0])[0] == got[0][0]

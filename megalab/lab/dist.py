@@ -23,6 +23,17 @@ import torch
 import torch.distributed as dist
 
 
+def alias_new_collectives() -> None:
+    """torch < 2.12 (the lent GPU machine has 2.11) names all_gather_single and reduce_scatter_single, which the
+    course uses, all_gather_into_tensor and reduce_scatter_tensor (the same signatures): give it the new names."""
+    for new, old in (("all_gather_single", "all_gather_into_tensor"), ("reduce_scatter_single", "reduce_scatter_tensor")):
+        if not hasattr(dist, new) and hasattr(dist, old):
+            setattr(dist, new, getattr(dist, old))
+
+
+alias_new_collectives()  # every rank imports this module (init) before it calls a collective
+
+
 def init(backend: str | None = None, timeout_s: float | None = None) -> tuple[int, int]:
     """init_process_group with the backend the launcher picked; returns (rank, world_size).
 
@@ -38,6 +49,8 @@ def init(backend: str | None = None, timeout_s: float | None = None) -> tuple[in
         elif os.environ.get("MEGALAB_DEVICE") == "cuda":
             torch.cuda.set_device(_shared_gpu())
         dist.init_process_group(backend, **kwargs)
+        if backend == "gloo" and os.environ.get("MEGALAB_DEVICE") == "cuda" and os.environ.get("MEGALAB_HOST_P2P") != "0":
+            stage_p2p_through_host()
     return dist.get_rank(), dist.get_world_size()
 
 
@@ -63,6 +76,53 @@ def _shared_gpu() -> int:
         raise RuntimeError("MEGALAB_DEVICE=cuda, but this machine has no CUDA GPU: unset MEGALAB_DEVICE "
                            "(ranks then compute on the CPU with gloo)")
     return local_rank() % torch.cuda.device_count()
+
+
+class _HostWork:
+    """An irecv into a CPU buffer: wait() copies the buffer into the CUDA tensor it stands for."""
+
+    def __init__(self, work, host: torch.Tensor, target: torch.Tensor):
+        self._work, self._host, self._target = work, host, target
+
+    def wait(self, *args, **kwargs) -> bool:
+        self._work.wait(*args, **kwargs)
+        self._target.copy_(self._host)
+        return True
+
+    def __getattr__(self, name: str):
+        return getattr(self._work, name)
+
+
+def stage_p2p_through_host() -> None:
+    """gloo has collectives for CUDA tensors but no send/recv: from here on, p2p of a CUDA tensor on a gloo group
+    sends a CPU copy and receives into a CPU buffer, copied to the GPU when the receive completes (at wait() for
+    irecv). Installed by init() when gloo ranks compute on GPUs (MEGALAB_DEVICE=cuda: `make gpu-test` with more
+    ranks than GPUs; MEGALAB_HOST_P2P=0 leaves p2p as torch has it). Works through batch_isend_irecv and P2POp,
+    which look the functions up in torch.distributed at call time. Other backends and CPU tensors are untouched."""
+    from torch.distributed import distributed_c10d as c10d
+
+    def staged(op, receive: bool):
+        def p2p(tensor, *args, **kwargs):
+            group = kwargs.get("group", args[1] if len(args) > 1 else None)
+            if not tensor.is_cuda or dist.get_backend(group) != "gloo":
+                return op(tensor, *args, **kwargs)
+            if not receive:
+                return op(tensor.detach().cpu(), *args, **kwargs)
+            host = torch.empty_like(tensor, device="cpu")
+            done = op(host, *args, **kwargs)
+            if hasattr(done, "wait"):  # irecv: the copy waits for the data
+                return _HostWork(done, host, tensor)
+            tensor.copy_(host)  # recv has returned: the data is there
+            return done
+
+        p2p.megalab_staged = op
+        return p2p
+
+    for name, receive in (("send", False), ("isend", False), ("recv", True), ("irecv", True)):
+        if not hasattr(getattr(c10d, name), "megalab_staged"):
+            wrapped = staged(getattr(c10d, name), receive)
+            setattr(c10d, name, wrapped)  # P2POp and batch_isend_irecv compare ops with these
+            setattr(dist, name, wrapped)
 
 
 def to_cpu(value: Any) -> Any:
