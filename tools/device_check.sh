@@ -1,5 +1,5 @@
 #!/bin/sh
-# The prepared GPU check for the lent machine (one `run` call; course/INSTRUCTORS.md §6 gives it): on that machine as
+# The prepared GPU check for the lent machine (one `run` call; course/INSTRUCTORS.md §7 gives it): on that machine as
 # it is -- its Python 3.12 with torch, triton and numpy, no network -- make a venv that keeps its torch, install the
 # carried wheels (.device/wheels, from tools/device_wheels.sh) and megalab offline, then run `make gpu-test`'s check
 # (python -m megalab.lab.gpu_check): the gpu-marked tests and every notebook on CUDA, compared with the CPU outputs.
