@@ -354,10 +354,15 @@ class ThreadedWorld:
 
 def _world_verdict(world: ThreadedWorld, what: str):
     """A verdict for what went wrong in the messages (re-raising a rank's own exception), or None."""
-    for _, exc in sorted(world.errors.items()):
+    for rank, exc in sorted(world.errors.items()):
         if isinstance(exc, ValueError) and "buffer" in str(exc):
             return mistake("a message does not fit its receive buffer: the wrong chunk is sent or received (sender "
                            "and receiver must agree on the chunk index of every step)", f"{what}: {exc}")
+        if isinstance(exc, ValueError) and f"addresses peer {rank} " in str(exc):
+            return mistake("a rank sends to or receives from itself: its peer is computed wrong (sender and receiver "
+                           "must name each other)", f"{what}: {exc}")
+        if isinstance(exc, ValueError) and "addresses peer" in str(exc) and "addresses peer None" not in str(exc):
+            return mistake("a peer outside the group: compute it modulo the group size", f"{what}: {exc}")
         raise exc
     if world.stuck:
         stuck = "; ".join(f"rank {r} waits for rank {peer} at {line}" for r, (peer, line) in sorted(world.stuck.items()))
