@@ -506,6 +506,8 @@ def _quick_column(rank, world, group):
     col, ref = _tiny_linears(tp.ColumnParallelLinear, rank, group)
     x = _rank_tensor(1, 4, 2, 6).requires_grad_()
     y = col(x)
+    if tuple(y.shape) != (4, 2, 4):  # not this rank's slice: the test names the shape (the backward below can't run)
+        return {"plain": {"y": _cpu(y), "wrong shape": True}}
     dy_full = _rank_tensor(2, 4, 2, 8)  # the same on every rank; this rank's part of it drives its backward
     y.backward(tp.full_shard_of(dy_full, y, rank))
     ref_w = ref.weight.detach()
@@ -554,6 +556,8 @@ def _quick_cross_entropy(rank, world, group):
     for name, shift in (("plain", 0.0), ("large logits", 1000.0)):
         shard = tp.full_shard_of(logits, logits[:, :4], rank) + shift
         out[name] = _cpu(vocab_parallel_cross_entropy(shard, target, group=group))
+    shard = tp.full_shard_of(logits, logits[:, :4], rank)
+    out["smoothed"] = _cpu(vocab_parallel_cross_entropy(shard, target, label_smoothing=0.1, group=group))
     return out
 
 
@@ -562,7 +566,10 @@ def _quick_cross_entropy_backward(rank, world, group):
     shard = tp.full_shard_of(logits, logits[:, :4], rank).clone().requires_grad_()
     weights = torch.arange(1.0, 6.0).to(_dev())  # d loss_i: the backward must scale by grad_output
     (vocab_parallel_cross_entropy(shard, target, group=group) * weights).sum().backward()
-    return {"logits": _cpu(logits), "target": _cpu(target), "weights": _cpu(weights), "grad": _cpu(shard.grad)}
+    smoothed = tp.full_shard_of(logits, logits[:, :4], rank).clone().requires_grad_()
+    (vocab_parallel_cross_entropy(smoothed, target, label_smoothing=0.1, group=group) * weights).sum().backward()
+    return {"logits": _cpu(logits), "target": _cpu(target), "weights": _cpu(weights), "grad": _cpu(shard.grad),
+            "smoothed grad": _cpu(smoothed.grad)}
 
 
 QUICK = {"tp.copy_to_region": _quick_copy_to, "tp.reduce_from_region": _quick_reduce_from,
@@ -664,6 +671,10 @@ def test_quick_column_parallel_forward_and_input_gradient(quick):
     res = quick_results(quick, "tp.column_forward")
     for rank, r in res.items():
         p = r["plain"]
+        if p.get("wrong shape"):
+            _shape_named(p["y"], (4, 2, 4), {"all-gathered the output although gather_output=False (gather only if "
+                                             "self.gather_output)": (4, 2, 8)},
+                         f"tp=2, rank {rank}: ColumnParallelLinear(gather_output=False)'s output")
         require(close(p["y"], p["expected y"], f"tp=2, rank {rank}: ColumnParallelLinear's output slice [4, 2, 8/t]"))
         require(close(p["dx"], p["expected dx"], f"tp=2, rank {rank}: ColumnParallelLinear's input gradient", mistakes={
             "skipped copy_to_tensor_model_parallel_region (f) before the matmul: dX is not summed over the TP ranks":
@@ -710,8 +721,8 @@ def test_quick_vocab_parallel_embedding_zeros_other_rows(quick):
                                 "forgot the all-reduce (each rank has only the rows it owns)": mine}))
 
 
-def _ce_variants(logits, target, t=2):
-    """What F.cross_entropy gives, and what the typical mistakes of the vocab-parallel forward give."""
+def _ce_variants(logits, target, t=2, rank=0):
+    """What F.cross_entropy gives, and what the typical mistakes of the vocab-parallel forward give (on `rank`)."""
     n = logits.shape[-1] // t
     shards = logits.split(n, -1)
     z_y = logits.gather(-1, target.unsqueeze(-1)).squeeze(-1)
@@ -723,19 +734,29 @@ def _ce_variants(logits, target, t=2):
     others = sum(torch.where(owner != r, shards[r][:, 0] - m, 0.0) for r in range(t))
     return {"right": F.cross_entropy(logits, target, reduction="none"),
             "local max": sum_local.log() - (z_y - m_owner),
-            "unmasked": torch.logsumexp(logits, -1) - z_y - others}
+            "unmasked": torch.logsumexp(logits, -1) - z_y - others,
+            "local sum": torch.logsumexp(shards[rank], -1) - z_y,
+            "smoothed": F.cross_entropy(logits, target, reduction="none", label_smoothing=0.1),
+            # the smoothing term sum_z / V with V/t for V: a (lse - m - t (mean z - m)) in place of a (lse - mean z)
+            "smoothed over V/t": 0.9 * (torch.logsumexp(logits, -1) - z_y) + 0.1 * (
+                torch.logsumexp(logits, -1) - m - t * (logits.mean(-1) - m))}
 
 
 @pytest.mark.exercise("tp.vocab_cross_entropy")
 def test_quick_vocab_parallel_cross_entropy_forward(quick):
     res = quick_results(quick, "tp.vocab_cross_entropy")
     for rank, r in res.items():
-        v = _ce_variants(r["logits"], r["target"])
+        v = _ce_variants(r["logits"], r["target"], rank=rank)
         require(close(r["plain"], v["right"], f"tp=2, rank {rank}: the per-token loss of logits [5, 8] split in 2",
                       rtol=1e-4, atol=1e-5, mistakes={
             "subtracted each rank's own max, not the max over the TP group (all-reduce MAX)": v["local max"],
             "target logit not masked to 0 on the ranks that do not own the target (each rank added one)":
-                v["unmasked"]}))
+                v["unmasked"],
+            "the sum of exp not all-reduced: log S of this rank's vocabulary slice only": v["local sum"]}))
+        require(close(r["smoothed"], v["smoothed"], f"tp=2, rank {rank}: the per-token loss with label_smoothing=0.1 "
+                      "vs F.cross_entropy's", rtol=1e-4, atol=1e-5, mistakes={
+            "the smoothing term divides by this rank's V/t, not the whole vocabulary V (ctx.vocab_size = t * V/t)":
+                v["smoothed over V/t"]}))
         if not torch.isfinite(r["large logits"]).all():
             require(mistake("skipped the max subtraction: exp overflows for large logits",
                             f"rank {rank}: the loss of logits + 1000 is {r['large logits'].tolist()}"))
@@ -761,6 +782,12 @@ def test_quick_vocab_parallel_cross_entropy_backward(quick):
                                 "index 0)": mine - at0,
                                 "forgot to multiply by grad_output": unscaled,
                                 "sign flipped: onehot - softmax instead of softmax - onehot": -mine}))
+        a, V = 0.1, logits.shape[-1]
+        smoothed = ((logits.softmax(-1) - (1 - a) * onehot - a / V) * w.unsqueeze(-1))[:, rank * n:(rank + 1) * n]
+        require(close(r["smoothed grad"], smoothed, f"tp=2, rank {rank}: the same gradient with label_smoothing=0.1 "
+                      "(softmax - 0.9 onehot - 0.1/V)", mistakes={
+                          "a / (V/t): the smoothing spreads over the whole vocabulary V, not this rank's slice":
+                              smoothed - a / V * w.unsqueeze(-1)}))  # 2a/V in place of a/V
 
 
 # ------------------------------------------------------------------ multi-rank
