@@ -467,7 +467,9 @@ def _quick_reduce_from(rank, world, group):
     out = {}
     for name, g in (("tp", group), ("alone", _alone(rank, world))):
         x = _rank_tensor(20 + rank, 4, 3)
-        out[name] = {"x": _cpu(x), "y": _cpu(reduce_from_tensor_model_parallel_region(x.clone(), group=g))}
+        before = _cpu(x.clone())
+        out[name] = {"x": before, "y": _cpu(reduce_from_tensor_model_parallel_region(x, group=g)).clone(),
+                     "x after": _cpu(x)}
     return out
 
 
@@ -616,6 +618,10 @@ def test_quick_reduce_from_region_forward_sums_over_the_group(quick):
         xa = [res[q]["alone"]["x"] for q in sorted(res)]
         require(close(r["alone"]["y"], r["alone"]["x"], f"rank {rank}, a TP group of this rank alone: the output of g",
                       mistakes={WORLD_GROUP: sum(xa)}))
+        if "x after" in r["tp"] and not torch.equal(r["tp"]["x after"], r["tp"]["x"]):
+            require(mistake("all-reduced g's input in place: the caller's tensor now holds the sum (autograd may still "
+                            "need it: _reduce clones first)", f"tp=2, rank {rank}: g's input changed from "
+                            f"{r['tp']['x'].flatten()[:3].tolist()}... to {r['tp']['x after'].flatten()[:3].tolist()}..."))
 
 
 @pytest.mark.exercise("tp.gather_last_dim")
@@ -639,7 +645,9 @@ def test_quick_gather_last_dim_concatenates_in_rank_order(quick):
 
 @pytest.mark.exercise("tp.sp_gather")
 def test_quick_sp_gather_concatenates_the_sequence(quick):
-    res = quick_results(quick, "tp.sp_gather")
+    res = quick_results(quick, "tp.sp_gather", known={
+        "invalid tensor size": "the output buffer is not [t * s/t, b, h] as one tensor: all_gather_single fills its "
+                               "first dim with the ranks' inputs one after the other (allocate that shape)"})
     xs = [res[r]["x"] for r in sorted(res)]
     expected = torch.cat(xs, 0)
     for rank, r in res.items():
@@ -663,6 +671,8 @@ def test_quick_sp_reduce_scatter_keeps_this_ranks_sequence_slice(quick):
             "all-reduced without scattering (kept the whole sequence)": (4, 3, 4)}, what)
         require(close(r["y"], expected, what, mistakes={
             "split the sequence without summing over the ranks (no reduction)": xs[rank][rank * 2:(rank + 1) * 2],
+            "averaged over the ranks instead of summing (a row-parallel output is the SUM of the partial products)":
+                sum(xs)[rank * 2:(rank + 1) * 2] / len(xs),
             "kept another rank's sequence slice": sum(xs)[(1 - rank) * 2:(2 - rank) * 2]}))
 
 
