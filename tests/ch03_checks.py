@@ -89,7 +89,7 @@ def check_schedule_table() -> Verdict:
     return RIGHT
 
 
-def _one_f_one_b(forwards, backwards, w, *, backward_first=False, no_cooldown=False, newest=False):
+def _one_f_one_b(forwards, backwards, w, *, backward_first=False, no_cooldown=False, newest=False, stack=False):
     ops = list(forwards[:w])
     n = len(forwards) - w
     for i in range(n):
@@ -97,6 +97,8 @@ def _one_f_one_b(forwards, backwards, w, *, backward_first=False, no_cooldown=Fa
         ops += [b, f] if backward_first else [f, b]
     if no_cooldown:
         return ops
+    if stack:  # newest owed first everywhere: the cooldown in reverse too
+        return ops + list(backwards[:w])[::-1]
     return ops + (list(backwards[:w]) if newest else list(backwards[n:]))
 
 
@@ -112,7 +114,10 @@ def check_one_f_one_b() -> Verdict:
                                   "no cooldown: the backwards still owed after the steady state never run":
                                       _one_f_one_b(forwards, backwards, w, no_cooldown=True),
                                   "steady state pairs a forward with its OWN backward, not the oldest one in flight":
-                                      _one_f_one_b(forwards, backwards, w, newest=True)})
+                                      _one_f_one_b(forwards, backwards, w, newest=True),
+                                  "the owed backwards run newest first (a stack): the steady state pairs each forward "
+                                  "with its own backward and the cooldown runs in reverse; 1F1B runs the OLDEST owed "
+                                  "backward (a queue)": _one_f_one_b(forwards, backwards, w, newest=True, stack=True)})
         if not verdict:
             return verdict
     return RIGHT
@@ -216,6 +221,13 @@ def check_rank_chunks() -> Verdict:
         for zigzag in (True, False):
             got = [tuple(rank_chunks(cp, r, zigzag)) for r in range(cp)]
             right = [(r, 2 * cp - 1 - r) if zigzag else (2 * r, 2 * r + 1) for r in range(cp)]
+            other = [(2 * r, 2 * r + 1) if zigzag else (r, 2 * cp - 1 - r) for r in range(cp)]  # the other split's
+            if got == other and got != right:  # the other split's pairs: swapped, or the flag ignored?
+                flipped = [tuple(rank_chunks(cp, r, not zigzag)) for r in range(cp)]
+                name = ("zigzag and plain swapped" if flipped == right else
+                        f"the zigzag flag is ignored: zigzag={zigzag} gives the same pairs as zigzag={not zigzag}")
+                return mistake(name, f"rank_chunks(cp={cp}, rank, zigzag={zigzag}) for ranks 0..{cp - 1} is {got}, "
+                                     f"expected {right}; with zigzag={not zigzag} it is {flipped}")
             verdict = named_equal(got, right, f"rank_chunks(cp={cp}, rank, zigzag={zigzag}) for ranks 0..{cp - 1}", {
                 "zigzag gives rank r chunks r and r + 1; its second chunk is the mirror 2*cp - 1 - r":
                     [(r, r + 1) for r in range(cp)] if zigzag else None,
@@ -268,7 +280,10 @@ def check_lse_merge() -> Verdict:
         "the outputs added without rescaling each by its share exp(lse_part - new_lse)": o1 + o2,
         "the outputs averaged (0.5 each) instead of weighted by their softmax mass": (o1 + o2) / 2,
         "the rescale uses exp(lse_part) alone, not divided by exp(new_lse)":
-            o1 * torch.exp(l1.unsqueeze(-1)) + o2 * torch.exp(l2.unsqueeze(-1))})
+            o1 * torch.exp(l1.unsqueeze(-1)) + o2 * torch.exp(l2.unsqueeze(-1)),
+        "the new lse is the max of the two, not their log-sum-exp: the shares exp(lse_part - max) do not sum to 1":
+            o1 * torch.exp(l1 - torch.maximum(l1, l2)).unsqueeze(-1) + o2 * torch.exp(l2 - torch.maximum(l1, l2)
+                                                                                     ).unsqueeze(-1)})
     if not verdict:
         return verdict
     verdict = close(lse, ref_lse, "merge_attention's lse (2 key blocks) vs logsumexp over all keys", atol=1e-5, mistakes={
