@@ -6,6 +6,7 @@ difference, or its error; the tests below read them (so a missing exercise fails
 checks that need it) and say which quantity of which case on which rank is off, and by how much.
 """
 
+import re
 import traceback
 
 import pytest
@@ -528,6 +529,12 @@ def _quick_row(rank, world, group):
     row, ref = _tiny_linears(tp.RowParallelLinear, rank, group)
     z = _rank_tensor(3, 4, 2, 8)
     z_mine = z[..., rank * 4:(rank + 1) * 4]  # this rank's slice of the last dim
+    try:
+        row(z_mine)
+    except RuntimeError as e:  # the evidence (the matmul's shapes) goes to the test, which names it
+        if "cannot be multiplied" not in str(e):
+            raise
+        return {"plain": {"shape error": str(e).splitlines()[0]}}
     out["plain"] = {"y": _cpu(row(z_mine)), "expected y": _cpu(ref(z)), "bias": _cpu(ref.bias),
                     "this rank's partial": _cpu(z_mine @ row.weight.detach().t())}
     srow, ref = _tiny_linears(tp.RowParallelLinear, rank, group, sp=True)
@@ -704,6 +711,13 @@ def test_quick_row_parallel_forward_sums_once(quick):
     res = quick_results(quick, "tp.row_forward")
     for rank, r in res.items():
         p = r["plain"]
+        if "shape error" in p:  # x [.., k] times the weight's [in/t = 4] columns: k = 2 means X was split again
+            m = re.search(r"\((\d+)x(\d+) and (\d+)x(\d+)\)", p["shape error"])
+            if m and int(m[2]) * 2 == int(m[3]):
+                require(mistake("split X although input_is_parallel=True (scatter only when input_is_parallel is "
+                                "False)", f"tp=2, rank {rank}: the input reached F.linear with {m[2]} features, the "
+                                          f"weight has {m[3]} (in/t): {p['shape error']}"))
+            raise AssertionError(f"tp=2, rank {rank}: RowParallelLinear raised {p['shape error']}")
         require(close(p["y"], p["expected y"], f"tp=2, rank {rank}: RowParallelLinear's output", mistakes={
             "bias added on every rank before the all-reduce (counted t times)": p["expected y"] + p["bias"],
             "forgot the all-reduce (only this rank's partial sum)": p["this rank's partial"] + p["bias"]}))
