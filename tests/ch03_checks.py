@@ -444,7 +444,9 @@ def check_backward_ring() -> Verdict:
                     "(send dkv once more after the loop)": ref[i][:, :, pos[(rank + 1) % cp]],
                     "dK/dV never travel with their block: each rank adds every visiting block's gradient into its "
                     "own dkv": sum(partial[rank][i][:, :, pos[o]] for o in range(cp)),
-                    "dK/dV left at zero (never accumulated)": torch.zeros_like(ours[rank][i])}
+                    "dK/dV left at zero (never accumulated)": torch.zeros_like(ours[rank][i]),
+                    "dK/dV restarted at zero every step (they must travel with their block): only the last visitor's "
+                    "share reaches the owner": partial[(rank - 1) % cp][i][:, :, pos[rank]]}
                 verdict = close(ours[rank][i], ref[i][:, :, pos[rank]], f"{where}: {name} vs SDPA's", atol=1e-5,
                                 mistakes=mistakes)
             if not verdict:
@@ -478,6 +480,8 @@ def check_capacity(logits, topk: int, capacity_factor: float) -> Verdict:
     verdict = named_equal(pairs(got_map), pairs(routed & (arrival < capacity)), f"{where}: the kept (token, expert) "
                           "pairs (each expert keeps its first tokens, in token order)", {
         "off by one: arrival <= capacity keeps capacity + 1 tokens per expert": pairs(routed & (arrival <= capacity)),
+        "off by one: arrivals counted from 1 (cumsum without - 1) keep capacity - 1 tokens per expert":
+            pairs(routed & (arrival + 1 < capacity)),
         "arrivals counted along the wrong dim (cumsum over experts, dim 1, instead of over tokens, dim 0)":
             pairs(routed & (routed.long().cumsum(1) - 1 < capacity)),
         "kept the highest weights per expert instead of the first arrivals (position is the policy here)":
