@@ -533,6 +533,10 @@ def test_quick_finish_grad_sync_waits_and_launches_the_rest(quick):
         "'NoneType' object has no attribute 'wait'": "did not launch the buckets the hooks did not launch "
                                                      "(start_grad_sync for each bucket without a handle)"})
     for rank, r in results.items():
+        if any(g is None for g in r["no overlap"]["grads"]):  # set with overlap on (checked above), None with it off
+            require(mistake("skipped the buckets the hooks did not launch (overlap off): launch each bucket without a "
+                            "handle (start_grad_sync), wait, then set p.grad", f"rank {rank}: with overlap on p.grad "
+                            "is set; with overlap_grad_reduce=False it stays None"))
         _grads_close(r["no overlap"]["grads"], r["expected"], f"rank {rank}, overlap_grad_reduce=False",
                      mistakes={"did not launch the buckets the hooks did not launch (start_grad_sync for each bucket "
                                "without a handle)": r["local"]})
