@@ -142,6 +142,12 @@ def test_topk_routing_matches_reference(score, topk):
     probs, routing_map, counts = topk_softmax_with_capacity(logits, topk, score_function=score, expert_bias=bias)
     _, _, _, ref_counts, kept = reference_moe(x, p, topk, score, bias)
     where = f"topk_softmax_with_capacity(16 tokens, {E} experts, top-{topk}, {score}{', expert bias' if bias is not None else ''})"
+    routed = {(t, e) for t, e in routing_map.nonzero().tolist()}
+    unbiased = {(t, e) for t, es in enumerate(torch.sigmoid(logits).topk(topk).indices.tolist()) for e in es}
+    if bias is not None and routed != kept and routed == unbiased:
+        require(mistake("chose the experts by the sigmoid scores alone: the expert bias must be added to choose them "
+                        "(top-k of score + expert_bias; the weights stay the unbiased scores)",
+                        f"{where}: the routing map is the top-{topk} of sigmoid(logits) without the bias"))
     _require_routes(routing_map, kept, where)
     require(equal(counts.tolist(), ref_counts.tolist(), f"{where}: the tokens per expert"))
     # the weights: softmax over the chosen logits, or the chosen sigmoid scores normalized
