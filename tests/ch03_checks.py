@@ -360,9 +360,31 @@ def check_ring_step() -> Verdict:
         return buffer.tolist()
 
     got = threaded_world.run(world, run)
-    return named_equal([got[r] for r in range(world)], [[float((r - 1) % world)] * 2 for r in range(world)],
-                       f"what ring_step's buffer holds after the wait on ranks 0..{world - 1} (each sends its rank)",
-                       {RING_MISTAKES["returned"]: [[float(r)] * 2 for r in range(world)]})
+    verdict = named_equal([got[r] for r in range(world)], [[float((r - 1) % world)] * 2 for r in range(world)],
+                          f"what ring_step's buffer holds after the wait on ranks 0..{world - 1} (each sends its rank)",
+                          {RING_MISTAKES["returned"]: [[float(r)] * 2 for r in range(world)]})
+    if not verdict:
+        return verdict
+    sub = threaded_world.Group([1, 2, 3])  # a CP group whose group ranks are not its global ranks
+
+    def run_sub(rank, group):
+        if rank not in sub.ranks:
+            return None
+        buffer, requests = ring_step(torch.full((2,), float(rank)), sub)
+        for request in requests:
+            request.wait()
+        return buffer.tolist()
+
+    what = "ring_step on the CP group of global ranks [1, 2, 3] of 4 threaded ranks (it passed on the whole world)"
+    try:
+        got = threaded_world.World(4, timeout=5.0).run(run_sub)
+    except (threaded_world.WorldStuck, ValueError, RuntimeError) as e:
+        return mistake("peers given as group ranks: the P2POp peers are GLOBAL ranks, ranks[(me + 1) % n] and "
+                       "ranks[(me - 1) % n]", f"{what}: {type(e).__name__}: {str(e).splitlines()[0]}")
+    expected = {1: [3.0] * 2, 2: [1.0] * 2, 3: [2.0] * 2}
+    return named_equal({r: got[r] for r in sub.ranks}, expected, f"{what}: the buffers of global ranks 1, 2, 3", {
+        "peers given as group ranks: the P2POp peers are GLOBAL ranks, ranks[(me + 1) % n] and ranks[(me - 1) % n]":
+            None})
 
 
 def _cp_attention_grads(cp: int, seed: int = 3):
