@@ -4,7 +4,7 @@ and the grader's verdict names what the code did in at least 80 % of them, in ea
 Which verdicts name their mistake was judged by reading each verdict against the answer's `expect`; the judgement
 is kept in tests/independent/ch01_03_verdicts.py as a phrase of the verdict (SAYS), so a later change to a test's
 message that drops the name fails here. The sweep grades 146 answers (one 2-rank launch for each multi-rank one):
-about 30 minutes on 2 loaded cores, so it runs only on demand: MEGALAB_INDEPENDENT=1 pytest tests/test_independent_ch01_03.py.
+about 40 minutes on 2 loaded cores (load 15-25), so it runs only on demand: MEGALAB_INDEPENDENT=1 pytest tests/test_independent_ch01_03.py.
 """
 
 import json
