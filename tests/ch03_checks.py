@@ -89,7 +89,7 @@ def check_schedule_table() -> Verdict:
     return RIGHT
 
 
-def _one_f_one_b(forwards, backwards, w, *, backward_first=False, no_cooldown=False, newest=False):
+def _one_f_one_b(forwards, backwards, w, *, backward_first=False, no_cooldown=False, newest=False, stack=False):
     ops = list(forwards[:w])
     n = len(forwards) - w
     for i in range(n):
@@ -97,6 +97,8 @@ def _one_f_one_b(forwards, backwards, w, *, backward_first=False, no_cooldown=Fa
         ops += [b, f] if backward_first else [f, b]
     if no_cooldown:
         return ops
+    if stack:  # newest owed first everywhere: the cooldown in reverse too
+        return ops + list(backwards[:w])[::-1]
     return ops + (list(backwards[:w]) if newest else list(backwards[n:]))
 
 
@@ -112,7 +114,10 @@ def check_one_f_one_b() -> Verdict:
                                   "no cooldown: the backwards still owed after the steady state never run":
                                       _one_f_one_b(forwards, backwards, w, no_cooldown=True),
                                   "steady state pairs a forward with its OWN backward, not the oldest one in flight":
-                                      _one_f_one_b(forwards, backwards, w, newest=True)})
+                                      _one_f_one_b(forwards, backwards, w, newest=True),
+                                  "the owed backwards run newest first (a stack): the steady state pairs each forward "
+                                  "with its own backward and the cooldown runs in reverse; 1F1B runs the OLDEST owed "
+                                  "backward (a queue)": _one_f_one_b(forwards, backwards, w, newest=True, stack=True)})
         if not verdict:
             return verdict
     return RIGHT
@@ -216,6 +221,13 @@ def check_rank_chunks() -> Verdict:
         for zigzag in (True, False):
             got = [tuple(rank_chunks(cp, r, zigzag)) for r in range(cp)]
             right = [(r, 2 * cp - 1 - r) if zigzag else (2 * r, 2 * r + 1) for r in range(cp)]
+            other = [(2 * r, 2 * r + 1) if zigzag else (r, 2 * cp - 1 - r) for r in range(cp)]  # the other split's
+            if got == other and got != right:  # the other split's pairs: swapped, or the flag ignored?
+                flipped = [tuple(rank_chunks(cp, r, not zigzag)) for r in range(cp)]
+                name = ("zigzag and plain swapped" if flipped == right else
+                        f"the zigzag flag is ignored: zigzag={zigzag} gives the same pairs as zigzag={not zigzag}")
+                return mistake(name, f"rank_chunks(cp={cp}, rank, zigzag={zigzag}) for ranks 0..{cp - 1} is {got}, "
+                                     f"expected {right}; with zigzag={not zigzag} it is {flipped}")
             verdict = named_equal(got, right, f"rank_chunks(cp={cp}, rank, zigzag={zigzag}) for ranks 0..{cp - 1}", {
                 "zigzag gives rank r chunks r and r + 1; its second chunk is the mirror 2*cp - 1 - r":
                     [(r, r + 1) for r in range(cp)] if zigzag else None,
@@ -268,7 +280,10 @@ def check_lse_merge() -> Verdict:
         "the outputs added without rescaling each by its share exp(lse_part - new_lse)": o1 + o2,
         "the outputs averaged (0.5 each) instead of weighted by their softmax mass": (o1 + o2) / 2,
         "the rescale uses exp(lse_part) alone, not divided by exp(new_lse)":
-            o1 * torch.exp(l1.unsqueeze(-1)) + o2 * torch.exp(l2.unsqueeze(-1))})
+            o1 * torch.exp(l1.unsqueeze(-1)) + o2 * torch.exp(l2.unsqueeze(-1)),
+        "the new lse is the max of the two, not their log-sum-exp: the shares exp(lse_part - max) do not sum to 1":
+            o1 * torch.exp(l1 - torch.maximum(l1, l2)).unsqueeze(-1) + o2 * torch.exp(l2 - torch.maximum(l1, l2)
+                                                                                     ).unsqueeze(-1)})
     if not verdict:
         return verdict
     verdict = close(lse, ref_lse, "merge_attention's lse (2 key blocks) vs logsumexp over all keys", atol=1e-5, mistakes={
@@ -345,9 +360,31 @@ def check_ring_step() -> Verdict:
         return buffer.tolist()
 
     got = threaded_world.run(world, run)
-    return named_equal([got[r] for r in range(world)], [[float((r - 1) % world)] * 2 for r in range(world)],
-                       f"what ring_step's buffer holds after the wait on ranks 0..{world - 1} (each sends its rank)",
-                       {RING_MISTAKES["returned"]: [[float(r)] * 2 for r in range(world)]})
+    verdict = named_equal([got[r] for r in range(world)], [[float((r - 1) % world)] * 2 for r in range(world)],
+                          f"what ring_step's buffer holds after the wait on ranks 0..{world - 1} (each sends its rank)",
+                          {RING_MISTAKES["returned"]: [[float(r)] * 2 for r in range(world)]})
+    if not verdict:
+        return verdict
+    sub = threaded_world.Group([1, 2, 3])  # a CP group whose group ranks are not its global ranks
+
+    def run_sub(rank, group):
+        if rank not in sub.ranks:
+            return None
+        buffer, requests = ring_step(torch.full((2,), float(rank)), sub)
+        for request in requests:
+            request.wait()
+        return buffer.tolist()
+
+    what = "ring_step on the CP group of global ranks [1, 2, 3] of 4 threaded ranks (it passed on the whole world)"
+    try:
+        got = threaded_world.World(4, timeout=5.0).run(run_sub)
+    except (threaded_world.WorldStuck, ValueError, RuntimeError) as e:
+        return mistake("peers given as group ranks: the P2POp peers are GLOBAL ranks, ranks[(me + 1) % n] and "
+                       "ranks[(me - 1) % n]", f"{what}: {type(e).__name__}: {str(e).splitlines()[0]}")
+    expected = {1: [3.0] * 2, 2: [1.0] * 2, 3: [2.0] * 2}
+    return named_equal({r: got[r] for r in sub.ranks}, expected, f"{what}: the buffers of global ranks 1, 2, 3", {
+        "peers given as group ranks: the P2POp peers are GLOBAL ranks, ranks[(me + 1) % n] and ranks[(me - 1) % n]":
+            None})
 
 
 def _cp_attention_grads(cp: int, seed: int = 3):
@@ -429,7 +466,9 @@ def check_backward_ring() -> Verdict:
                     "(send dkv once more after the loop)": ref[i][:, :, pos[(rank + 1) % cp]],
                     "dK/dV never travel with their block: each rank adds every visiting block's gradient into its "
                     "own dkv": sum(partial[rank][i][:, :, pos[o]] for o in range(cp)),
-                    "dK/dV left at zero (never accumulated)": torch.zeros_like(ours[rank][i])}
+                    "dK/dV left at zero (never accumulated)": torch.zeros_like(ours[rank][i]),
+                    "dK/dV restarted at zero every step (they must travel with their block): only the last visitor's "
+                    "share reaches the owner": partial[(rank - 1) % cp][i][:, :, pos[rank]]}
                 verdict = close(ours[rank][i], ref[i][:, :, pos[rank]], f"{where}: {name} vs SDPA's", atol=1e-5,
                                 mistakes=mistakes)
             if not verdict:
@@ -463,6 +502,8 @@ def check_capacity(logits, topk: int, capacity_factor: float) -> Verdict:
     verdict = named_equal(pairs(got_map), pairs(routed & (arrival < capacity)), f"{where}: the kept (token, expert) "
                           "pairs (each expert keeps its first tokens, in token order)", {
         "off by one: arrival <= capacity keeps capacity + 1 tokens per expert": pairs(routed & (arrival <= capacity)),
+        "off by one: arrivals counted from 1 (cumsum without - 1) keep capacity - 1 tokens per expert":
+            pairs(routed & (arrival + 1 < capacity)),
         "arrivals counted along the wrong dim (cumsum over experts, dim 1, instead of over tokens, dim 0)":
             pairs(routed & (routed.long().cumsum(1) - 1 < capacity)),
         "kept the highest weights per expert instead of the first arrivals (position is the policy here)":

@@ -354,10 +354,15 @@ class ThreadedWorld:
 
 def _world_verdict(world: ThreadedWorld, what: str):
     """A verdict for what went wrong in the messages (re-raising a rank's own exception), or None."""
-    for _, exc in sorted(world.errors.items()):
+    for rank, exc in sorted(world.errors.items()):
         if isinstance(exc, ValueError) and "buffer" in str(exc):
             return mistake("a message does not fit its receive buffer: the wrong chunk is sent or received (sender "
                            "and receiver must agree on the chunk index of every step)", f"{what}: {exc}")
+        if isinstance(exc, ValueError) and f"addresses peer {rank} " in str(exc):
+            return mistake("a rank sends to or receives from itself: its peer is computed wrong (sender and receiver "
+                           "must name each other)", f"{what}: {exc}")
+        if isinstance(exc, ValueError) and "addresses peer" in str(exc) and "addresses peer None" not in str(exc):
+            return mistake("a peer outside the group: compute it modulo the group size", f"{what}: {exc}")
         raise exc
     if world.stuck:
         stuck = "; ".join(f"rank {r} waits for rank {peer} at {line}" for r, (peer, line) in sorted(world.stuck.items()))
@@ -581,6 +586,13 @@ def _sum_verdict(name: str, world_size: int, length: int):
         expected_of = {r: expected for r in range(world_size)}
         positions_of = {r: positions for r in range(world_size)}
     if all(torch.equal(got[r], expected_of[r]) for r in range(world_size)):
+        steps = (world_size - 1) * (1 if name == "reduce_scatter" else 2)
+        extra = {r: world.sends[r] for r in range(world_size) if world.sends[r] > steps}
+        if extra:
+            r = min(extra)
+            return mistake(f"more steps than the ring needs ({'n-1' if steps == world_size - 1 else '2(n-1)'} = "
+                           f"{steps}): the result is right, but the extra messages cost time",
+                           f"{what}: rank {r} sent {extra[r]} messages")
         if name == "reduce_scatter":
             def shape(rank, group):
                 return comm.reduce_scatter(torch.ones(chunks[rank].stop - chunks[rank].start), torch.ones(length), group)
@@ -626,8 +638,19 @@ def test_reduce_scatter_names_typical_mistakes():
 
 @pytest.mark.exercise("comm.ring_all_reduce")
 def test_ring_all_reduce_names_typical_mistakes():
+    world = ThreadedWorld(3)  # floats first: a scale (a mean for a sum) shows as a factor
+    got = world.run(lambda rank: comm.ring_all_reduce(torch.full((6,), rank + 1.0)).clone())
+    what = "comm.ring_all_reduce of torch.full((6,), rank + 1.0) on 3 threaded ranks (expected all 6.0)"
+    floats = _world_verdict(world, what)
+    floats = floats if floats is not None else next(
+        (v for rank, tensor in sorted(got.items()) if not (v := close(
+            tensor, torch.full((6,), 6.0), f"{what}: rank {rank}'s tensor",
+            mistakes={"averaged (divided by n): the all-reduce sums": torch.full((6,), 2.0)}))), RIGHT)
+    if not floats and floats.reason.startswith("likely mistake"):
+        require(floats)  # named here; other mistakes are named by the encoded parts below
     for world_size, length in [(3, 6), (4, 8), (3, 7), (4, 10), (5, 3), (2, 5)]:
         require(_sum_verdict("ring_all_reduce", world_size, length))
+    require(floats)
     require(_subgroup_verdict("ring_all_reduce"))
 
 
@@ -700,6 +723,11 @@ def _all_reduce_time_mistakes(n, m, algorithm):
     if algorithm == "tree":
         mistakes["log2(n) must be rounded up with ceil (a partial round is a whole round)"] = \
             2 * math.log2(n) * (ALPHA + m * BETA)
+        mistakes["rounded log2(n) down (int or floor): a partial round is a whole round, use ceil"] = \
+            2 * math.floor(math.log2(n)) * (ALPHA + m * BETA)
+    if algorithm == "naive":
+        mistakes["n messages each way: the root already holds its own part, it exchanges n-1"] = \
+            2 * n * (ALPHA + m * BETA)
     return mistakes
 
 
@@ -731,6 +759,9 @@ def _busbw_mistakes(nbytes, seconds, n, collective):
     """What the typical wrong factors give for busbw(nbytes, seconds, n, collective)."""
     algbw, factor = nbytes / seconds, BUSBW_FACTORS[collective](n)
     mistakes = {"divided algbw by the factor instead of multiplying": algbw / factor}
+    if collective in ("all_gather", "reduce_scatter"):
+        mistakes[f"gave {collective} the all-reduce's factor 2(n-1)/n; it moves each byte once: (n-1)/n"] = \
+            algbw * 2 * (n - 1) / n
     if collective == "all_reduce":
         mistakes["an all-reduce's factor is 2(n-1)/n (reduce-scatter + all-gather), not (n-1)/n"] = \
             algbw * (n - 1) / n
@@ -780,6 +811,10 @@ def test_fit_alpha_beta_recovers_parameters():
             _absolute_fit(sizes, measured, 6, 1.5),
         "ignored latency_steps and bytes_factor (fitted one message: alpha 6x, beta 1.5x too large)":
             (6 * ALPHA, 1.5 * BETA),
+        "ignored latency_steps (alpha's column must be latency_steps, not 1): alpha comes out 6x too large":
+            (6 * ALPHA, BETA),
+        "ignored bytes_factor (beta's column must be bytes_factor * nbytes): beta comes out 1.5x too large":
+            (ALPHA, 1.5 * BETA),
         "returned (beta, alpha): swapped": (BETA, ALPHA)}, rel=0.1))
     with pytest.raises(ValueError, match="at least two"):
         comm.fit_alpha_beta([1.0], [1.0])

@@ -326,14 +326,28 @@ def _quick_grad_hook(rank, world, group):
         launches = [t for t, event, _ in ddp.timeline if event == "launch"]
         return {"grads": grads, "buckets": len(ddp.buckets), "launched_in_backward": sum(t < backward_end for t in launches)}
 
+    in_no_sync = []  # the evidence that tells "launched inside no_sync" from "launched twice" when a bucket is reduced twice
+
     def accumulate():
         ddp = DistributedDataParallel(_tiny(), group=group, bucket_size=10)
+        launch = ddp.start_grad_sync
+
+        def spy(bucket):
+            if not ddp._sync:
+                in_no_sync.append(bucket.index)
+            return launch(bucket)
+
+        ddp.start_grad_sync = spy
         return {"grads": _step_grads(ddp, rank, world, micro=2)[0]}
 
     out["one step"], out["accumulate"] = _attempt(one_step), _attempt(accumulate)
+    out["launched in no_sync"] = len(in_no_sync)
     # what "copied instead of added" gives: only the last micro-batch, averaged over the ranks (/ 2 micro-batches)
     last = [sum(gs) / (2 * world) for gs in zip(*[_tiny_grads(_tiny_rows(r, world, 2, 1)) for r in range(world)])]
     out["last micro-batch only"] = last
+    # what "kept param.grad" gives: autograd adds micro-batch 2 onto the kept .grad, so micro-batch 1 counts twice
+    first = [sum(gs) / (2 * world) for gs in zip(*[_tiny_grads(_tiny_rows(r, world, 2, 0)) for r in range(world)])]
+    out["first micro-batch twice"] = [2 * a + b for a, b in zip(first, last)]
     return out
 
 
@@ -488,13 +502,20 @@ def test_quick_grad_hook_accumulates_and_launches_full_buckets(quick):
             require(mistake("the hook never launches a full bucket (no overlap: every bucket waits for "
                             "finish_grad_sync)", f"rank {rank}: 0 of {one['buckets']} buckets launched during backward"))
         require(equal(one["launched_in_backward"], one["buckets"], f"rank {rank}: buckets launched during backward"))
+    inside = any(r.get("launched in no_sync") for r in quick.get("data_parallel.grad_hook").values()
+                 if isinstance(r, dict))
     results = quick_results(quick, "data_parallel.grad_hook", "accumulate", known={
         "reduced twice": "launched the bucket inside no_sync() (the hook must not start_grad_sync when self._sync "
-                         "is False)"})
+                         "is False)" if inside else
+                         "a bucket launched twice in one step, none inside no_sync(): pending was not refilled once the "
+                         "bucket was full, so the next backward launches it at its first gradient (and again)"})
     for rank, r in results.items():
         _grads_close(r["accumulate"]["grads"], r["expected"], f"rank {rank}, 2 micro-batches accumulated (no_sync)",
                      mistakes={"copied param.grad into the buffer instead of adding it (accumulation lost)":
-                               r["last micro-batch only"]})
+                               r["last micro-batch only"],
+                               "param.grad kept after adding it to the buffer: autograd adds the next micro-batch onto "
+                               "it, so the first micro-batch is counted twice (set param.grad = None)":
+                               r["first micro-batch twice"]})
 
 
 @pytest.mark.exercise("data_parallel.finish_grad_sync")
@@ -512,6 +533,10 @@ def test_quick_finish_grad_sync_waits_and_launches_the_rest(quick):
         "'NoneType' object has no attribute 'wait'": "did not launch the buckets the hooks did not launch "
                                                      "(start_grad_sync for each bucket without a handle)"})
     for rank, r in results.items():
+        if any(g is None for g in r["no overlap"]["grads"]):  # set with overlap on (checked above), None with it off
+            require(mistake("skipped the buckets the hooks did not launch (overlap off): launch each bucket without a "
+                            "handle (start_grad_sync), wait, then set p.grad", f"rank {rank}: with overlap on p.grad "
+                            "is set; with overlap_grad_reduce=False it stays None"))
         _grads_close(r["no overlap"]["grads"], r["expected"], f"rank {rank}, overlap_grad_reduce=False",
                      mistakes={"did not launch the buckets the hooks did not launch (start_grad_sync for each bucket "
                                "without a handle)": r["local"]})
@@ -521,6 +546,9 @@ def test_quick_finish_grad_sync_waits_and_launches_the_rest(quick):
 def test_quick_reduce_scatter_keeps_each_ranks_shard(quick):
     known = {"'bool' object has no attribute": "called reduce_scatter without async_op=True (bucket.handle "
                                                       "must be the work to wait for)",
+             "'NoneType' object has no attribute 'wait'": "bucket.handle left None: keep the work that "
+                                                          "reduce_scatter(..., async_op=True) returns in bucket.handle "
+                                                          "(finish_grad_sync waits on it)",
              "'NoneType' object has no attribute": "stage 1 has no grad_shard: its shard is the view "
                                                    "grad_data[bucket.shard] of the full buffer"}
     for stage in (1, 2):
@@ -556,7 +584,9 @@ def test_quick_zero_step_updates_and_gathers(quick):
 @pytest.mark.exercise("data_parallel.zero3_gather")
 def test_quick_zero3_gather_rebuilds_full_parameters(quick):
     known = {"storage of size 0": "all-gathered into param_data without re-allocating its storage first "
-                                  "(untyped_storage().resize_)"}
+                                  "(untyped_storage().resize_)",
+             "are out of bounds for storage of size": "param_data's storage re-allocated too small: resize_ takes "
+                                                      "BYTES, numel * element_size()"}
     results = quick_results(quick, "data_parallel.zero3_gather", "shards changed", known)
     for rank, r in results.items():
         c = r["shards changed"]

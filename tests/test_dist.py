@@ -27,6 +27,11 @@ SHARD_MISTAKES = {
     "put the whole remainder on the last rank (sizes then differ by more than 1)": lambda length, world:
         _bounds_from_sizes([length // world] * (world - 1) + [length - (world - 1) * (length // world)]),
     "ceil-sized shards, as torch.chunk cuts them (the last ranks run short or empty)": _ceil_bounds,
+    "rank length % world_size got an extra item too (<= where < belongs): its shard overlaps the next one or runs "
+    "past length": lambda length, world: [
+        (r * (length // world) + min(r, length % world),
+         r * (length // world) + min(r, length % world) + length // world + (r <= length % world))
+        for r in range(world)],
 }
 
 

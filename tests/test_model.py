@@ -55,7 +55,7 @@ def ref_attention(q, k, v, *, causal=True, scale=True, softmax_dim=-1, diagonal=
     """q [b, s, np, hn], k/v [b, s, np, hn] -> [b, s, np*hn], causal. The keywords build typical wrong answers:
     no causal mask, no 1/sqrt(hn), the softmax over another dim, the mask's diagonal (-1: a token can't see itself)."""
     b, s, n, hn = q.shape
-    scores = torch.einsum("bqhd,bkhd->bhqk", q, k) / (math.sqrt(hn) if scale else 1.0)
+    scores = torch.einsum("bqhd,bkhd->bhqk", q, k) / (math.sqrt(hn) if scale is True else scale or 1.0)
     if causal:
         scores = scores.masked_fill(~torch.tril(torch.ones(s, s, dtype=torch.bool), diagonal), float("-inf"))
     return torch.einsum("bhqk,bkhd->bqhd", scores.softmax(softmax_dim), v).reshape(b, s, n * hn)
@@ -65,13 +65,15 @@ ATTENTION_MISTAKES = {  # name -> the keywords of ref_attention that give what t
     "forgot the causal mask (a query must not see later keys)": dict(causal=False),
     "softmax over the wrong dim (it normalises over the keys, the last dim)": dict(softmax_dim=-2),
     "forgot the 1/sqrt(hn) scale of the scores": dict(scale=False),
+    "scaled the scores by 1/hn, not 1/sqrt(hn)": dict(scale=8),  # hn = 8 in the test
     "the mask hides the diagonal too (triu(1), not triu(0): a token sees itself)": dict(diagonal=-1),
 }
 
 
 def ref_mlp(x, sd, prefix, c, mistake=None):
     """fc2(act(fc1(x))), gated: fc2(act(gate) * up); `mistake` gives a typical wrong answer instead:
-    "swapped" (act(up) * gate), "after" (the activation after fc2), "both" (the activation on both halves)."""
+    "swapped" (act(up) * gate), "after" (the activation after fc2), "both" (the activation on both halves),
+    "none" (no activation at all)."""
     act = {"gelu": F.gelu, "silu": F.silu, "relu": F.relu, "squared_relu": lambda t: F.relu(t) ** 2}[c.activation_func]
     y = F.linear(x, sd[prefix + ".linear_fc1.weight"], sd.get(prefix + ".linear_fc1.bias"))
     first, second = (y[..., : c.ffn_hidden_size], y[..., c.ffn_hidden_size:]) if c.gated_linear_unit else (y, None)
@@ -79,7 +81,7 @@ def ref_mlp(x, sd, prefix, c, mistake=None):
         first, second = second, first
     if mistake == "both":
         first, second = act(first), act(second)
-    elif mistake != "after":
+    elif mistake not in ("after", "none"):
         first = act(first)
     y = first if second is None else first * second
     y = F.linear(y, sd[prefix + ".linear_fc2.weight"], sd.get(prefix + ".linear_fc2.bias"))
@@ -90,6 +92,7 @@ MLP_MISTAKES = {
     "gated: the halves swapped (fc1's output is [gate; up]: act(gate) * up)": "swapped",
     "the activation after linear_fc2 (it goes between the two linears)": "after",
     "gated: the activation on both halves (only the gate goes through it)": "both",
+    "no activation between the two linears (fc2(fc1(x)) is one linear map)": "none",
 }
 
 
@@ -110,7 +113,7 @@ def ref_layer(x, sd, p, c, mistake=None):
     a = F.linear(ref_attention(q, k, v), sd[p + "self_attention.linear_proj.weight"],
                  sd.get(p + "self_attention.linear_proj.bias"))
     layer_input = x
-    x = (h if mistake == "normed_residual" else x) + a
+    x = (h if mistake in ("normed_residual", "normed_attention_residual") else x) + a
     h = ref_norm(x, sd, p + ("input_layernorm" if mistake == "same_norm" else "pre_mlp_layernorm"), c)
     residual = {"normed_residual": h, "input_residual": layer_input, "twice": 2 * x}.get(mistake, x)
     return residual + ref_mlp(h, sd, p + "mlp", c)
@@ -121,6 +124,8 @@ LAYER_MISTAKES = {
         "normed_residual",
     "the MLP's residual is the layer's input (it is the stream after the attention block)": "input_residual",
     "added the residual twice": "twice",
+    "the attention block's residual is the normalised input (add its output to the un-normalised stream)":
+        "normed_attention_residual",
     "the MLP reads input_layernorm's output (its own norm is pre_mlp_layernorm)": "same_norm",
 }
 
@@ -194,6 +199,10 @@ def test_rmsnorm_names_typical_mistakes():
                       "subtracted the mean: that is LayerNorm; RMSNorm does not centre": lambda: rms(centred),
                       "eps outside the square root (x / (sqrt(mean(x^2)) + eps)): it goes inside, "
                       "rsqrt(mean(x^2) + eps)": lambda: x / (x.pow(2).mean(-1, keepdim=True).sqrt() + eps) * w,
+                      "eps added after the root (rsqrt(mean(x^2)) + eps): it goes inside, rsqrt(mean(x^2) + eps)":
+                          lambda: x * (x.pow(2).mean(-1, keepdim=True).rsqrt() + eps) * w,
+                      "one RMS for the whole tensor (the mean of the squares is per token, over the last dim only)":
+                          lambda: x * torch.rsqrt(x.pow(2).mean() + eps) * w,
                   }))
 
 
@@ -246,7 +255,7 @@ def test_mlp_matches_reference(variant):
     with torch.no_grad():
         out = mlp(x)
     mistakes = {name: ref_mlp(x, sd, "m", c, mistake=m) for name, m in MLP_MISTAKES.items()
-                if c.gated_linear_unit or m == "after"}
+                if c.gated_linear_unit or m in ("after", "none")}
     require(close(out, ref_mlp(x, sd, "m", c), f"the MLP's output ({variant}: {kind}) vs fc2(act(fc1(x)))",
                   atol=1e-5, rtol=1e-5, mistakes=mistakes))
 
@@ -271,6 +280,17 @@ def test_transformer_layer_matches_reference(variant):
                     for name, m in LAYER_MISTAKES.items()}
     require(close(out, ref, f"the TransformerLayer's output ({variant}) vs x + attn(norm(x)), then "
                             "+ mlp(norm(.)) (plain PyTorch)", atol=1e-5, rtol=1e-5, mistakes=mistakes))
+    if variant == "gpt":  # eval mode: hidden_dropout must not drop anything
+        layer.hidden_dropout = 0.5
+        with torch.no_grad():
+            again = layer(x, rotary)
+        verdict = close(again, ref, "the TransformerLayer's output in eval mode with hidden_dropout=0.5 vs the same "
+                        "layer without dropout", atol=1e-5, rtol=1e-5)
+        if not verdict:
+            zeros = int(((again - out).abs() > 1e-6).sum())
+            verdict = mistake("dropout applied in eval mode: pass training=self.training to F.dropout", f"{zeros} of "
+                              f"{out.numel()} elements changed once hidden_dropout became 0.5 — {verdict.reason}")
+        require(verdict)
 
 
 @pytest.mark.exercise("model.gpt_forward")
@@ -320,6 +340,16 @@ def test_gpt_chunks_pass_hidden_states_and_only_the_last_one_gives_logits(varian
     first, last = model.chunk(0, 1, pre_process=True, post_process=False), model.chunk(1, 2, False, True)
     ids = torch.randint(0, c.vocab_size, (3, c.seq_length))
     hidden = first(ids)
+    try:
+        last(hidden)
+    except TypeError as e:
+        import traceback
+
+        line = traceback.extract_tb(e.__traceback__)[-1].line or ""
+        if "embedding" in line:
+            require(mistake("a chunk without pre_process called the embedding (it has none): it takes the previous "
+                            "chunk's hidden states [s, b, h] in place of input_ids", f"{e}, at `{line.strip()}`"))
+        raise
     require(equal(tuple(hidden.shape), (c.seq_length, 3, c.hidden_size),
                   f"the output of a first chunk (pre_process, not post_process; {variant}): its hidden states [s, b, h]"))
     require(close(last(hidden), model(ids), f"chunk 2 of 2 fed chunk 1's output vs the whole model's logits ({variant})",

@@ -31,6 +31,7 @@ from megalab.core.transformer.moe.moe_utils import (
 from megalab.core.transformer.transformer_config import TransformerConfig
 from megalab.extras import calc
 from megalab.lab import launch
+from megalab.lab.checks import mistake
 from tests.ch03_checks import check_alltoall_dispatch, check_capacity, named_equal
 from tests.feedback import close, equal, max_error, require, require_no_error, require_within
 
@@ -141,6 +142,12 @@ def test_topk_routing_matches_reference(score, topk):
     probs, routing_map, counts = topk_softmax_with_capacity(logits, topk, score_function=score, expert_bias=bias)
     _, _, _, ref_counts, kept = reference_moe(x, p, topk, score, bias)
     where = f"topk_softmax_with_capacity(16 tokens, {E} experts, top-{topk}, {score}{', expert bias' if bias is not None else ''})"
+    routed = {(t, e) for t, e in routing_map.nonzero().tolist()}
+    unbiased = {(t, e) for t, es in enumerate(torch.sigmoid(logits).topk(topk).indices.tolist()) for e in es}
+    if bias is not None and routed != kept and routed == unbiased:
+        require(mistake("chose the experts by the sigmoid scores alone: the expert bias must be added to choose them "
+                        "(top-k of score + expert_bias; the weights stay the unbiased scores)",
+                        f"{where}: the routing map is the top-{topk} of sigmoid(logits) without the bias"))
     _require_routes(routing_map, kept, where)
     require(equal(counts.tolist(), ref_counts.tolist(), f"{where}: the tokens per expert"))
     # the weights: softmax over the chosen logits, or the chosen sigmoid scores normalized
@@ -229,8 +236,12 @@ def test_dropped_tokens_are_exactly_those_past_capacity(capacity_factor):
     assert bool((probs[~routing_map] == 0).all()), f"{where}: dropped (token, expert) pairs should have weight 0"
     padded_probs, padded_map, _ = topk_softmax_with_capacity(logits, 2, capacity_factor, pad_to_capacity=True)
     where += " with pad_to_capacity"
-    require(equal(padded_map.sum(0).tolist(), [min(capacity, 20)] * E,
-                  f"{where}: the rows each expert gets (exactly the capacity)"))
+    rows, kept_rows = padded_map.sum(0).tolist(), routing_map.sum(0).tolist()
+    if rows != [min(capacity, 20)] * E and rows == [min(k + capacity, 20) for k in kept_rows]:
+        require(mistake("padding added up to `capacity` fillers on top of the kept tokens: fill only the free slots "
+                        "(capacity minus the kept ones)", f"{where}: the rows each expert gets are {rows} (kept "
+                        f"{kept_rows} + up to {capacity} fillers), expected {[min(capacity, 20)] * E}"))
+    require(equal(rows, [min(capacity, 20)] * E, f"{where}: the rows each expert gets (exactly the capacity)"))
     require(close(padded_probs, probs, f"{where}: the weights vs without padding (fillers carry weight 0)", rtol=0, atol=0))
     assert bool((padded_map | ~routing_map).all()) and bool((padded_map & routing_map == routing_map).all()), (
         f"{where}: the padded routing map should contain every routed (token, expert) pair")
@@ -242,15 +253,16 @@ def test_permute_groups_by_expert_and_unpermute_inverts():
     top_logits, chosen = (x @ p["router"].T).topk(2)
     routing_map = torch.zeros(10, E, dtype=torch.bool).scatter(1, chosen, True)
     probs = torch.zeros(10, E).scatter(1, chosen, torch.softmax(top_logits, -1))
-    permuted, permuted_probs, sorted_indices = permute(x, routing_map, probs)
     expected = [(e, t) for e in range(E) for t in range(10) if routing_map[t, e]]  # expert-major, token order
     where = f"permute(10 tokens, top-2 of {E} experts)"
     token_major = [(e, t) for t in range(10) for e in range(E) if routing_map[t, e]]
+    _, _, sorted_indices = permute(x, routing_map)  # without probs first: the order alone
     require(named_equal(sorted_indices.tolist(), [t for _, t in expected],
                         f"{where}: the token index of each permuted row (expert by expert, tokens in order within one)", {
         "token-major order: routing_map not transposed, so the rows are token by token, not expert by expert":
             [t for _, t in token_major],
         "sorted_indices hold the expert of each row, not its token": [e for e, _ in expected]}))
+    permuted, permuted_probs, sorted_indices = permute(x, routing_map, probs)
     require(close(permuted, x[[t for _, t in expected]], f"{where}: the permuted rows vs the tokens they should be",
                   rtol=0, atol=0))
     require(close(permuted_probs, torch.stack([probs[t, e] for e, t in expected]),

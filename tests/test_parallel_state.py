@@ -66,6 +66,29 @@ def _as_sets(groups) -> list[list[int]]:
     return sorted(sorted(g) for g in groups)
 
 
+def _strided_groups(sizes: list[int], mask: list[bool], own_masked: bool, own_unmasked: bool) -> list[list[int]]:
+    """The groups a learner gets by taking the masked (own_masked) or unmasked (own_unmasked) strides from those
+    dimensions' sizes alone instead of the full shape's prefix products."""
+    def prefix(shape):
+        return [int(np.prod(shape[:i])) for i in range(len(shape))]
+
+    def digits(index, shape):
+        out = []
+        for size in shape:
+            index, d = divmod(index, size)
+            out.append(d)
+        return out
+
+    full = prefix(sizes)
+    masked = [s for s, m in zip(sizes, mask) if m]
+    unmasked = [s for s, m in zip(sizes, mask) if not m]
+    m_strides = prefix(masked) if own_masked else [st for st, m in zip(full, mask) if m]
+    u_strides = prefix(unmasked) if own_unmasked else [st for st, m in zip(full, mask) if not m]
+    return [[sum(c * st for c, st in zip(digits(g, unmasked), u_strides))
+             + sum(c * st for c, st in zip(digits(i, masked), m_strides)) for i in range(int(np.prod(masked)))]
+            for g in range(int(np.prod(unmasked)))]
+
+
 def _diagnose_groups(got, sizes: list[int], mask: list[bool], what: str):
     """Right, or the typical mistake `got` looks like (compared as sets of groups), else the first difference."""
     expected = numpy_groups(sizes, mask)
@@ -80,6 +103,10 @@ def _diagnose_groups(got, sizes: list[int], mask: list[bool], what: str):
             numpy_groups(sizes, [not m for m in mask]),
         "groups of consecutive ranks (right only when the masked dimensions are the fastest ones)":
             [list(range(g, g + group_size)) for g in range(0, world, group_size)],
+        "the masked strides come from the masked sizes alone (take them from the FULL shape's prefix products)":
+            _strided_groups(sizes, mask, True, False),
+        "the unmasked strides come from the unmasked sizes alone (take them from the FULL shape's prefix products)":
+            _strided_groups(sizes, mask, False, True),
     }
     try:
         got_sets = _as_sets(got)

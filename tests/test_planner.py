@@ -121,7 +121,8 @@ def _held(model, layout, embedding=True):
 @pytest.mark.parametrize("model, layout, train", [
     (P.LLAMA3_8B, P.Layout(tp=2, pp=2, dp=2), P.Training()),
     (P.MIXTRAL_8X7B, P.Layout(tp=2, dp=32, ep=8), P.Training(seq_length=4096)),  # experts: edp = 2·32/8 = 8
-], ids=["llama3-8b tp2·pp2·dp2", "mixtral tp2·ep8·dp32"])
+    (P.LLAMA3_8B, P.Layout(tp=2, pp=2, cp=2, dp=2), P.Training()),  # dense optimizer state over dp·cp = 4
+], ids=["llama3-8b tp2·pp2·dp2", "mixtral tp2·ep8·dp32", "llama3-8b tp2·pp2·cp2·dp2"])
 def test_weight_memory_names_the_mistake(model, layout, train):
     """18 bytes per parameter held: bf16 params (2), fp32 main grads (4), Adam (12) sharded by the distributed
     optimizer over dp·cp (dense) or the expert-data-parallel group tp·cp·dp/(ep·etp) (experts)."""
@@ -129,6 +130,8 @@ def test_weight_memory_names_the_mistake(model, layout, train):
     d, edp = layout.dp * layout.cp, layout.tp * layout.cp * layout.dp // (layout.ep * layout.etp)
     expected = 6 * (dense + expert) + 12 * (dense / d + expert / edp)
     bare_dense, bare_expert = _held(model, layout, embedding=False)
+    tp_experts = layout.ep * layout.etp / layout.tp  # what dividing the experts by tp instead gives, relative
+    whole_embedding = model.embedding_params() * (1 - 1 / layout.tp)  # what not dividing the embedding adds
     got = P.weight_memory(model, layout, train)
     require(close(sum(got.values()), expected, f"weight_memory({model.name}, {layout}) in bytes", rtol=1e-6, mistakes={
         "optimizer state not sharded (the distributed optimizer divides Adam's 12 bytes by the DP group)":
@@ -139,6 +142,12 @@ def test_weight_memory_names_the_mistake(model, layout, train):
             4 * (dense + expert) + 12 * (dense / d + expert / edp),
         "embedding left out of the first stage (it holds the word embeddings, / tp)":
             6 * (bare_dense + bare_expert) + 12 * (bare_dense / d + bare_expert / edp),
+        "the dense optimizer state sharded over dp only: the distributed optimizer shards it over dp·cp":
+            6 * (dense + expert) + 12 * (dense / layout.dp + expert / edp),
+        "experts divided by tp, not by ep·etp (expert parallelism splits the experts)":
+            6 * (dense + expert * tp_experts) + 12 * (dense / d + expert * tp_experts / edp),
+        "the embedding not divided by tp (VocabParallelEmbedding splits its rows over tp)":
+            6 * (dense + whole_embedding + expert) + 12 * ((dense + whole_embedding) / d + expert / edp),
     }))
 
 

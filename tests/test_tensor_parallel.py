@@ -6,6 +6,7 @@ difference, or its error; the tests below read them (so a missing exercise fails
 checks that need it) and say which quantity of which case on which rank is off, and by how much.
 """
 
+import re
 import traceback
 
 import pytest
@@ -467,7 +468,9 @@ def _quick_reduce_from(rank, world, group):
     out = {}
     for name, g in (("tp", group), ("alone", _alone(rank, world))):
         x = _rank_tensor(20 + rank, 4, 3)
-        out[name] = {"x": _cpu(x), "y": _cpu(reduce_from_tensor_model_parallel_region(x.clone(), group=g))}
+        before = _cpu(x.clone())
+        out[name] = {"x": before, "y": _cpu(reduce_from_tensor_model_parallel_region(x, group=g)).clone(),
+                     "x after": _cpu(x)}
     return out
 
 
@@ -506,6 +509,8 @@ def _quick_column(rank, world, group):
     col, ref = _tiny_linears(tp.ColumnParallelLinear, rank, group)
     x = _rank_tensor(1, 4, 2, 6).requires_grad_()
     y = col(x)
+    if tuple(y.shape) != (4, 2, 4):  # not this rank's slice: the test names the shape (the backward below can't run)
+        return {"plain": {"y": _cpu(y), "wrong shape": True}}
     dy_full = _rank_tensor(2, 4, 2, 8)  # the same on every rank; this rank's part of it drives its backward
     y.backward(tp.full_shard_of(dy_full, y, rank))
     ref_w = ref.weight.detach()
@@ -524,6 +529,12 @@ def _quick_row(rank, world, group):
     row, ref = _tiny_linears(tp.RowParallelLinear, rank, group)
     z = _rank_tensor(3, 4, 2, 8)
     z_mine = z[..., rank * 4:(rank + 1) * 4]  # this rank's slice of the last dim
+    try:
+        row(z_mine)
+    except RuntimeError as e:  # the evidence (the matmul's shapes) goes to the test, which names it
+        if "cannot be multiplied" not in str(e):
+            raise
+        return {"plain": {"shape error": str(e).splitlines()[0]}}
     out["plain"] = {"y": _cpu(row(z_mine)), "expected y": _cpu(ref(z)), "bias": _cpu(ref.bias),
                     "this rank's partial": _cpu(z_mine @ row.weight.detach().t())}
     srow, ref = _tiny_linears(tp.RowParallelLinear, rank, group, sp=True)
@@ -554,6 +565,8 @@ def _quick_cross_entropy(rank, world, group):
     for name, shift in (("plain", 0.0), ("large logits", 1000.0)):
         shard = tp.full_shard_of(logits, logits[:, :4], rank) + shift
         out[name] = _cpu(vocab_parallel_cross_entropy(shard, target, group=group))
+    shard = tp.full_shard_of(logits, logits[:, :4], rank)
+    out["smoothed"] = _cpu(vocab_parallel_cross_entropy(shard, target, label_smoothing=0.1, group=group))
     return out
 
 
@@ -562,7 +575,10 @@ def _quick_cross_entropy_backward(rank, world, group):
     shard = tp.full_shard_of(logits, logits[:, :4], rank).clone().requires_grad_()
     weights = torch.arange(1.0, 6.0).to(_dev())  # d loss_i: the backward must scale by grad_output
     (vocab_parallel_cross_entropy(shard, target, group=group) * weights).sum().backward()
-    return {"logits": _cpu(logits), "target": _cpu(target), "weights": _cpu(weights), "grad": _cpu(shard.grad)}
+    smoothed = tp.full_shard_of(logits, logits[:, :4], rank).clone().requires_grad_()
+    (vocab_parallel_cross_entropy(smoothed, target, label_smoothing=0.1, group=group) * weights).sum().backward()
+    return {"logits": _cpu(logits), "target": _cpu(target), "weights": _cpu(weights), "grad": _cpu(shard.grad),
+            "smoothed grad": _cpu(smoothed.grad)}
 
 
 QUICK = {"tp.copy_to_region": _quick_copy_to, "tp.reduce_from_region": _quick_reduce_from,
@@ -609,6 +625,10 @@ def test_quick_reduce_from_region_forward_sums_over_the_group(quick):
         xa = [res[q]["alone"]["x"] for q in sorted(res)]
         require(close(r["alone"]["y"], r["alone"]["x"], f"rank {rank}, a TP group of this rank alone: the output of g",
                       mistakes={WORLD_GROUP: sum(xa)}))
+        if "x after" in r["tp"] and not torch.equal(r["tp"]["x after"], r["tp"]["x"]):
+            require(mistake("all-reduced g's input in place: the caller's tensor now holds the sum (autograd may still "
+                            "need it: _reduce clones first)", f"tp=2, rank {rank}: g's input changed from "
+                            f"{r['tp']['x'].flatten()[:3].tolist()}... to {r['tp']['x after'].flatten()[:3].tolist()}..."))
 
 
 @pytest.mark.exercise("tp.gather_last_dim")
@@ -632,7 +652,9 @@ def test_quick_gather_last_dim_concatenates_in_rank_order(quick):
 
 @pytest.mark.exercise("tp.sp_gather")
 def test_quick_sp_gather_concatenates_the_sequence(quick):
-    res = quick_results(quick, "tp.sp_gather")
+    res = quick_results(quick, "tp.sp_gather", known={
+        "invalid tensor size": "the output buffer is not [t * s/t, b, h] as one tensor: all_gather_single fills its "
+                               "first dim with the ranks' inputs one after the other (allocate that shape)"})
     xs = [res[r]["x"] for r in sorted(res)]
     expected = torch.cat(xs, 0)
     for rank, r in res.items():
@@ -656,6 +678,8 @@ def test_quick_sp_reduce_scatter_keeps_this_ranks_sequence_slice(quick):
             "all-reduced without scattering (kept the whole sequence)": (4, 3, 4)}, what)
         require(close(r["y"], expected, what, mistakes={
             "split the sequence without summing over the ranks (no reduction)": xs[rank][rank * 2:(rank + 1) * 2],
+            "averaged over the ranks instead of summing (a row-parallel output is the SUM of the partial products)":
+                sum(xs)[rank * 2:(rank + 1) * 2] / len(xs),
             "kept another rank's sequence slice": sum(xs)[(1 - rank) * 2:(2 - rank) * 2]}))
 
 
@@ -664,6 +688,10 @@ def test_quick_column_parallel_forward_and_input_gradient(quick):
     res = quick_results(quick, "tp.column_forward")
     for rank, r in res.items():
         p = r["plain"]
+        if p.get("wrong shape"):
+            _shape_named(p["y"], (4, 2, 4), {"all-gathered the output although gather_output=False (gather only if "
+                                             "self.gather_output)": (4, 2, 8)},
+                         f"tp=2, rank {rank}: ColumnParallelLinear(gather_output=False)'s output")
         require(close(p["y"], p["expected y"], f"tp=2, rank {rank}: ColumnParallelLinear's output slice [4, 2, 8/t]"))
         require(close(p["dx"], p["expected dx"], f"tp=2, rank {rank}: ColumnParallelLinear's input gradient", mistakes={
             "skipped copy_to_tensor_model_parallel_region (f) before the matmul: dX is not summed over the TP ranks":
@@ -683,6 +711,13 @@ def test_quick_row_parallel_forward_sums_once(quick):
     res = quick_results(quick, "tp.row_forward")
     for rank, r in res.items():
         p = r["plain"]
+        if "shape error" in p:  # x [.., k] times the weight's [in/t = 4] columns: k = 2 means X was split again
+            m = re.search(r"\((\d+)x(\d+) and (\d+)x(\d+)\)", p["shape error"])
+            if m and int(m[2]) * 2 == int(m[3]):
+                require(mistake("split X although input_is_parallel=True (scatter only when input_is_parallel is "
+                                "False)", f"tp=2, rank {rank}: the input reached F.linear with {m[2]} features, the "
+                                          f"weight has {m[3]} (in/t): {p['shape error']}"))
+            raise AssertionError(f"tp=2, rank {rank}: RowParallelLinear raised {p['shape error']}")
         require(close(p["y"], p["expected y"], f"tp=2, rank {rank}: RowParallelLinear's output", mistakes={
             "bias added on every rank before the all-reduce (counted t times)": p["expected y"] + p["bias"],
             "forgot the all-reduce (only this rank's partial sum)": p["this rank's partial"] + p["bias"]}))
@@ -710,8 +745,8 @@ def test_quick_vocab_parallel_embedding_zeros_other_rows(quick):
                                 "forgot the all-reduce (each rank has only the rows it owns)": mine}))
 
 
-def _ce_variants(logits, target, t=2):
-    """What F.cross_entropy gives, and what the typical mistakes of the vocab-parallel forward give."""
+def _ce_variants(logits, target, t=2, rank=0):
+    """What F.cross_entropy gives, and what the typical mistakes of the vocab-parallel forward give (on `rank`)."""
     n = logits.shape[-1] // t
     shards = logits.split(n, -1)
     z_y = logits.gather(-1, target.unsqueeze(-1)).squeeze(-1)
@@ -723,19 +758,29 @@ def _ce_variants(logits, target, t=2):
     others = sum(torch.where(owner != r, shards[r][:, 0] - m, 0.0) for r in range(t))
     return {"right": F.cross_entropy(logits, target, reduction="none"),
             "local max": sum_local.log() - (z_y - m_owner),
-            "unmasked": torch.logsumexp(logits, -1) - z_y - others}
+            "unmasked": torch.logsumexp(logits, -1) - z_y - others,
+            "local sum": torch.logsumexp(shards[rank], -1) - z_y,
+            "smoothed": F.cross_entropy(logits, target, reduction="none", label_smoothing=0.1),
+            # the smoothing term sum_z / V with V/t for V: a (lse - m - t (mean z - m)) in place of a (lse - mean z)
+            "smoothed over V/t": 0.9 * (torch.logsumexp(logits, -1) - z_y) + 0.1 * (
+                torch.logsumexp(logits, -1) - m - t * (logits.mean(-1) - m))}
 
 
 @pytest.mark.exercise("tp.vocab_cross_entropy")
 def test_quick_vocab_parallel_cross_entropy_forward(quick):
     res = quick_results(quick, "tp.vocab_cross_entropy")
     for rank, r in res.items():
-        v = _ce_variants(r["logits"], r["target"])
+        v = _ce_variants(r["logits"], r["target"], rank=rank)
         require(close(r["plain"], v["right"], f"tp=2, rank {rank}: the per-token loss of logits [5, 8] split in 2",
                       rtol=1e-4, atol=1e-5, mistakes={
             "subtracted each rank's own max, not the max over the TP group (all-reduce MAX)": v["local max"],
             "target logit not masked to 0 on the ranks that do not own the target (each rank added one)":
-                v["unmasked"]}))
+                v["unmasked"],
+            "the sum of exp not all-reduced: log S of this rank's vocabulary slice only": v["local sum"]}))
+        require(close(r["smoothed"], v["smoothed"], f"tp=2, rank {rank}: the per-token loss with label_smoothing=0.1 "
+                      "vs F.cross_entropy's", rtol=1e-4, atol=1e-5, mistakes={
+            "the smoothing term divides by this rank's V/t, not the whole vocabulary V (ctx.vocab_size = t * V/t)":
+                v["smoothed over V/t"]}))
         if not torch.isfinite(r["large logits"]).all():
             require(mistake("skipped the max subtraction: exp overflows for large logits",
                             f"rank {rank}: the loss of logits + 1000 is {r['large logits'].tolist()}"))
@@ -761,6 +806,12 @@ def test_quick_vocab_parallel_cross_entropy_backward(quick):
                                 "index 0)": mine - at0,
                                 "forgot to multiply by grad_output": unscaled,
                                 "sign flipped: onehot - softmax instead of softmax - onehot": -mine}))
+        a, V = 0.1, logits.shape[-1]
+        smoothed = ((logits.softmax(-1) - (1 - a) * onehot - a / V) * w.unsqueeze(-1))[:, rank * n:(rank + 1) * n]
+        require(close(r["smoothed grad"], smoothed, f"tp=2, rank {rank}: the same gradient with label_smoothing=0.1 "
+                      "(softmax - 0.9 onehot - 0.1/V)", mistakes={
+                          "a / (V/t): the smoothing spreads over the whole vocabulary V, not this rank's slice":
+                              smoothed - a / V * w.unsqueeze(-1)}))  # 2a/V in place of a/V
 
 
 # ------------------------------------------------------------------ multi-rank

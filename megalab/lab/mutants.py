@@ -358,6 +358,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", help="write the results here")
     p.add_argument("--solutions", action="append", help="a file of SOLUTIONS written from the course's text alone "
                    "(tests/blind/): each must pass")
+    p.add_argument("--wrong", action="append", help="a file of WRONG answers written blind (tests/independent/): "
+                   "each must fail; says whether its verdict contains the entry's `says` (the behaviour, named)")
     p.add_argument("--first-test-only", action="store_true", help="each exercise's first test only")
     p.add_argument("--together", action="store_true", help="every solution in one copy of the tree, one pytest run "
                    "(a finished workspace; one launch per test module)")
@@ -365,6 +367,8 @@ def main(argv: list[str] | None = None) -> int:
     from megalab.lab.exercises import find_root
 
     root = find_root(".")
+    if args.wrong:
+        return _main_wrong(root, args)
     if args.solutions:
         return _main_solutions(root, args)
     mistakes = load_mistakes(root, args.file)
@@ -389,6 +393,46 @@ def load_solutions(root: Path, files: list[str]) -> list[dict]:
         spec.loader.exec_module(module)
         found += list(module.SOLUTIONS)
     return found
+
+
+def load_wrong(root: Path, files: list[str]) -> list[dict]:
+    """Every dict in the WRONG lists of `files` (tests/independent/*.py): exercise, name, code, and what a verdict
+    that names it says (`says`, set once a verdict was judged to name it; absent while it does not)."""
+    found = []
+    for rel in files:
+        spec = importlib.util.spec_from_file_location(f"_megalab_wrong_{Path(rel).stem}", root / rel)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        found += list(module.WRONG)
+    return found
+
+
+def check_wrong(root: Path, wrong: list, echo: bool = True) -> list[Result]:
+    """Wrong answers written blind, graded like named mistakes: "NOT CAUGHT", "caught + named" (the verdict
+    contains the entry's `says`) or "caught, not named"."""
+    from types import SimpleNamespace
+
+    as_mistakes = [SimpleNamespace(exercise=w["exercise"], name=w["name"], says=w.get("says") or "\0",
+                                   code=w["code"], fresh=w.get("fresh", False)) for w in wrong]
+    results = run(root, as_mistakes, echo=echo)
+    for r in results:
+        r.says = "" if r.says == "\0" else r.says
+    return results
+
+
+def _main_wrong(root: Path, args) -> int:
+    wrong = load_wrong(root, args.wrong)
+    if args.exercise:
+        wrong = [w for w in wrong if w["exercise"] in args.exercise]
+    print(f"{'exercise':34} {'wrong answer':44} {'verdict':18} {'time':>7}  the grader's line")
+    results = check_wrong(root, wrong)
+    caught = sum(r.status != "NOT CAUGHT" and r.status != "error" for r in results)
+    named = sum(r.ok for r in results)
+    print(f"\n{caught} of {len(results)} wrong answers fail; {named} named")
+    if args.json:
+        Path(args.json).write_text(json.dumps([{**asdict(r), "half": w.get("half"), "expect": w.get("expect")}
+                                               for r, w in zip(results, wrong)], indent=1))
+    return 0 if caught == len(results) else 1
 
 
 def _main_solutions(root: Path, args) -> int:
