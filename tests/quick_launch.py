@@ -7,7 +7,8 @@ fixture (`quick_fixture(QUICK)`) runs a case the first time a test asks for it, 
 {rank: result}. The ranks are the threads of a 2-rank threaded world (tests/threaded_world.py: no process
 start-up, one rank runs at a time, so seeding torch's RNG works as in separate processes); each case gets a
 fresh world, so a broken case cannot disturb the next. A rank's error is kept as its result; a rank that
-waits for a collective the other rank never joins fails that wait at once (a named hang, not a timeout).
+waits for a collective the other rank never joins fails that wait at once (a named hang, not a timeout), and
+a rank in an endless loop is stopped at its line (EndlessLoop).
 The real multi-process launches of the same code come later in each test file.
 """
 
@@ -21,7 +22,6 @@ from megalab.lab.checks import mistake, require
 from tests import threaded_world
 
 WORLD = 2
-WAIT_TIMEOUT = 60  # seconds a rank may wait for the other while that one computes (generous on a loaded machine)
 
 
 class Quick:
@@ -40,10 +40,7 @@ class Quick:
             except Exception:  # noqa: BLE001 (reported to the test that owns this case)
                 return {"error": traceback.format_exc(limit=-4)}
 
-        try:
-            return threaded_world.World(WORLD, timeout=WAIT_TIMEOUT).run(rank_fn)
-        except threaded_world.WorldStuck as e:  # a rank still running after the timeouts (an endless loop?)
-            return {r: {"error": f"RankStuck: {what}"} for r, what in e.stuck.items()}
+        return threaded_world.World(WORLD).run(rank_fn)  # an endless loop raises EndlessLoop at its line
 
     def get(self, exercise: str) -> dict[int, object]:
         """{rank: the case's result} (a rank's error as {"error": its traceback})."""

@@ -59,3 +59,25 @@ def test_a_collective_one_rank_skips_fails_at_once_and_names_the_wait():
     with pytest.raises(threaded_world.WorldStuck) as info:
         world.run(fn)
     assert info.value.stuck == {0: "all_reduce on ranks [0, 1]: not every rank joined"}
+
+
+def test_an_endless_loop_in_a_rank_is_stopped_at_its_line_and_no_thread_outlives_run():
+    import threading
+
+    def fn(rank, group):
+        if rank == 1:
+            dist.barrier(group=group)
+        n = 0
+        while rank == 0:  # the endless loop
+            try:
+                n += 1
+            except Exception:  # noqa: BLE001  (a learner's broad except must not swallow the stop)
+                pass
+
+    before = threading.active_count()
+    with pytest.raises(BaseException) as info:
+        threaded_world.World(2, cpu_limit=0.5).run(fn)
+    assert type(info.value).__name__ == "EndlessLoop", repr(info.value)
+    assert "rank 0 still computing after 0.5 s of CPU time at " in str(info.value)
+    assert "test_threaded_world.py" in str(info.value) and "an endless loop?" in str(info.value)
+    assert threading.active_count() == before, "a rank thread outlived run"

@@ -18,15 +18,20 @@ One rank runs at a time: a rank hands over only while it waits (in a collective 
 So what a rank does between two waits is never interleaved with another rank: code that seeds torch's global RNG
 and then draws from it (torch.manual_seed(0); nn.Linear(...)) gets the same numbers on every rank, as in
 separate processes. Nothing can hang: when every rank that is not done waits for something that cannot come
-(a collective another rank never joins, a receive never sent), those waits fail at once (a wait that merely
-takes too long fails after `timeout`), and `run` raises `WorldStuck` naming what each stuck rank was waiting
-for ("rank 1: irecv from rank 0 (tag 0), never sent"), which a test turns into a named mistake.
+(a collective another rank never joins, a receive never sent), those waits fail at once, and `run` raises
+`WorldStuck` naming what each stuck rank was waiting for ("rank 1: irecv from rank 0 (tag 0), never sent"),
+which a test turns into a named mistake. A rank that computes past `cpu_limit` seconds of CPU time (an endless
+loop) is stopped at its line, and so are the ranks when the test itself is interrupted (a timeout, the
+grader's CPU limit): no rank thread outlives `run`. No wall-clock limit: a loaded machine only makes it slower.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import sys
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 
@@ -83,8 +88,8 @@ class _P2POp:
 class World:
     """N ranks as threads; `run(fn)` calls fn(rank, world_group) on every rank and returns {rank: result}."""
 
-    def __init__(self, size: int, timeout: float = 20.0):
-        self.size, self.timeout = size, timeout
+    def __init__(self, size: int, timeout: float | None = None, cpu_limit: float = 60.0):
+        self.size, self.timeout, self.cpu_limit = size, timeout, cpu_limit  # timeout: a wait's wall-clock limit
         self.world = Group(list(range(size)))
         self._local = threading.local()
         self._cond = threading.Condition()
@@ -298,8 +303,9 @@ class World:
                     setattr(dist, name, value)
 
     def run(self, fn: Callable[[int, Group], object]) -> dict[int, object]:
-        """fn(rank, world group) on every rank, each in its thread; {rank: what it returned}. Raises WorldStuck
-        when a rank waited too long, else the first rank's exception (with `.rank` set)."""
+        """fn(rank, world group) on every rank, each in its thread; {rank: what it returned}. Raises the first
+        rank's exception (with `.rank` set; EndlessLoop for a rank stopped past its CPU limit), else WorldStuck
+        when a rank waited for what cannot come."""
         results, errors, stuck = {}, {}, {}
 
         def body(rank):
@@ -321,17 +327,64 @@ class World:
             threads = [threading.Thread(target=body, args=(r,), daemon=True) for r in range(self.size)]
             for t in threads:
                 t.start()
-            for t in threads:
-                t.join(self.timeout * 3)
-        alive = [r for r, t in enumerate(threads) if t.is_alive()]
+            try:
+                self._watch(threads, stuck)
+            except BaseException:  # the test was interrupted (pytest-timeout, the grader's CPU limit, Ctrl-C)
+                for t in threads:
+                    _stop(t, RankStuck, "the test was interrupted")
+                for t in threads:
+                    t.join(5)
+                raise
         if errors:
-            rank = min(errors)
+            rank = min(errors, key=lambda r: (isinstance(errors[r], RankStuck), r))  # an interrupted rank: last
             errors[rank].rank = rank
             raise errors[rank]
-        if stuck or alive:
-            stuck.update({r: self._waiting.get(r, ("still running",))[0] for r in alive})
+        if stuck:
             raise WorldStuck(stuck)
         return results
+
+    def _watch(self, threads: list[threading.Thread], stuck: dict[int, str]) -> None:
+        """Until every rank is done. A rank past its CPU limit is stopped with EndlessLoop at its line (again and
+        again, so that an `except Exception` cannot swallow it): cpu_limit, or half the grader's limit while
+        grading (megalab/lab/cpu_guard.py: the grader's counts the whole process, so this one says it first)."""
+        from megalab.lab.cpu_guard import EndlessLoop, from_env
+
+        limit = min(self.cpu_limit, from_env() / 2) if from_env() else self.cpu_limit
+        clocks, said = {}, {}
+        for rank, t in enumerate(threads):
+            with contextlib.suppress(AttributeError, OSError):  # per-thread CPU clocks: Linux, macOS
+                clocks[rank] = time.pthread_getcpuclockid(t.ident)
+        while any(t.is_alive() for t in threads):
+            for rank, t in enumerate(threads):
+                t.join(0.2)
+                if not t.is_alive() or rank not in clocks:
+                    continue
+                with contextlib.suppress(OSError):  # the thread ended meanwhile
+                    cpu = time.clock_gettime(clocks[rank])
+                    if cpu > limit:
+                        said.setdefault(rank, f"rank {rank} still computing after {limit:g} s of CPU time at "
+                                              f"{_line(t)}: an endless loop? (a while loop whose condition never "
+                                              "changes, or a counter never advanced)")
+                        _stop(t, EndlessLoop, said[rank])
+
+
+def _line(thread: threading.Thread) -> str:
+    """The innermost line of megalab's code (else the innermost line) the thread is running now."""
+    frame = first = sys._current_frames().get(thread.ident)
+    while frame is not None:
+        path = frame.f_code.co_filename.replace("\\", "/")
+        if "/megalab/" in path:
+            return f"{path[path.rindex('/megalab/') + 1:]}:{frame.f_lineno} (in {frame.f_code.co_name})"
+        frame = frame.f_back
+    return f"{first.f_code.co_filename}:{first.f_lineno}" if first is not None else "?"
+
+
+def _stop(thread: threading.Thread, kind: type[BaseException], why: str) -> None:
+    """Raise kind(why) in `thread` at its next Python line (a rank thread cannot be killed otherwise)."""
+    if thread.is_alive():
+        exc = type(kind.__name__, (kind,), {"__init__": lambda self: kind.__init__(self, why),
+                                            "__module__": kind.__module__})
+        ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread.ident), ctypes.py_object(exc))
 
 
 _OPS = {"SUM": lambda t: t.sum(0), "AVG": lambda t: t.mean(0), "MAX": lambda t: t.amax(0), "MIN": lambda t: t.amin(0),
@@ -346,6 +399,6 @@ def _reduce(stacked: torch.Tensor, op) -> torch.Tensor:
     return _OPS[name](stacked)
 
 
-def run(size: int, fn: Callable[[int, Group], object], timeout: float = 20.0) -> dict[int, object]:
+def run(size: int, fn: Callable[[int, Group], object], timeout: float | None = None) -> dict[int, object]:
     """World(size, timeout).run(fn)."""
     return World(size, timeout).run(fn)
