@@ -11,6 +11,7 @@ check stops the run).
 from __future__ import annotations
 
 import argparse
+import os
 import resource
 import subprocess
 import sys
@@ -67,6 +68,8 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--all", action="store_true", help="every exercise of the course (once each: about 20 minutes)")
     p.add_argument("--quick", action="store_true", help="CI smoke: one single-process exercise, once")
+    p.add_argument("--kinds", nargs="+", choices=["wrong", "right"], default=["wrong", "right"],
+                   help="which verdicts to time (the wrong answer's first check, the right answer's every test)")
     args = p.parse_args()
     if args.quick:
         args.exercises, args.repeats = ["dist.shard_bounds"], 1
@@ -96,6 +99,8 @@ def main() -> None:
             verdict = ""
             for _ in range(args.repeats):
                 for kind, body in (("wrong", wrong_body), ("right", ref_text[ex_id])):
+                    if kind not in args.kinds:
+                        continue
                     (ws / ex.path).write_text(blank)
                     write_region(ws, ex, body)
                     seconds, cpu_s, said = grade(ws, ex_id)
@@ -105,9 +110,12 @@ def main() -> None:
                         verdict = said
             (ws / ex.path).write_text(blank)
             named = m.says.lower() in verdict.lower()
-            wrong_s, right_s = median(timings["wrong"]), median(timings["right"])
-            rows.append([ex_id, m.name[:40], wrong_s, right_s, median(cpu["wrong"]), median(cpu["right"]),
-                         wrong_s / right_s, max(wrong_s, right_s) <= TARGET, named, verdict[:90]])
+            wrong_s, right_s, wrong_cpu, right_cpu = (median(v) if v else float("nan") for v in (
+                timings["wrong"], timings["right"], cpu["wrong"], cpu["right"]))
+            rows.append([ex_id, m.name[:40], wrong_s, right_s, wrong_cpu, right_cpu, wrong_s / right_s,
+                         max(t for t in (wrong_s, right_s) if t == t) <= TARGET, named, verdict[:90]])
+            print(f"{ex_id}: wrong {wrong_s:.1f} s ({wrong_cpu:.1f} s CPU), right {right_s:.1f} s ({right_cpu:.1f} s "
+                  f"CPU), load {os.getloadavg()[0]:.1f}, named: {named}", flush=True)
     slow = [r[0] for r in rows if not r[7]]
     print(f"{len(rows) - len(slow)} of {len(rows)} exercises give both verdicts within {TARGET:g} s"
           + (f"; slower: {', '.join(slow)}" if slow else ""))
