@@ -229,8 +229,9 @@ def test_build_buckets_reverse_order_and_padding():
         build_buckets([3], 0)
 
 
-# ------------------------------------------------------------------ quick checks (issue 27): one 2-rank launch,
-# a 4 -> 4 -> 2 model in 2 buckets; each exercise's first test, fast, naming the typical mistakes
+# ------------------------------------------------------------------ quick checks (issue 27): 2 ranks as threads
+# (tests/quick_launch.py), a 4 -> 4 -> 2 model in 2 buckets; each exercise's first test, fast, naming the typical
+# mistakes (the real processes: the launches of the tests further down)
 
 
 def _tiny() -> nn.Sequential:
