@@ -10,13 +10,15 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
-LONGEST_FIRST = ("tests/test_mistakes_dp_tp.py", "tests/test_mistakes.py")  # minutes each: started first, the two
-# pytest workers of `make test` (--dist loadfile --no-loadscope-reorder hands out files in this order) finish together
-# instead of one worker running a long sweep alone at the end
+LONGEST_FIRST = ("tests/test_learner.py", "tests/test_launch.py", "tests/test_hybrid.py")  # a minute or more each:
+# started first, so the two pytest workers of `make test` (--dist loadfile --no-loadscope-reorder hands out files in
+# this order) finish together instead of one worker running a long file alone at the end. (The mistakes sweeps were
+# the longest, minutes each, until the first checks they run moved from 2-process launches to threaded worlds.)
 
 
 def pytest_collection_modifyitems(config, items):
-    items.sort(key=lambda item: item.nodeid.split("::")[0] not in LONGEST_FIRST)  # stable: the rest keep their order
+    first = {path: i for i, path in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: first.get(item.nodeid.split("::")[0], len(first)))  # stable: the rest keep their order
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")

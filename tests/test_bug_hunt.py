@@ -47,45 +47,41 @@ def test_vocab_partition_gives_every_token_to_one_rank():
             require(mistake(f"padded by {padded - vocab} rows: more than needed to divide by tp={tp}", where))
 
 
-def _output_layer_case():
-    """2 ranks, tp=2: the output layer's logits and the gradient it sends back to the hidden state, against one
-    process (x @ W^T, plain cross entropy) and against a layer without f (this rank's slice only)."""
-    from megalab.core import parallel_state as ps
+def _output_layer_case(rank, group):
+    """Rank `rank` of tp=2 (group: both ranks, threads of tests/threaded_world.py): the output layer's logits and the
+    gradient it sends back to the hidden state, against one process (x @ W^T, plain cross entropy) and against a
+    layer without f (this rank's slice only)."""
     from megalab.core.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
     from megalab.core.tensor_parallel.layers import full_shard_of
-    from megalab.lab import dist as mdist
 
-    mdist.init()
-    state = ps.initialize_model_parallel(tensor_model_parallel_size=2)
-    try:
-        group, rank = state.get_tensor_model_parallel_group(), state.get_tensor_model_parallel_rank()
-        config, vocab, dev = bh.toy_tp_config(), 8, mdist.device()
-        g = torch.Generator().manual_seed(0)
-        w = torch.randn(vocab, config.hidden_size, generator=g).to(dev)  # the single-process weight [V, h]
-        x = torch.randn(2, 3, config.hidden_size, generator=g).to(dev)
-        labels = torch.randint(0, vocab, (2, 3), generator=g).to(dev)
-        layer = bh.build_output_layer(config, vocab, group).to(dev)
-        with torch.no_grad():
-            layer.weight.copy_(full_shard_of(w, layer.weight, rank))
-        xs = x.clone().requires_grad_()
-        logits = layer(xs)
-        out = {"logits_shape": tuple(logits.shape), "vocab": vocab}
-        vocab_parallel_cross_entropy(logits, labels, group=group).sum().backward()
-        out["grad"] = xs.grad
-        xr = x.clone().requires_grad_()  # one process
-        F.cross_entropy((xr @ w.t()).view(-1, vocab), labels.view(-1), reduction="sum").backward()
-        out["reference"] = xr.grad
-        xp = x.clone().requires_grad_()  # no f: this rank's slice's share of the gradient only
-        vocab_parallel_cross_entropy(xp @ full_shard_of(w, layer.weight, rank).t(), labels, group=group).sum().backward()
-        out["partial"] = xp.grad
-        return out
-    finally:
-        ps.destroy_model_parallel()
+    config, vocab = bh.toy_tp_config(), 8
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(vocab, config.hidden_size, generator=g)  # the single-process weight [V, h]
+    x = torch.randn(2, 3, config.hidden_size, generator=g)
+    labels = torch.randint(0, vocab, (2, 3), generator=g)
+    layer = bh.build_output_layer(config, vocab, group)
+    with torch.no_grad():
+        layer.weight.copy_(full_shard_of(w, layer.weight, rank))
+    xs = x.clone().requires_grad_()
+    logits = layer(xs)
+    out = {"logits_shape": tuple(logits.shape), "vocab": vocab}
+    vocab_parallel_cross_entropy(logits, labels, group=group).sum().backward()
+    out["grad"] = xs.grad
+    xr = x.clone().requires_grad_()  # one process
+    F.cross_entropy((xr @ w.t()).view(-1, vocab), labels.view(-1), reduction="sum").backward()
+    out["reference"] = xr.grad
+    xp = x.clone().requires_grad_()  # no f: this rank's slice's share of the gradient only
+    vocab_parallel_cross_entropy(xp @ full_shard_of(w, layer.weight, rank).t(), labels, group=group).sum().backward()
+    out["partial"] = xp.grad
+    return out
 
 
 @pytest.mark.exercise("bugs.output_layer")
 def test_output_layer_sends_every_vocab_slices_gradient_back():
-    res = launch.run_function(_output_layer_case, 2, launch=dict(timeout=90)).returns
+    """2 ranks as threads (tests/threaded_world.py); the real processes: the end-to-end TP trainer below."""
+    from tests import threaded_world
+
+    res = threaded_world.run(2, _output_layer_case)
     for rank, out in res.items():
         held, vocab = out["logits_shape"][-1], out["vocab"]
         if held != vocab // 2:

@@ -5,6 +5,7 @@ One launch per world size (2, 4) runs every case (each in a try, so one broken e
 hide the others); each test reads its own part of the report.
 """
 
+import threading
 import time
 import traceback
 from contextlib import contextmanager
@@ -228,8 +229,9 @@ def test_build_buckets_reverse_order_and_padding():
         build_buckets([3], 0)
 
 
-# ------------------------------------------------------------------ quick checks (issue 27): one 2-rank launch,
-# a 4 -> 4 -> 2 model in 2 buckets; each exercise's first test, fast, naming the typical mistakes
+# ------------------------------------------------------------------ quick checks (issue 27): 2 ranks as threads
+# (tests/quick_launch.py), a 4 -> 4 -> 2 model in 2 buckets; each exercise's first test, fast, naming the typical
+# mistakes (the real processes: the launches of the tests further down)
 
 
 def _tiny() -> nn.Sequential:
@@ -275,21 +277,35 @@ class _LazyWork:
         return self.done
 
 
+_LAZY = threading.local()  # .log: the works of this rank (a thread of a threaded world), while it is inside
+_LAZY_STATE = {"inside": 0, "saved": None}  # ranks inside _lazy_collectives; the functions the wrappers replaced
+
+
 @contextmanager
 def _lazy_collectives():
-    """Inside, async all_reduce / broadcast are _LazyWork; yields the list of works launched."""
-    log, saved = [], (dist.all_reduce, dist.broadcast)
+    """Inside, this rank's async all_reduce / broadcast are _LazyWork; yields the list of works launched. The
+    ranks of a threaded world share torch.distributed: the first one in installs the wrappers (which defer the
+    calls of the ranks inside only), the last one out restores the functions."""
+    if not _LAZY_STATE["inside"]:
+        saved = _LAZY_STATE["saved"] = (dist.all_reduce, dist.broadcast)
 
-    def lazy(fn):
-        def call(*args, async_op=False, **kwargs):
-            return _LazyWork(fn, args, kwargs, log) if async_op else fn(*args, **kwargs)
-        return call
+        def lazy(fn):
+            def call(*args, async_op=False, **kwargs):
+                log = getattr(_LAZY, "log", None)
+                return _LazyWork(fn, args, kwargs, log) if async_op and log is not None else \
+                    fn(*args, async_op=async_op, **kwargs)
+            return call
 
-    dist.all_reduce, dist.broadcast = lazy(saved[0]), lazy(saved[1])
+        dist.all_reduce, dist.broadcast = lazy(saved[0]), lazy(saved[1])
+    _LAZY_STATE["inside"] += 1
+    _LAZY.log = log = []
     try:
         yield log
     finally:
-        dist.all_reduce, dist.broadcast = saved
+        _LAZY.log = None
+        _LAZY_STATE["inside"] -= 1
+        if not _LAZY_STATE["inside"]:
+            dist.all_reduce, dist.broadcast = _LAZY_STATE["saved"]
 
 
 def _step_grads(ddp, rank, world, micro=1):

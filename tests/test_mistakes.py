@@ -23,8 +23,9 @@ REPO = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.skipif(not all(ex.solution for ex in load(REPO).exercises.values()),
                                 reason="a student copy has no solutions, and no mistakes (the grader keeps them)")
 FILES = sorted(p.relative_to(REPO).as_posix() for p in (REPO / "tests" / "mistakes").glob("[!_]*.py"))
-SLOW = ["tests/mistakes/ch03_dp_tp.py"]  # a 2-process launch per mistake: its own test file, so the two pytest
-                                        # workers of `make test` share the sweep (test_mistakes_dp_tp.py)
+SLOW = ["tests/mistakes/ch03_dp_tp.py", "tests/mistakes/ch03_pp_cp_moe.py", "tests/mistakes/bug_hunt.py"]  # about
+# half of the sweep's time (10-15 s of CPU per file): a test file of its own (test_mistakes_dp_tp.py), so the two
+# pytest workers of `make test` share the sweep
 
 
 @pytest.fixture(scope="module")

@@ -1,5 +1,5 @@
-"""The sweep of chapter 03's data- and tensor-parallel mistakes (tests/test_mistakes.py has the rest): each is
-a 2-process launch, so it is a test file of its own and `make test`'s two workers share the whole sweep."""
+"""The sweep of chapter 03's mistakes and the bug hunt's (tests/test_mistakes.py has the rest): about half of the
+whole sweep's time, so a test file of its own and `make test`'s two workers share the sweep."""
 
 import pytest
 

@@ -440,9 +440,9 @@ def test_tp_communication_formula():
 
 
 # ------------------------------------------------------------------ quick checks (issue 27)
-# One 2-rank launch, tiny tensors: the first test of each exercise, naming the typical mistakes. The cases run in
-# the ranks and return tensors (on the CPU); the tests compare them with the right answer and with what each
-# typical mistake computes.
+# 2 ranks as threads (tests/quick_launch.py), tiny tensors: the first test of each exercise, naming the typical
+# mistakes. The cases run in the ranks and return tensors (on the CPU); the tests compare them with the right answer
+# and with what each typical mistake computes. The real processes: the launches of the tests further down.
 
 
 def _cpu(x):

@@ -43,7 +43,6 @@ import pluggy
 
 from megalab.lab.exercises import COURSE_DIR, Exercise, ExerciseError, load
 from megalab.lab.launch import HARD_TIMEOUT_FACTOR
-from megalab.lab.notebooks import find_notebooks
 from megalab.lab.workspace import blank_message, graded_copy, open_workspace, overlay
 
 _OUT, _IDS = "MEGALAB_GRADE_OUT", "MEGALAB_GRADE_IDS"
@@ -475,6 +474,9 @@ def grade(root: str | Path = ".", target: str | None = None, timeout: float = DE
     label, selected, nb_paths = choose(reference, target, root)
     if nb_paths is None:  # a chapter or everything: its notebooks
         course = root / COURSE_DIR / label if label else root / COURSE_DIR
+        from megalab.lab.notebooks import find_notebooks  # here: nbformat's import costs ~1.5 s of CPU, which
+        # grading one exercise (no notebook) does not need
+
         nb_paths = [p.relative_to(root).as_posix() for p in find_notebooks([str(course)]) if not p.name.startswith(".")]
     if not notebooks:
         nb_paths = []
