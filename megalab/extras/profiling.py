@@ -8,11 +8,24 @@ Sequence packing, the other speed-up of chapter 06 · 04, lives in megalab/core/
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, profile, schedule
+
+
+def device_time(device: torch.device | str) -> float:
+    """time.perf_counter() once `device` has finished the work queued on it: CUDA kernels run asynchronously, so
+    a clock read right after a launch would time the launch, not the kernel. Read it before and after:
+
+        start = device_time(dev); step(); seconds = device_time(dev) - start
+    """
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
 
 
 def profile_step(step: Callable[[], None], steps: int = 2, warmup: int = 1,
