@@ -39,3 +39,23 @@ def test_cells_that_time_device_work_synchronise():
                 if src.startswith("%%torchrun") and "mdist.device()" in src and "perf_counter" in src
                 and not re.search(r"device_time\(|cuda\.synchronize\b|float\(x\[0\]\)", src)]
     assert not unsynced, unsynced
+
+
+# ------------------------------------------------------------------ 03·10: losses near 4.1, compared across layouts
+def test_reduction_tolerance_is_relative_and_knows_tf32(monkeypatch):
+    from megalab.lab.checks import close, reduction_tolerance
+
+    loss = torch.tensor(4.18066, dtype=torch.float32)
+    reordered = loss + 3 * torch.finfo(torch.float32).eps * 4  # 3 ulps at 4.18: another order of the same sums
+    assert abs(reordered.item() - loss.item()) > 1e-6  # the old absolute 1e-6 called this a mismatch
+    rtol, atol = reduction_tolerance(torch.float32, "cpu")
+    assert close(reordered, loss, "the loss", rtol=rtol, atol=atol)
+    assert not close(loss * (1 + 1e-3), loss, "the loss", rtol=rtol, atol=atol)  # a real difference still shows
+    assert reduction_tolerance(torch.float32, torch.device("cuda", 0)) == (rtol, atol)  # IEEE fp32: PyTorch's default
+    monkeypatch.setattr(torch, "get_float32_matmul_precision", lambda: "high")  # what allow_tf32 = True sets
+    rtol32, atol32 = reduction_tolerance(torch.float32, torch.device("cuda", 0))
+    assert close(loss * (1 + 1e-3), loss, "the loss", rtol=rtol32, atol=atol32)  # TF32 matmuls: ~1e-3 relative
+    assert reduction_tolerance(torch.float32, "cpu") == (rtol, atol)  # TF32 is a CUDA setting
+    assert reduction_tolerance(torch.bfloat16, "cpu")[0] > rtol32
+    cell = next(src for path, _, src in _code_cells("course/03_parallelism/10_*.ipynb") if "reference_loss" in src)
+    assert "reduction_tolerance(" in cell and "< 1e-6}\"" not in cell.split("weights equal")[0]
