@@ -59,3 +59,23 @@ def test_reduction_tolerance_is_relative_and_knows_tf32(monkeypatch):
     assert reduction_tolerance(torch.bfloat16, "cpu")[0] > rtol32
     cell = next(src for path, _, src in _code_cells("course/03_parallelism/10_*.ipynb") if "reference_loss" in src)
     assert "reduction_tolerance(" in cell and "< 1e-6}\"" not in cell.split("weights equal")[0]
+
+
+# ------------------------------------------------------------------ 03·04: what autograd keeps depends on the device
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_saved_norm_statistics_and_dropout_masks_are_measured_not_assumed(dtype):
+    """03·04's memory equality counts LayerNorm statistics and dropout masks at the sizes the device keeps
+    (CUDA: fp32 statistics, bool masks; the CPU: the input's dtype). A fixed 2 bytes is wrong for fp32 here."""
+    from megalab.extras.profiling import SavedTensorsMeter, saved_dropout_mask_bytes, saved_layernorm_stat_bytes
+
+    tokens, h = 6, 32
+    x = torch.randn(tokens, h, dtype=dtype, requires_grad=True)
+    norm = torch.nn.LayerNorm(h, dtype=dtype)
+    with SavedTensorsMeter(exclude=norm.parameters()) as meter:
+        torch.nn.functional.dropout(norm(x), 0.1, training=True)
+    expected = tokens * h * dtype.itemsize + 2 * tokens * saved_layernorm_stat_bytes(dtype, "cpu") \
+        + tokens * h * saved_dropout_mask_bytes(dtype, "cpu")  # the input, mean and rstd, the mask
+    assert meter.bytes == expected
+    assert saved_layernorm_stat_bytes(dtype, "cpu") == dtype.itemsize  # the CPU kernel: the input's dtype
+    cell = next(src for _, _, src in _code_cells("course/03_parallelism/04_*.ipynb") if "CPU extras" in src)
+    assert "saved_layernorm_stat_bytes(" in cell and "saved_dropout_mask_bytes(" in cell

@@ -152,3 +152,22 @@ class SavedTensorsMeter:
 
     def __exit__(self, *exc) -> None:
         self._hooks.__exit__(*exc)
+
+
+def saved_layernorm_stat_bytes(dtype: torch.dtype, device: torch.device | str) -> int:
+    """Bytes of one statistic (mean or rstd) per token that a LayerNorm on `dtype` inputs keeps for backward on
+    `device`, measured: CUDA's kernel keeps them in fp32 (4 bytes), the CPU's in the input's dtype (2 for bf16)."""
+    x = torch.zeros(2, 16, dtype=dtype, device=device, requires_grad=True)  # [tokens, h]
+    norm = torch.nn.LayerNorm(16, dtype=dtype, device=device)
+    with SavedTensorsMeter(exclude=[x, *norm.parameters()]) as meter:
+        norm(x)
+    return meter.bytes // (2 * x.shape[0])  # mean and rstd, one of each per token
+
+
+def saved_dropout_mask_bytes(dtype: torch.dtype, device: torch.device | str) -> int:
+    """Bytes per element of the mask dropout on `dtype` inputs keeps for backward on `device`, measured: CUDA's
+    fused kernel keeps a bool mask (1 byte), the CPU path the scaled noise in the input's dtype (2 for bf16)."""
+    x = torch.ones(64, dtype=dtype, device=device, requires_grad=True)
+    with SavedTensorsMeter(exclude=[x]) as meter:
+        torch.nn.functional.dropout(x, 0.5, training=True)
+    return meter.bytes // x.numel()
