@@ -79,3 +79,27 @@ def test_saved_norm_statistics_and_dropout_masks_are_measured_not_assumed(dtype)
     assert saved_layernorm_stat_bytes(dtype, "cpu") == dtype.itemsize  # the CPU kernel: the input's dtype
     cell = next(src for _, _, src in _code_cells("course/03_parallelism/04_*.ipynb") if "CPU extras" in src)
     assert "saved_layernorm_stat_bytes(" in cell and "saved_dropout_mask_bytes(" in cell
+
+
+# ------------------------------------------------------------------ 06·04: DDP overlap, read from the GPU's kernels
+def _x(name, ts, dur, cat="cpu_op"):
+    return {"ph": "X", "name": name, "ts": ts, "dur": dur, "cat": cat}
+
+
+def test_ddp_overlap_reads_kernels_on_a_gpu_trace():
+    """On a GPU the CPU ops only launch: here the all_reduce op and the backward ops overlap on the CPU, while
+    the NCCL kernel runs after every compute kernel (serial) -- and the other way round. The kernels decide."""
+    from megalab.extras.profiling import ddp_overlap, ddp_spans, overlap_from_trace
+
+    cpu = [_x("MmBackward0", 0, 10), _x("nccl:all_reduce", 5, 2), _x("MmBackward0", 12, 10)]
+    serial = cpu + [_x("sm90_xmma_gemm_f32", 3, 30, "kernel"), _x("ncclDevKernel_AllReduce_Sum_f32_RING_LL", 40, 8, "kernel")]
+    by_name = overlap_from_trace(serial, comm=lambda n: "all_reduce" in n, compute=lambda n: n.endswith("Backward0"))
+    assert by_name["overlap_ms"] > 0  # what the CPU spans say
+    assert ddp_overlap(serial) == dict(comm_ms=0.008, compute_ms=0.03, overlap_ms=0.0, overlap_share=0.0)
+    overlapped = [_x("MmBackward0", 0, 3), _x("nccl:all_reduce", 4, 1),
+                  _x("sm90_xmma_gemm_f32", 3, 30, "kernel"), _x("ncclDevKernel_AllReduce_Sum_f32_RING_LL", 20, 10, "kernel")]
+    assert ddp_overlap(overlapped)["overlap_ms"] == pytest.approx(0.010)  # the kernels ran together
+    comm, compute = ddp_spans(overlapped)
+    assert [e["name"] for e in comm] == ["ncclDevKernel_AllReduce_Sum_f32_RING_LL"] and len(compute) == 1
+    # a CPU trace (no kernels): gloo's all_reduce events vs the backward ops, as before
+    assert ddp_overlap(cpu) == overlap_from_trace(cpu, comm=lambda n: "all_reduce" in n, compute=lambda n: n.endswith("Backward0"))
