@@ -103,3 +103,31 @@ def test_ddp_overlap_reads_kernels_on_a_gpu_trace():
     assert [e["name"] for e in comm] == ["ncclDevKernel_AllReduce_Sum_f32_RING_LL"] and len(compute) == 1
     # a CPU trace (no kernels): gloo's all_reduce events vs the backward ops, as before
     assert ddp_overlap(cpu) == overlap_from_trace(cpu, comm=lambda n: "all_reduce" in n, compute=lambda n: n.endswith("Backward0"))
+
+
+# ------------------------------------------------------------------ predicted vs measured: a CPU calibration
+def _calibration():
+    from megalab.extras.calibrate import Calibration, Link
+
+    return Calibration(2, {1: (1e-5, 1e10), 2: (1e-5, 2e10)}, {2: Link(1e-4, 1e-9, 2), 4: Link(2e-4, 2e-9, 4)},
+                       elementwise=1e-9)
+
+
+def test_a_cpu_calibration_is_not_compared_with_gpu_runs(monkeypatch, capsys):
+    from megalab.extras import calibrate
+
+    monkeypatch.setattr(calibrate, "load", _calibration)
+    monkeypatch.delenv("MEGALAB_DEVICE", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    cpu = calibrate.calibration()
+    assert capsys.readouterr().out == "" and calibrate.predict_all_reduce(cpu, 2, 2**20) > 0  # a laptop: compared
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # the runs compute on a GPU
+    gpu = calibrate.calibration()
+    assert "compare a CPU model with a GPU run" in capsys.readouterr().out
+    assert gpu == cpu and gpu.runs_on == "cuda"
+    assert calibrate.predict_all_reduce(gpu, 2, 2**20) != calibrate.predict_all_reduce(gpu, 2, 2**20)  # nan
+    ddp = calibrate.predict_ddp_step(gpu, layers=2, width=8, batch=4, ranks=2, bucket_size=100)
+    assert all(v != v for k, v in ddp.items() if k != "messages") and ddp["messages"] > 0
+    pipe = calibrate.predict_pipeline(gpu, 4, 8, forward_s=0.02, backward_s=0.04)  # its sleeps are not calibrated
+    assert pipe["busy"] == calibrate.predict_pipeline(cpu, 4, 8, forward_s=0.02, backward_s=0.04)["busy"] > 0
+    assert pipe["total"] != pipe["total"]
