@@ -131,3 +131,33 @@ def test_a_cpu_calibration_is_not_compared_with_gpu_runs(monkeypatch, capsys):
     pipe = calibrate.predict_pipeline(gpu, 4, 8, forward_s=0.02, backward_s=0.04)  # its sleeps are not calibrated
     assert pipe["busy"] == calibrate.predict_pipeline(cpu, 4, 8, forward_s=0.02, backward_s=0.04)["busy"] > 0
     assert pipe["total"] != pipe["total"]
+
+
+# ------------------------------------------------------------------ 01·01: the deadlock demo on a non-blocking backend
+class _NcclLikeWork:
+    """NCCL's work.wait(): orders the current CUDA stream after the operation and returns at once."""
+
+    def __init__(self, events):
+        self.events = events
+
+    def wait(self):
+        self.events.append("work.wait returned")
+
+
+def test_wait_blocks_the_cpu_on_a_backend_whose_wait_does_not(monkeypatch):
+    from megalab.extras import comm
+
+    events = []
+
+    class Stream:
+        def synchronize(self):
+            events.append("stream synchronized")  # where a real deadlock would block the CPU: the demo's stuck line
+
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: events.append(("stream of", device)) or Stream())
+    comm.wait(_NcclLikeWork(events), torch.device("cuda", 0))
+    assert events == ["work.wait returned", ("stream of", torch.device("cuda", 0)), "stream synchronized"]
+    events.clear()
+    comm.wait(_NcclLikeWork(events), "cpu")  # gloo: its wait() already blocks
+    assert events == ["work.wait returned"]
+    demo = next(src for _, _, src in _code_cells("course/01_foundations/01_*.ipynb") if "nobody sends" in src)
+    assert "comm.wait(" in demo and "dist.recv(" not in demo  # a bare recv returns at once on NCCL
