@@ -161,3 +161,51 @@ def test_wait_blocks_the_cpu_on_a_backend_whose_wait_does_not(monkeypatch):
     assert events == ["work.wait returned"]
     demo = next(src for _, _, src in _code_cells("course/01_foundations/01_*.ipynb") if "nobody sends" in src)
     assert "comm.wait(" in demo and "dist.recv(" not in demo  # a bare recv returns at once on NCCL
+
+
+# ------------------------------------------------------------------ 05·03, 07·01: checkpoints of a multi-node run
+def _on_node(monkeypatch, tmp_path, node: str) -> None:
+    """This process as a rank on `node`: its own private temp dir, in a launch of 2 nodes x 2 ranks."""
+    import tempfile
+
+    private = tmp_path / node / "tmp"
+    private.mkdir(parents=True, exist_ok=True)
+    monkeypatch.setattr(tempfile, "tempdir", str(private))
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job-7")
+    monkeypatch.delenv("MEGALAB_SCRATCH", raising=False)
+
+
+@pytest.mark.parametrize("shared_env", [True, False], ids=["MEGALAB_SHARED_DIR", "the course tree"])
+def test_two_nodes_write_one_checkpoint_folder(monkeypatch, tmp_path, shared_env):
+    from megalab.lab import dist as mdist
+
+    shared = tmp_path / ("shared" if shared_env else "tree/.megalab/shared")
+    if shared_env:
+        monkeypatch.setenv("MEGALAB_SHARED_DIR", str(shared))
+    else:
+        monkeypatch.delenv("MEGALAB_SHARED_DIR", raising=False)
+        monkeypatch.setattr(mdist, "_tree_root", lambda: tmp_path / "tree")  # the course runs from a shared filesystem
+    folders = {}
+    for node, rank in (("node-a", 0), ("node-b", 2)):
+        _on_node(monkeypatch, tmp_path, node)
+        folders[node] = mdist.scratch_dir("crashed")
+        (folders[node] / f"__{rank}_0.distcp").write_text(node)  # this node's shard
+    assert folders["node-a"] == folders["node-b"] and folders["node-a"].is_relative_to(shared), folders
+    assert sorted(p.name for p in folders["node-a"].iterdir()) == ["__0_0.distcp", "__2_0.distcp"]
+    assert mdist.cache_dir("x").is_relative_to(shared)  # project 1's model for project 4 too
+
+
+def test_a_node_local_scratch_folder_in_a_multi_node_run_is_refused(monkeypatch, tmp_path):
+    from megalab.lab import dist as mdist
+
+    monkeypatch.delenv("MEGALAB_SHARED_DIR", raising=False)
+    monkeypatch.setattr(mdist, "_tree_root", lambda: tmp_path / "tree")
+    _on_node(monkeypatch, tmp_path, "node-a")
+    private = tmp_path / "node-a" / "tmp"  # this node's temp dir (_on_node)
+    monkeypatch.setenv("MEGALAB_SCRATCH", str(private / "megalab-u-1234" / "run-1-x"))  # made by a kernel off the nodes
+    with pytest.raises(RuntimeError, match="MEGALAB_SHARED_DIR"):
+        mdist.scratch_dir("crashed")
+    monkeypatch.setenv("WORLD_SIZE", "2")  # one node: its temp dir is right
+    assert mdist.scratch_dir("crashed").is_relative_to(private)
