@@ -38,7 +38,6 @@ import json
 import math
 import os
 import platform
-import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
