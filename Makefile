@@ -24,7 +24,7 @@ LANG_FLAG := $(if $(filter-out en,$(COURSE_LANG)),--lang $(COURSE_LANG),)
 # a workspace made with --lang already holds its translated notebooks in course/.
 LAB_DIR := $(if $(and $(filter-out en,$(COURSE_LANG)),$(if $(WORKSPACE),,1)),build/$(COURSE_LANG)/,)
 
-.PHONY: setup lab workspace test unit nbval notebooks student grade bench lint clean gpu-test
+.PHONY: setup lab workspace test unit nbval notebooks student grade bench lint clean gpu-test flash-attn
 
 ifdef WORKSPACE
 setup:
@@ -33,15 +33,26 @@ else
 setup: $(STAMP)
 endif
 
-# Re-runs only when the package's metadata changes. torch is installed on its own first, pinned (on Linux,
-# PyPI's wheel is the CUDA build: it runs on a CPU machine too, and on a GPU cluster uses the GPUs).
+# Re-runs only when the package's metadata changes. torch is installed on its own first, pinned, from the index
+# megalab/lab/torch_build.py picks (it says which and why): on Linux without an NVIDIA driver PyTorch's CPU index
+# (PyPI's default, the CUDA build, when that index is unreachable), with a driver a CUDA build it runs (PyPI's
+# CUDA 13 from R580, else a cu12x index); TORCH_INDEX_URL=... chooses the index yourself.
 # tools/make_venv.sh finds a Python >= 3.12 (or says what to install, creating nothing) and makes $(VENV) on it,
 # recreating a $(VENV) that an older make setup built on an older Python.
 $(STAMP): pyproject.toml
 	@PYTHON="$(PYTHON)" sh tools/make_venv.sh $(VENV)
-	$(PY) -m pip install -q "torch==$(TORCH_VERSION)"
+	@index=$$(TORCH_INDEX_URL="$(TORCH_INDEX_URL)" $(PY) -m megalab.lab.torch_build --torch $(TORCH_VERSION)) && \
+		echo "$(PY) -m pip install -q torch==$(TORCH_VERSION) $$index" && \
+		$(PY) -m pip install -q "torch==$(TORCH_VERSION)" $$index
 	$(PY) -m pip install -q -e ".[dev]"
 	@touch $(STAMP)
+
+# Optional, on a CUDA machine: flash-attn, which megalab/kernels uses when present. Its build imports torch, so it
+# goes in after setup without build isolation (`pip install -e .[gpu]` fails); pip takes a prebuilt wheel matching
+# torch and CUDA when there is one, else compiles (nvcc and ninja; long). Same version as pyproject's gpu extra.
+flash-attn: setup
+	$(PY) -m pip install -q packaging ninja psutil setuptools wheel
+	$(PY) -m pip install --no-build-isolation "flash-attn>=2.6"
 
 # JupyterLab at the root of this tree (course/ and megalab/ side by side), on the first notebook; the kernel
 # and every rank import this tree's megalab (PYTHONPATH), `megalab` is on the terminal's PATH.

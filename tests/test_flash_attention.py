@@ -215,10 +215,34 @@ def test_offsets_are_int64():
     from megalab.kernels import flash_attention as fa
 
     for kernel in (fa._fwd_kernel, fa._bwd_preprocess, fa._bwd_dkdv_kernel, fa._bwd_dq_kernel):
-        assert "bh = tl.program_id(1).to(tl.int64)" in inspect.getsource(kernel.fn), kernel.fn.__name__
+        assert "bh = tl.program_id(0).to(tl.int64)" in inspect.getsource(kernel.fn), kernel.fn.__name__
     q = torch.empty(1, 1, 2**26, 64, device="meta")  # 2**32 elements in one head
     with pytest.raises(ValueError, match="int32"):
         flash_attention(q, q, q)
+
+
+def test_heads_go_on_the_grid_axis_cuda_lets_pass_65535(monkeypatch):
+    """CUDA caps grid axes 1 and 2 at 65,535 blocks (axis 0: 2**31 - 1); b*h passes that (512 x 128 heads).
+    Every launch puts b*h on axis 0; launch_grid refuses, in words, what no axis can take."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    from megalab.kernels import flash_attention as fa
+
+    b, h, s = 512, 128, 4096
+    grid = fa.launch_grid(b * h, s, 64)
+    assert grid == (b * h, 64) and all(n <= limit for n, limit in zip(grid, fa.MAX_GRID)), grid
+    with pytest.raises(ValueError, match="grid axis 1"):
+        fa.launch_grid(1, 65_536 * 16, 16)
+    if not INTERPRET:
+        pytest.skip("checks the interpreter's launches")
+    seen = []
+    run = InterpretedFunction.run
+    monkeypatch.setattr(InterpretedFunction, "run",
+                        lambda self, *a, **kw: (seen.append((self.fn.__name__, tuple(kw["grid"]))), run(self, *a, **kw))[1])
+    q, k, v = _qkv((3, 2, 20, 16))
+    flash_attention(q, k, v, causal=True).sum().backward()
+    assert {name for name, _ in seen} == {"_fwd_kernel", "_bwd_preprocess", "_bwd_dkdv_kernel", "_bwd_dq_kernel"}, seen
+    assert all(g[0] == 3 * 2 for _, g in seen), seen  # b*h on axis 0, the tiles of a head on axis 1
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])

@@ -21,7 +21,8 @@ with more ranks than cores each runs at `cores / (ranks x threads)` of a core.
 
 The formulas are the planner's (extras/step_time.py); what is laptop-specific lives here: the
 calibration itself, ranks sharing cores, and the overlap rule (gloo's threads hide nothing when the
-compute threads already take every core: overlap_slowdown 1).
+compute threads already take every core: overlap_slowdown 1). It is a CPU calibration: where the course's runs
+compute on a GPU, calibration() says so and the predictions are nan, not compared with the GPU's measurements.
 
 `calibration()` measures once (about 10 s: a few matmuls, two short gloo launches) and reuses the
 cache afterwards; `calibration(refresh=True)`, or `python -m megalab.extras.calibrate`, measures again.
@@ -31,6 +32,8 @@ clusters (`extras/step_time.py`, `extras/planner.py`) also predicts the runs the
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import json
 import math
 import os
@@ -166,6 +169,7 @@ class Calibration:
     machine: str = ""
     measured_at: str = ""
     load_average: tuple[float, ...] = ()
+    runs_on: str = field(default="cpu", compare=False)  # where the runs it is compared with compute (calibration())
 
     def __post_init__(self):
         if self.cpus < 1:
@@ -325,13 +329,47 @@ def load() -> Calibration | None:
         return None
 
 
+def runs_device() -> str:
+    """Where the course's runs compute on this machine: "cuda" when %%torchrun's ranks get GPUs (a CUDA GPU:
+    NCCL; or MEGALAB_DEVICE=cuda), else "cpu"."""
+    if os.environ.get("MEGALAB_DEVICE") == "cuda" or torch.cuda.is_available():
+        return "cuda"
+    return "cpu"
+
+
 def calibration(refresh: bool = False) -> Calibration:
-    """This machine's calibration: the cached one, or measured now (and cached) when there is none or refresh=True."""
+    """This machine's calibration: the cached one, or measured now (and cached) when there is none or refresh=True.
+
+    It measures the CPU and gloo. Where the course's runs compute on a GPU (runs_device), a prediction from it
+    would compare a CPU model with a GPU run: it says so, and the predictions it makes are nan (not compared)."""
     cal = None if refresh else load()
     if cal is None:
         cal = Calibration.measure()
         save(cal)
+    where = runs_device()
+    if where != "cpu":
+        print(f"calibrate: this calibration measured the CPU and gloo (matmuls on CPU threads, all-reduces through host "
+              f"memory), but the runs on this machine compute on {where}: predicted vs measured would compare a CPU "
+              "model with a GPU run, so the calibrated predictions are nan (not compared). For GPUs, the planner's "
+              "hardware presets model them (megalab/extras/step_time.py).")
+        cal = dataclasses.replace(cal, runs_on=where)
     return cal
+
+
+def _not_compared_off_cpu(*kept: str):
+    """A prediction from `cal`, or nan in place of every calibrated time when cal.runs_on is not the CPU it
+    measured (counts, and the `kept` parts that do not depend on the calibration, stay)."""
+    def wrap(predict):
+        @functools.wraps(predict)
+        def checked(cal: Calibration, *args, **kwargs):
+            out = predict(cal, *args, **kwargs)
+            if cal.runs_on == "cpu":
+                return out
+            if isinstance(out, dict):
+                return {k: v if k in kept or isinstance(v, int) else math.nan for k, v in out.items()}
+            return math.nan
+        return checked
+    return wrap
 
 
 # --------------------------------------------------------------------------------------------- predictions
@@ -373,17 +411,20 @@ def _result(compute: float, communication: float, exposed: float | None = None, 
             "total": compute + exposed, **parts}
 
 
+@_not_compared_off_cpu()
 def traced_time(cal: Calibration, records, ranks: int) -> float:
     """Seconds of the collectives a CollectiveTracer recorded on one of `ranks` ranks, one after another."""
     hw = cal.hardware(ranks)
     return sum(_collective(hw, r.op, r.payload_bytes, r.group_size) for r in records)
 
 
+@_not_compared_off_cpu()
 def predict_all_reduce(cal: Calibration, ranks: int, nbytes: float) -> float:
     """01·03: seconds of one dist.all_reduce of `nbytes` on `ranks` gloo ranks (ring: 2(n-1) alpha + 2(n-1)/n M beta)."""
     return _collective(cal.hardware(ranks), "all_reduce", nbytes, ranks) if ranks > 1 else 0.0
 
 
+@_not_compared_off_cpu()
 def predict_ddp_step(cal: Calibration, layers: int, width: int, batch: int, ranks: int,
                      bucket_size: int | None = None, overlap_grad_reduce: bool = False) -> dict[str, float]:
     """03·01: one step (forward, backward, gradient sync) of a stack of `layers` Linear(width, width) + tanh,
@@ -408,6 +449,7 @@ def predict_ddp_step(cal: Calibration, layers: int, width: int, batch: int, rank
                    messages=len(messages))
 
 
+@_not_compared_off_cpu("compute", "busy", "bubble")
 def predict_pipeline(cal: Calibration, pp: int, num_microbatches: int, num_model_chunks: int = 1,
                      forward_s: float = 0.02, backward_s: float = 0.04, message_bytes: float = 128) -> dict[str, float]:
     """03·07: one step of 1F1B (GPipe: the same bubble) or interleaved 1F1B on `pp` ranks whose stages take
@@ -422,6 +464,7 @@ def predict_pipeline(cal: Calibration, pp: int, num_microbatches: int, num_model
     return _result(busy + bubble, communication, busy=busy, bubble=bubble, messages=messages)
 
 
+@_not_compared_off_cpu()
 def predict_cp_attention(cal: Calibration, seq_length: int, cp: int, rank: int, zigzag: bool = True,
                          batch: int = 1, heads: int = 4, head_dim: int = 32, ranks: int | None = None) -> dict[str, float]:
     """03·08: one rank's ring-attention forward (causal, fp32, one thread per rank as in the notebook): the
@@ -451,6 +494,7 @@ def predict_cp_attention(cal: Calibration, seq_length: int, cp: int, rank: int, 
             "thread time": thread_time}
 
 
+@_not_compared_off_cpu()
 def predict_moe_all_to_all(cal: Calibration, ep: int, sent_bytes: float, num_experts: int = 8) -> dict[str, float]:
     """03·09: the all-to-all dispatcher's communication in a MoE layer's forward on one of `ep` ranks: the
     all-gather of every rank's tokens_per_expert, then dispatch and combine all-to-alls that send `sent_bytes`
@@ -462,6 +506,7 @@ def predict_moe_all_to_all(cal: Calibration, ep: int, sent_bytes: float, num_exp
     return _result(0.0, communication)
 
 
+@_not_compared_off_cpu()
 def predict_traced_step(cal: Calibration, records, flops: float, ranks: int) -> dict[str, float]:
     """03·05: a step that computes `flops` (calc.model_flops / t) and issues the traced collectives, on one of
     `ranks` ranks: matmuls at the calibrated rate, every collective on the critical path (TP's are)."""
@@ -469,6 +514,7 @@ def predict_traced_step(cal: Calibration, records, flops: float, ranks: int) -> 
     return _result(compute, traced_time(cal, records, ranks), collectives=len(records))
 
 
+@_not_compared_off_cpu()
 def predict_recompute(cal: Calibration, config, batch: int, seq_length: int) -> dict[str, float]:
     """06·04: forward + backward seconds of a GPTModel in this process (all threads) for each recompute
     setting, from the matmul FLOPs (calc.model_flops): backward = 2 forwards; full recompute runs every

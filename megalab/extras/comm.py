@@ -103,6 +103,17 @@ def send_recv(
         request.wait()
 
 
+def wait(work, device: torch.device | str) -> None:
+    """Block this process until `work` (the handle an isend/irecv or an async collective returns) is done, on
+    every backend. gloo's work.wait() blocks the CPU; NCCL's only makes the current CUDA stream wait for the
+    operation and returns at once -- a receive nobody sends would hang the GPU while the Python code ran on.
+    So on CUDA the CPU then waits for that stream too."""
+    work.wait()
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()
+
+
 # --------------------------------------------------------------------------- collectives
 
 

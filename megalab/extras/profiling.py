@@ -8,11 +8,24 @@ Sequence packing, the other speed-up of chapter 06 · 04, lives in megalab/core/
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, profile, schedule
+
+
+def device_time(device: torch.device | str) -> float:
+    """time.perf_counter() once `device` has finished the work queued on it: CUDA kernels run asynchronously, so
+    a clock read right after a launch would time the launch, not the kernel. Read it before and after:
+
+        start = device_time(dev); step(); seconds = device_time(dev) - start
+    """
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
 
 
 def profile_step(step: Callable[[], None], steps: int = 2, warmup: int = 1,
@@ -63,8 +76,13 @@ def overlap_from_trace(events: list[dict], comm: Callable[[str], bool], compute:
     comm/compute select events (complete events, "ph": "X") by name; each set is merged into disjoint
     intervals first, so nested or repeated events count once.
     """
-    def spans(select):
-        return _union([(e["ts"], e["ts"] + e["dur"]) for e in events if e.get("ph") == "X" and select(e["name"])])
+    complete = [e for e in events if e.get("ph") == "X"]
+    return _overlap([e for e in complete if comm(e["name"])], [e for e in complete if compute(e["name"])])
+
+
+def _overlap(comm: list[dict], compute: list[dict]) -> dict:
+    def spans(chosen):
+        return _union([(e["ts"], e["ts"] + e["dur"]) for e in chosen])
 
     comm_spans, compute_spans = spans(comm), spans(compute)
     overlap = sum(max(0.0, min(b, d) - max(a, c)) for a, b in comm_spans for c, d in compute_spans)
@@ -73,10 +91,35 @@ def overlap_from_trace(events: list[dict], comm: Callable[[str], bool], compute:
                 overlap_ms=overlap / 1e3, overlap_share=overlap / comm_us if comm_us else 0.0)
 
 
+def _is_kernel(event: dict) -> bool:
+    return event.get("ph") == "X" and event.get("cat") == "kernel"
+
+
+def ddp_spans(events: list[dict]) -> tuple[list[dict], list[dict]]:
+    """(communication, computation) events of a DDP step's Chrome trace, where they really run.
+
+    On a GPU (the trace has "kernel" events) the device's kernels: NCCL's kernels vs every other kernel. The
+    CPU-side ops there only launch work and return: a bucket's all_reduce op ends long before its kernel does,
+    so CPU spans would show neither the overlap nor its absence. On the CPU: gloo's all_reduce events (its own
+    thread) vs the main thread's backward ops (...Backward0)."""
+    kernels = [e for e in events if _is_kernel(e)]
+    if kernels:
+        nccl = [e for e in kernels if "nccl" in e["name"].lower()]
+        return nccl, [e for e in kernels if "nccl" not in e["name"].lower()]
+    complete = [e for e in events if e.get("ph") == "X"]
+    return ([e for e in complete if "all_reduce" in e["name"] or "allreduce" in e["name"]],
+            [e for e in complete if e["name"].endswith("Backward0")])
+
+
+def ddp_overlap(events: list[dict]) -> dict:
+    """overlap_from_trace of a DDP step's communication vs its computation (ddp_spans: kernels on a GPU)."""
+    return _overlap(*ddp_spans(events))
+
+
 def profile_ddp_step(trace_dir: str, width: int = 256, layers: int = 6) -> dict[str, dict]:
     """On every rank of a torchrun launch: profile one DDP step of an MLP stack with and without
     overlap_grad_reduce, write the Chrome traces to trace_dir/ddp_{overlapped,serial}_rank{r}.json, and
-    return overlap_from_trace of bucket all-reduces vs backward ops for each ("overlapped", "serial")."""
+    return ddp_overlap (bucket all-reduces vs backward: kernels on a GPU) for each ("overlapped", "serial")."""
     import json
 
     import torch.distributed as dist
@@ -102,8 +145,7 @@ def profile_ddp_step(trace_dir: str, width: int = 256, layers: int = 6) -> dict[
         path = Path(trace_dir) / f"ddp_{name}_rank{rank}.json"
         profile_step(step, steps=1, warmup=1, trace_path=path, device=dev)
         events = json.loads(path.read_text())["traceEvents"]
-        results[name] = overlap_from_trace(events, comm=lambda n: "all_reduce" in n or "allreduce" in n,
-                                           compute=lambda n: n.endswith("Backward0"))
+        results[name] = ddp_overlap(events)
     dist.barrier()
     return results
 
@@ -139,3 +181,22 @@ class SavedTensorsMeter:
 
     def __exit__(self, *exc) -> None:
         self._hooks.__exit__(*exc)
+
+
+def saved_layernorm_stat_bytes(dtype: torch.dtype, device: torch.device | str) -> int:
+    """Bytes of one statistic (mean or rstd) per token that a LayerNorm on `dtype` inputs keeps for backward on
+    `device`, measured: CUDA's kernel keeps them in fp32 (4 bytes), the CPU's in the input's dtype (2 for bf16)."""
+    x = torch.zeros(2, 16, dtype=dtype, device=device, requires_grad=True)  # [tokens, h]
+    norm = torch.nn.LayerNorm(16, dtype=dtype, device=device)
+    with SavedTensorsMeter(exclude=[x, *norm.parameters()]) as meter:
+        norm(x)
+    return meter.bytes // (2 * x.shape[0])  # mean and rstd, one of each per token
+
+
+def saved_dropout_mask_bytes(dtype: torch.dtype, device: torch.device | str) -> int:
+    """Bytes per element of the mask dropout on `dtype` inputs keeps for backward on `device`, measured: CUDA's
+    fused kernel keeps a bool mask (1 byte), the CPU path the scaled noise in the input's dtype (2 for bf16)."""
+    x = torch.ones(64, dtype=dtype, device=device, requires_grad=True)
+    with SavedTensorsMeter(exclude=[x]) as meter:
+        torch.nn.functional.dropout(x, 0.5, training=True)
+    return meter.bytes // x.numel()

@@ -51,7 +51,7 @@ def flash_attn_status() -> tuple[bool, str]:
     Finding the package is not enough: a wheel built for another torch or CUDA installs fine and fails at
     the first forward ("undefined symbol"). So its CUDA extension, `flash_attn_2_cuda`, is imported."""
     if importlib.util.find_spec("flash_attn") is None:
-        return False, "not installed (optional: pip install -e .[gpu] on a CUDA machine)"
+        return False, "not installed (optional, on a CUDA machine: make flash-attn)"
     try:
         version = importlib.metadata.version("flash-attn")
     except importlib.metadata.PackageNotFoundError:

@@ -16,6 +16,8 @@ The backward recomputes P = e^(S - L) tile by tile instead of loading it (Dao, F
     dQ = scale * dS K                 dK = scale * dS^T Q
 one kernel per key tile accumulates dK, dV over the query tiles; one per query tile accumulates dQ.
 Causal programs skip the tiles above the diagonal: about half the work.
+The grid is (b*h, tiles): b*h on axis 0, the only CUDA grid axis that takes more than 65,535 blocks
+(launch_grid).
 
 Tensors are [b, h, s, d] (like F.scaled_dot_product_attention). The kernels use plain pointer
 arithmetic (`tl.make_block_ptr` is gone in triton 3.9), int64 where b*h*s*d can pass 2**31. On a GPU,
@@ -65,8 +67,8 @@ except ImportError as e:  # no Triton wheels for macOS: the kernels stay plain f
 def _fwd_kernel(Q, K, V, Out, L, scale, seqlen, stride_bh, stride_s,
                 CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_D: tl.constexpr,
                 INPUT_PRECISION: tl.constexpr):
-    start_m = tl.program_id(0) * BLOCK_M
-    bh = tl.program_id(1).to(tl.int64)  # int64 offsets: bh * stride_bh passes 2**31 on large b*h*s*d
+    bh = tl.program_id(0).to(tl.int64)  # int64 offsets: bh * stride_bh passes 2**31 on large b*h*s*d
+    start_m = tl.program_id(1) * BLOCK_M
     rows = start_m + tl.arange(0, BLOCK_M)  # query positions of this tile
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_D)
@@ -99,8 +101,8 @@ def _fwd_kernel(Q, K, V, Out, L, scale, seqlen, stride_bh, stride_s,
 
 @triton.jit
 def _bwd_preprocess(Out, DO, Delta, seqlen, stride_bh, stride_s, BLOCK_M: tl.constexpr, HEAD_D: tl.constexpr):
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    bh = tl.program_id(1).to(tl.int64)  # int64 offsets: bh * stride_bh passes 2**31 on large b*h*s*d
+    bh = tl.program_id(0).to(tl.int64)  # int64 offsets: bh * stride_bh passes 2**31 on large b*h*s*d
+    rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     off = bh * stride_bh + rows[:, None] * stride_s + tl.arange(0, HEAD_D)[None, :]
     o = tl.load(Out + off, mask=rows[:, None] < seqlen, other=0.0).to(tl.float32)
     do = tl.load(DO + off, mask=rows[:, None] < seqlen, other=0.0).to(tl.float32)
@@ -111,8 +113,8 @@ def _bwd_preprocess(Out, DO, Delta, seqlen, stride_bh, stride_s, BLOCK_M: tl.con
 def _bwd_dkdv_kernel(Q, K, V, DO, L, Delta, DK, DV, scale, seqlen, stride_bh, stride_s,
                      CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_D: tl.constexpr,
                      INPUT_PRECISION: tl.constexpr):
-    start_n = tl.program_id(0) * BLOCK_N
-    bh = tl.program_id(1).to(tl.int64)  # int64 offsets: bh * stride_bh passes 2**31 on large b*h*s*d
+    bh = tl.program_id(0).to(tl.int64)  # int64 offsets: bh * stride_bh passes 2**31 on large b*h*s*d
+    start_n = tl.program_id(1) * BLOCK_N
     cols = start_n + tl.arange(0, BLOCK_N)  # key positions of this tile
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_D)
@@ -147,8 +149,8 @@ def _bwd_dkdv_kernel(Q, K, V, DO, L, Delta, DK, DV, scale, seqlen, stride_bh, st
 def _bwd_dq_kernel(Q, K, V, DO, L, Delta, DQ, scale, seqlen, stride_bh, stride_s,
                    CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_D: tl.constexpr,
                      INPUT_PRECISION: tl.constexpr):
-    start_m = tl.program_id(0) * BLOCK_M
-    bh = tl.program_id(1).to(tl.int64)  # int64 offsets: bh * stride_bh passes 2**31 on large b*h*s*d
+    bh = tl.program_id(0).to(tl.int64)  # int64 offsets: bh * stride_bh passes 2**31 on large b*h*s*d
+    start_m = tl.program_id(1) * BLOCK_M
     rows = start_m + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_D)
@@ -227,6 +229,22 @@ def kernel_config(kind: str, d: int, dtype: torch.dtype, seqlen: int | None = No
     return kernel_configs(kind, d, dtype, seqlen)[0]
 
 
+# CUDA's launch limits: grid axis 0 up to 2**31 - 1 blocks, axes 1 and 2 up to 65,535.
+MAX_GRID = (2**31 - 1, 65_535, 65_535)
+
+
+def launch_grid(heads: int, seqlen: int, block: int) -> tuple[int, int]:
+    """(b*h, tiles): one program per (head, tile of `block` rows). b*h goes on axis 0, the only one that
+    takes more than 65,535 blocks (b*h passes that: 512 x 128 heads); the tiles of one head on axis 1."""
+    grid = (heads, triton.cdiv(seqlen, block))
+    for axis, (n, limit) in enumerate(zip(grid, MAX_GRID)):
+        if n > limit:
+            what = "b*h" if axis == 0 else f"sequence tiles ({seqlen} / {block})"
+            raise ValueError(f"the Triton attention kernels would launch {n} blocks on grid axis {axis} ({what}), "
+                             f"over CUDA's {limit}: split the batch, or use attention_backend='sdpa'")
+    return grid
+
+
 def _launch(kernel, grid, args, kind: str, d: int, dtype: torch.dtype, seqlen: int, **meta) -> dict:
     """kernel[grid(config)](*args) with the best config; if Triton finds it too large when compiling (the
     shared-memory estimate was short: OutOfResources), the next leaner one. Returns the config used."""
@@ -253,7 +271,7 @@ class FlashAttentionFunction(torch.autograd.Function):
         q, k, v = (t.contiguous() for t in (q, k, v))
         o = torch.empty_like(q)
         lse = torch.empty(b * h, s, device=q.device, dtype=torch.float32)
-        _launch(_fwd_kernel, lambda c: (triton.cdiv(s, c["BLOCK_M"]), b * h), (q, k, v, o, lse, scale, s, s * d, d),
+        _launch(_fwd_kernel, lambda c: launch_grid(b * h, s, c["BLOCK_M"]), (q, k, v, o, lse, scale, s, s * d, d),
                 "fwd", d, q.dtype, s, CAUSAL=causal, HEAD_D=d)
         ctx.save_for_backward(q, k, v, o, lse)
         ctx.causal, ctx.scale = causal, scale
@@ -267,11 +285,11 @@ class FlashAttentionFunction(torch.autograd.Function):
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         delta = torch.empty_like(lse)
         block = kernel_config("bwd", d, q.dtype, s)["BLOCK_M"]
-        _bwd_preprocess[(triton.cdiv(s, block), b * h)](o, do, delta, s, s * d, d, BLOCK_M=block, HEAD_D=d)
-        _launch(_bwd_dkdv_kernel, lambda c: (triton.cdiv(s, c["BLOCK_N"]), b * h),
+        _bwd_preprocess[launch_grid(b * h, s, block)](o, do, delta, s, s * d, d, BLOCK_M=block, HEAD_D=d)
+        _launch(_bwd_dkdv_kernel, lambda c: launch_grid(b * h, s, c["BLOCK_N"]),
                 (q, k, v, do, lse, delta, dk, dv, ctx.scale, s, s * d, d), "bwd", d, q.dtype, s,
                 CAUSAL=ctx.causal, HEAD_D=d)
-        _launch(_bwd_dq_kernel, lambda c: (triton.cdiv(s, c["BLOCK_M"]), b * h),
+        _launch(_bwd_dq_kernel, lambda c: launch_grid(b * h, s, c["BLOCK_M"]),
                 (q, k, v, do, lse, delta, dq, ctx.scale, s, s * d, d), "bwd", d, q.dtype, s,
                 CAUSAL=ctx.causal, HEAD_D=d)
         return dq, dk, dv, None, None

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 # torch.testing.assert_close's defaults, by dtype: (rtol, atol)
 _TOLERANCE = {"float64": (1e-7, 1e-7), "float32": (1.3e-6, 1e-5), "float16": (1e-3, 1e-5), "bfloat16": (1.6e-2, 1e-5)}
+_TOLERANCE["tf32"] = (2e-3, 1e-5)  # fp32 matmuls on TF32 tensor cores: 10-bit mantissa inputs, fp32 sums
 
 
 @dataclass(frozen=True)
@@ -56,6 +57,20 @@ def require(verdict: Verdict) -> None:
 
 def _fmt(x: float) -> str:
     return f"{x:.4g}"
+
+
+def reduction_tolerance(dtype=None, device="cpu") -> tuple[float, float]:
+    """(rtol, atol) for two runs of one computation in `dtype` (default float32) on `device` that add in different
+    orders (another parallel layout, another kernel): relative, as rounding is. torch.testing's tolerance for the
+    dtype; on CUDA, where fp32 matmuls may run in TF32 (10-bit mantissa: torch.backends.cuda.matmul.allow_tf32,
+    or a float32_matmul_precision other than "highest"), TF32's."""
+    import torch
+
+    dtype = str(dtype or torch.float32).removeprefix("torch.")
+    if dtype == "float32" and torch.device(device).type == "cuda" and (
+            torch.backends.cuda.matmul.allow_tf32 or torch.get_float32_matmul_precision() != "highest"):
+        return _TOLERANCE["tf32"]
+    return _TOLERANCE.get(dtype, _TOLERANCE["float32"])
 
 
 def close(actual, expected, what: str, *, rtol: float | None = None, atol: float | None = None,

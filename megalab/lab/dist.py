@@ -156,10 +156,35 @@ def publish(name: str, value: Any) -> None:
 
 
 SCRATCH_ENV = "MEGALAB_SCRATCH"
+SHARED_ENV = "MEGALAB_SHARED_DIR"  # a folder every node sees: multi-node runs keep their scratch and cache there
+
+
+def _tree_root() -> Path:
+    return Path(__file__).resolve().parents[2]
+
+
+def _multi_node() -> bool:
+    """A rank of a launch over several nodes, or a process in a Slurm allocation of several nodes (a notebook's
+    kernel whose `%%torchrun --slurm` ranks span them)."""
+    world, local = os.environ.get("WORLD_SIZE", ""), os.environ.get("LOCAL_WORLD_SIZE", "")
+    if world.isdigit() and local.isdigit() and int(world) > int(local):
+        return True
+    nodes = os.environ.get("SLURM_JOB_NUM_NODES") or os.environ.get("SLURM_NNODES") or "1"
+    return nodes.isdigit() and int(nodes) > 1
+
+
+def _shared_base() -> Path | None:
+    """Where scratch and cache folders go instead of the temp dir: MEGALAB_SHARED_DIR, else in a multi-node run
+    this course tree's .megalab/shared (the course runs from a shared filesystem there). Each node has its own
+    temp dir: a checkpoint's shards written there would be split across the nodes."""
+    if os.environ.get(SHARED_ENV):
+        return Path(os.environ[SHARED_ENV])
+    return _tree_root() / ".megalab" / "shared" if _multi_node() else None
 
 
 def _user_temp_root() -> Path:
-    """This user's and this tree's folder in the temp dir (and, under make test's pytest-xdist, this worker's)."""
+    """This user's and this tree's folder in the temp dir, or in the shared folder of a multi-node run
+    (_shared_base); under make test's pytest-xdist, this worker's."""
     import getpass
     import hashlib
     import tempfile
@@ -168,8 +193,23 @@ def _user_temp_root() -> Path:
         user = getpass.getuser()
     except (KeyError, OSError):  # no name for this uid (containers)
         user = str(os.getuid())
-    key = str(Path(__file__).resolve().parents[2]) + os.environ.get("PYTEST_XDIST_WORKER", "")
-    return Path(tempfile.gettempdir()) / f"megalab-{user}-{hashlib.sha256(key.encode()).hexdigest()[:8]}"
+    key = str(_tree_root()) + os.environ.get("PYTEST_XDIST_WORKER", "")
+    base = _shared_base() or Path(tempfile.gettempdir())
+    return base / f"megalab-{user}-{hashlib.sha256(key.encode()).hexdigest()[:8]}"
+
+
+def _check_shared(root: str) -> None:
+    """A multi-node rank given a scratch folder in its node's own temp dir (a kernel started outside the
+    allocation made it there): refuse, in words, rather than split the run's files across the nodes."""
+    import tempfile
+
+    path, shared = Path(root).resolve(), _shared_base()
+    if _multi_node() and shared is not None and path.is_relative_to(Path(tempfile.gettempdir()).resolve()) \
+            and not path.is_relative_to(shared.resolve()):
+        raise RuntimeError(f"this run spans several nodes, but its scratch folder {root} is in this node's own temp "
+                           f"dir, which the other nodes do not see (checkpoint shards would be split across them): "
+                           f"set {SHARED_ENV} to a folder on the shared filesystem before starting JupyterLab (or "
+                           f"start it inside the multi-node allocation, where {shared} is used)")
 
 
 def scratch_root() -> Path:
@@ -177,19 +217,23 @@ def scratch_root() -> Path:
 
     A run is a notebook's kernel (its %%torchrun ranks inherit the folder through MEGALAB_SCRATCH), a script, or
     one launch of ranks started without one. So two runs at once, two learners on one node, or make test's
-    workers never see, let alone delete, each other's files.
+    workers never see, let alone delete, each other's files. In a multi-node run it is on the shared folder
+    every node sees (_shared_base: MEGALAB_SHARED_DIR, or the course tree's .megalab/shared), never a node's /tmp.
     """
     import atexit
     import shutil
     import tempfile
 
     root = os.environ.get(SCRATCH_ENV)
+    if root is not None:
+        _check_shared(root)
     if root is None and "TORCHELASTIC_RUN_ID" in os.environ:  # ranks whose parent made none: one per launch
         root = str(_user_temp_root() / f"launch-{os.environ['TORCHELASTIC_RUN_ID']}")
     if root is None:
         base = _user_temp_root()
         base.mkdir(parents=True, exist_ok=True)
-        _remove_abandoned_runs(base)
+        if _shared_base() is None:  # on a shared folder another node's live run looks abandoned here
+            _remove_abandoned_runs(base)
         root = tempfile.mkdtemp(prefix=f"run-{os.getpid()}-", dir=base)
         os.environ[SCRATCH_ENV] = root
         atexit.register(shutil.rmtree, root, True)

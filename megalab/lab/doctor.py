@@ -27,6 +27,31 @@ def _auto_attention(gpu: bool, dtype_name: str = "bfloat16") -> tuple[str, str]:
                                      head_dim=64)
 
 
+def cuda_driver_line() -> str:
+    """The NVIDIA driver against what this torch build needs: a CUDA build on a driver too old for it has CUDA
+    silently unavailable (every cell falls back to the CPU)."""
+    import torch
+
+    from megalab.lab import torch_build
+
+    driver, cuda = torch_build.driver_version(), torch.version.cuda
+    reinstall = "rm -rf .venv && make setup (it picks a build the driver runs; TORCH_INDEX_URL=... to choose one)"
+    if not cuda:
+        return f"{driver}, but torch is a CPU build: the GPUs are unused; {reinstall}" if driver \
+            else "none (CPU build of torch)"
+    needed = torch_build.driver_needed(cuda)
+    if driver is None:
+        return (f"none: no NVIDIA driver, so this CUDA {cuda} build of torch runs on the CPU "
+                f"(the smaller CPU build: rm -rf .venv && TORCH_INDEX_URL={torch_build.CPU_INDEX} make setup)")
+    if needed and torch_build.driver_major(driver) < needed:
+        return (f"{driver}, older than this torch's CUDA {cuda} needs (R{needed}+): CUDA is unavailable and every "
+                f"cell runs on the CPU. Update the driver, or reinstall torch for it: {reinstall}")
+    if not torch.cuda.is_available():
+        return (f"{driver} runs CUDA {cuda}, but torch sees no GPU: check CUDA_VISIBLE_DEVICES, or the container's "
+                "access to the GPUs")
+    return f"{driver} (runs CUDA {cuda}: R{needed}+)" if needed else f"{driver} (CUDA {cuda})"
+
+
 def facts() -> dict:
     import torch
     import torch.distributed as dist
@@ -157,6 +182,7 @@ def report() -> str:
         ("Python", f"{f['python']} ({sys.executable})"),
         ("Platform", f["platform"]),
         ("torch", f"{f['torch']} (CUDA build: {f['cuda_build'] or 'none, CPU-only'})"),
+        ("CUDA driver", cuda_driver_line()),
         ("GPUs", str(len(f["gpus"])) if f["gpus"] else "none"),
         *[(f"  cuda:{i}", f"{g['name']}, sm_{g['capability'][0]}{g['capability'][1]}, {g['memory_gib']:.0f} GiB") for i, g in enumerate(f["gpus"])],
         ("NCCL", f["nccl"] or "not available (no GPU)"),

@@ -162,8 +162,9 @@ def compute_clock(device: torch.device) -> float:
     """A clock for compute time: CPU time of this thread, or on CUDA (kernels run asynchronously) the
     wall time once the device has finished its queued work."""
     if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        return time.perf_counter()
+        from megalab.extras.profiling import device_time
+
+        return device_time(device)
     return time.thread_time()
 
 
