@@ -119,8 +119,8 @@ def _toy_tree(root: Path) -> Path:
     (root / "megalab" / "__init__.py").write_text("")
     (root / "megalab" / "lab").mkdir()
     (root / "megalab" / "lab" / "__init__.py").write_text("")
-    for module in ("cpu_guard.py", "exercises.py", "grading.py", "launch.py", "notebooks.py", "procs.py", "progress.py", "translate.py",
-                   "worker.py", "workspace.py"):  # `megalab grade` loads its plugin here
+    for module in ("cpu_guard.py", "exercises.py", "grading.py", "launch.py", "notebooks.py", "procs.py", "progress.py",
+                   "sandbox.py", "tracebacks.py", "translate.py", "worker.py", "workspace.py"):  # `megalab grade` loads its plugin here
         shutil.copy(REPO / "megalab" / "lab" / module, root / "megalab" / "lab" / module)
     (root / "megalab" / "toy.py").write_text(SOURCE)
     (root / "tests").mkdir()
