@@ -540,7 +540,7 @@ def test_computing_cell_on_a_loaded_machine_outlives_its_timeout():
     assert not _workers_alive()
 
 
-def test_busy_loop_stops_at_the_hard_timeout_as_overloaded_not_deadlock():
+def test_busy_loop_stops_at_the_hard_timeout_as_overloaded_not_deadlock(facilities):
     code = "x = 0\nwhile True:\n    x += 1\n"
     start = time.monotonic()
     with pytest.raises(LaunchTimeoutError) as info:  # 15 s: the rank must have started, even beside other tests
