@@ -384,27 +384,26 @@ def main(argv: list[str] | None = None) -> int:
     return 0 if named == len(results) else 1
 
 
-def load_solutions(root: Path, files: list[str]) -> list[dict]:
-    """Every dict in the SOLUTIONS lists of `files` (tests/blind/*.py): exercise, code, and how it was written."""
+def _load_lists(root: Path, files: list[str], name: str) -> list[dict]:
+    """Every dict in the `name` lists of `files`, in file order."""
     found = []
     for rel in files:
-        spec = importlib.util.spec_from_file_location(f"_megalab_blind_{Path(rel).stem}", root / rel)
+        spec = importlib.util.spec_from_file_location(f"_megalab_{name.lower()}_{Path(rel).stem}", root / rel)
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
-        found += list(module.SOLUTIONS)
+        found += list(getattr(module, name))
     return found
+
+
+def load_solutions(root: Path, files: list[str]) -> list[dict]:
+    """Every dict in the SOLUTIONS lists of `files` (tests/blind/*.py): exercise, code, and how it was written."""
+    return _load_lists(root, files, "SOLUTIONS")
 
 
 def load_wrong(root: Path, files: list[str]) -> list[dict]:
     """Every dict in the WRONG lists of `files` (tests/independent/*.py): exercise, name, code, and what a verdict
     that names it says (`says`, set once a verdict was judged to name it; absent while it does not)."""
-    found = []
-    for rel in files:
-        spec = importlib.util.spec_from_file_location(f"_megalab_wrong_{Path(rel).stem}", root / rel)
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        found += list(module.WRONG)
-    return found
+    return _load_lists(root, files, "WRONG")
 
 
 def check_wrong(root: Path, wrong: list, echo: bool = True) -> list[Result]:
