@@ -1,7 +1,20 @@
 import os
 
 import pytest
-import torch
+
+
+def _threads_per_worker() -> int:
+    """Cores per pytest worker: `make test` runs 2 workers on 2 cores, and two processes with 2 OpenMP threads
+    each spin on each other's cores (a tiny model's training step took 4x the CPU time with 2 threads as with 1)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, cores // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
+
+
+# Set before torch loads here, and inherited by what the tests start: notebook kernels, graders, launches
+# (their ranks already get cores // ranks).
+os.environ.setdefault("OMP_NUM_THREADS", str(_threads_per_worker()))
+
+import torch  # noqa: E402
 
 # Triton's interpreter mode is fixed when triton is first imported, and some torch modules import
 # it (torch.utils.flop_counter, used by test_model, does): choose it before any test module loads,
@@ -10,10 +23,19 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
-LONGEST_FIRST = ("tests/test_learner.py", "tests/test_launch.py", "tests/test_hybrid.py")  # a minute or more each:
-# started first, so the two pytest workers of `make test` (--dist loadfile --no-loadscope-reorder hands out files in
-# this order) finish together instead of one worker running a long file alone at the end. (The mistakes sweeps were
-# the longest, minutes each, until the first checks they run moved from 2-process launches to threaded worlds.)
+# The longest files, longest first (CI's junit report, 2026-11-27: seconds on a 2-core machine), so the two workers
+# of `make test` (--dist loadfile --no-loadscope-reorder hands out files in this order) finish together instead of
+# one worker running a long file alone at the end.
+LONGEST_FIRST = (
+    "tests/test_exercises.py",  # 220: the student workspace's run of every exercise test
+    "tests/test_benchmarks.py",  # 199: every benchmark's --quick smoke
+    "tests/test_launch.py",  # 196
+    "tests/test_learner.py",  # 163
+    "tests/test_browser.py",  # 160
+    "tests/test_slurm.py",  # 118
+    "course/03_parallelism/09_moe_and_expert_parallel.ipynb",  # 99
+    "course/01_foundations/02_collectives.ipynb",  # 87
+)
 
 
 def pytest_collection_modifyitems(config, items):
