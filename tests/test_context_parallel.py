@@ -344,7 +344,9 @@ def _attention(state):
     ref = _sdpa(*leaves)
     ref.backward(dout)
     out = {}
-    for variant in ("p2p", "all_gather"):
+    hierarchical = "hcp0" in state.groups  # cp = 4 as [2, 2]
+    variants = ["p2p", "all_gather", "all_gather_te"] + ["a2a"] * (NG % cp == 0) + ["a2a+p2p"] * hierarchical
+    for variant in variants:
         for zigzag in (True, False):
             pos = cp_rank_positions(s, cp, rank, zigzag)
             local = [t[:, :, pos].clone().requires_grad_() for t in (q, k, v)]
@@ -354,8 +356,8 @@ def _attention(state):
             r = out[(variant, zigzag)] = dict(
                 errors={"the output": max_error(y, ref[:, :, pos])}, blocks=work.blocks, flops=work.flops,
                 bytes_forward=trace.wire_bytes,
-                formula=calc.context_parallel_communication_per_layer(s, B, NG, HN, cp, variant),
-                saved=meter.bytes, saved_formula=calc.context_parallel_attention_memory(s, B, NP, NG, HN, cp, variant))
+                formula=cpm.communication_per_layer(s, B, NP, NG, HN, cp, variant, a2a_size=2),
+                saved=meter.bytes, saved_formula=cpm.saved_bytes_per_layer(s, B, NP, NG, HN, cp, variant)["saved"])
             try:  # backward separately: the forward's numbers stand without it
                 with CollectiveTracer() as trace_bwd:
                     y.backward(dout[:, :, pos])
@@ -385,7 +387,9 @@ def _gpt(state):
     tp_group, tp_rank = state.get_tensor_model_parallel_group(), state.get_tensor_model_parallel_rank()
     out = {}
     for name, change in GPT_VARIANTS.items():
-        for variant in ("p2p", "all_gather"):
+        # a2a at cp = 2 (heads per TP rank divisible by 2) and a2a+p2p at cp = 4 ([2, 2]): the MHA model
+        extra = [] if change else ["a2a"] if cp == 2 else ["a2a+p2p"]
+        for variant in ("p2p", "all_gather", *extra):
             config = TransformerConfig(**{**SMALL, **change})
             torch.manual_seed(0)
             ref = GPTModel(config).to(mdist.device())
@@ -428,7 +432,8 @@ def _worker(layouts):
     mdist.init()
     results = {}
     for cp, tp in layouts:
-        state = ps.initialize_model_parallel(tensor_model_parallel_size=tp, context_parallel_size=cp)
+        state = ps.initialize_model_parallel(tensor_model_parallel_size=tp, context_parallel_size=cp,
+                                             hierarchical_context_parallel_sizes=[2, 2] if cp == 4 else None)
         for name, case in CASES.items():
             try:
                 results[((cp, tp), name)] = case(state)
@@ -468,7 +473,7 @@ def _results(runs, case):
 
 def _attention_words(key):
     variant, zigzag = key
-    return f"{'ring (p2p)' if variant == 'p2p' else 'all-gather'} attention, {'zigzag' if zigzag else 'plain'} split"
+    return f"cp_comm_type {variant!r}, {'zigzag' if zigzag else 'plain'} split"
 
 
 @pytest.mark.exercise("cp.ring_step")
@@ -543,11 +548,11 @@ def test_saved_activation_bytes_equal_the_formula(runs):
 @pytest.mark.exercise("cp.backward_ring")
 def test_context_parallel_gpt_equals_single_process(runs):
     for layout, rank, result in _results(runs, "gpt"):
-        require(equal(len(result), 2 * len(GPT_VARIANTS), f"{_where(layout, rank)}: the number of GPT cases run"))
+        require(equal(len(result), 2 * len(GPT_VARIANTS) + 1, f"{_where(layout, rank)}: the number of GPT cases run"))
         for key, errors in result.items():
             name, variant = key.split()
             require_within(errors, TOL, where=f"{_where(layout, rank)}, GPTModel with context_parallel_layer_spec ({name}, "
-                                              f"{'ring' if variant == 'p2p' else 'all-gather'} attention)",
+                                              f"cp_comm_type {variant!r})",
                            against="the single-process GPTModel's")
 
 

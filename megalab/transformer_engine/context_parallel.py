@@ -436,7 +436,7 @@ def flash_attn_a2a_communicate(x: torch.Tensor, group, before_attn: bool, zigzag
     cp = dist.get_world_size(group)
     if before_attn:
         b, h, s_local, hn = x.shape
-        # EXERCISE cp.a2a_communicate: heads scattered, sequence gathered: one all_to_all_single, then the chunks in sequence order
+        # EXERCISE cp.a2a_communicate: heads scattered, sequence gathered: one all_to_all_single, chunks in order
         ### BEGIN SOLUTION
         # HINT 1: Rank j must receive head block j (h/cp heads) of every rank's tokens: cut the head dim into cp
         #         blocks and put the block index first, so that all_to_all_single's dim-0 split sends block j to
