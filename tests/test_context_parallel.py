@@ -189,7 +189,7 @@ def check_a2a_communicate():
         for zigzag in (True, False):
             pos = [cp_rank_positions(s, cp, r, zigzag) for r in range(cp)]
 
-            def run(rank, group):
+            def run(rank, group, full=full, pos=pos, zigzag=zigzag):
                 gathered = cpm.flash_attn_a2a_communicate(full[:, :, pos[rank]], group, True, zigzag)
                 return gathered, cpm.flash_attn_a2a_communicate(gathered.contiguous(), group, False, zigzag)
 
@@ -212,9 +212,8 @@ def check_a2a_communicate():
                         full[:, heads][:, :, rank_major].unflatten(2, (2 * cp, -1)).index_select(2, after_ids)
                         .flatten(2, 3),
                     "the all-to-all split the batch (dim 0), not the head blocks: put the head-block dim first "
-                    "before all_to_all_single": lambda: torch.stack([full[rank:rank + 1][:, :, pos[src]] for src in
-                                                                     range(cp)]).reshape(b, h // cp, s, hn)
-                    if b == cp else None})
+                    "before all_to_all_single": torch.stack([full[rank:rank + 1][:, :, pos[src]] for src in range(cp)])
+                    .reshape(b, h // cp, s, hn) if b == cp else None})
                 if not verdict:
                     return verdict
                 verdict = close(got[rank][1], full[:, :, pos[rank]], f"{where}, then back (before_attn=False), rank "

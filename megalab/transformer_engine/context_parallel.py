@@ -21,7 +21,14 @@ Backward runs the ring again: K/V travel once more (cp-1 hops) and their gradien
 with them, each rank adding its share, until they are back home (cp hops). Our all-gather variant
 gathers all K/V instead, keeps them for backward, and reduce-scatters dK/dV: fewer messages, no
 overlap, the full K/V in memory on every rank. TE's AttnFuncWithCPAndKVAllGather saves only the local
-K/V and all-gathers them again in backward: re-communication instead of that memory.
+K/V and all-gathers them again in backward: re-communication instead of that memory (`"all_gather_te"` here).
+
+All-to-all (Ulysses, TE's AttnFuncWithCPAndQKVOA2A, cp_comm_type "a2a") swaps what is split instead:
+
+    [b, h, s/cp, hn] --all-to-all--> [b, h/cp, s, hn] --causal attention--> --all-to-all--> [b, h, s/cp, hn]
+
+so heads AND key/value heads (GQA) must divide cp. "a2a+p2p" (hierarchical_context_parallel_sizes = [a2a, p2p])
+runs the all-to-all inside each a2a group and the ring across the p2p group (hierarchical_attention).
 
 Megatron: the CP group is `get_context_parallel_group()` (rank order tp-cp-ep-dp-pp); the batch is
 split by `get_batch_on_this_cp_rank` (megatron/core/utils.py), RoPE angles by
