@@ -39,6 +39,7 @@ _RING = {
     "reduce_scatter_tensor": (1, lambda t: (t - 1) / t),
     "all_to_all_single": (1, lambda t: (t - 1) / t),  # the [t n/t] input, one slice kept
 }
+_RECORDED_AS = {"all_to_all_single": "all_to_all"}  # the kind step_time / calibrate know it by
 # Point-to-point sends are counted inside dist.batch_isend_irecv (ring attention, pipeline p2p): a wrapped
 # dist.isend would not pass P2POp's check that its op is torch.distributed.isend itself.
 
@@ -68,7 +69,7 @@ class CollectiveTracer:
         def traced(*args, **kwargs):
             t = dist.get_world_size(kwargs.get("group"))
             n = _nbytes(args[payload_index])
-            self.records.append(Collective(name, n, t, factor(t) * n))
+            self.records.append(Collective(_RECORDED_AS.get(name, name), n, t, factor(t) * n))
             return fn(*args, **kwargs)
 
         return traced
