@@ -16,7 +16,9 @@ keeps the gathered K/V), all_gather_te (Transformer Engine's: local K/V saved, g
 a2a (Ulysses) and a2a+p2p (hierarchical_context_parallel_sizes [2, 2]). Per rank: the bytes sent
 (CollectiveTracer) and the bytes kept for backward (SavedTensorsMeter), each against its formula
 (context_parallel.communication_per_layer / saved_bytes_per_layer), the K/V held at once (formula), and the
-median step time; ratios against the ring of the same run.
+median step time; ratios against the ring of the same run. The times are CPU times of this plain-PyTorch code, not
+of TE's kernels: a2a and our all_gather compute dense masked s x s (a2a) or s/cp x s scores, half of them hidden by
+the causal mask, where the ring and all_gather_te skip the blocks the mask hides; the bytes and memory carry over.
 """
 
 from __future__ import annotations
