@@ -422,7 +422,17 @@ def _gpt(state):
     return out
 
 
-CASES = {"ring": _ring, "attention": _attention, "layer_memory": _layer_memory, "gpt": _gpt}
+def _hierarchical_groups(state):
+    """Each rank's [a2a group, p2p group] ranks (cp = 4 as [2, 2]), or None without hierarchical sizes."""
+    import torch.distributed as tdist
+
+    if "hcp0" not in state.groups:
+        return None
+    return [tdist.get_process_group_ranks(g) for g in state.get_hierarchical_context_parallel_groups()]
+
+
+CASES = {"ring": _ring, "attention": _attention, "layer_memory": _layer_memory, "gpt": _gpt,
+         "hierarchical": _hierarchical_groups}
 
 
 def _worker(layouts):
@@ -481,6 +491,15 @@ def test_ring_step_receives_from_the_previous_rank(runs):
         require(equal(result["received"], result["expected"],
                       f"{_where(layout, rank)}: what ring_step received (each rank sends its CP rank; it should "
                       "receive the previous rank's)"))
+
+
+def test_initialize_model_parallel_builds_the_hierarchical_groups(runs):
+    """initialize_model_parallel(context_parallel_size=4, hierarchical_context_parallel_sizes=[2, 2]) on 4 ranks:
+    the all-to-all between neighbours, the ring across, as Megatron's create_hierarchical_groups."""
+    expected = {0: [[0, 1], [0, 2]], 1: [[0, 1], [1, 3]], 2: [[2, 3], [0, 2]], 3: [[2, 3], [1, 3]]}
+    got = runs[(4, 1)]["hierarchical"]
+    require(equal(got, expected, "each rank's [a2a group, p2p group] ranks (cp = 4 as [2, 2])"))
+    assert all(r is None for r in runs[(2, 1)]["hierarchical"].values()), "hierarchical groups without the sizes"
 
 
 @pytest.mark.exercise("cp.zigzag_split")
