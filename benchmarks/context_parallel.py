@@ -10,7 +10,8 @@ so it also does about twice the ring's attention FLOPs. We report
 medians and the ratios ours / all-gather and ours / single process (below 1: ours is faster).
 On gloo/CPU the ring's overlap of send/recv with compute is limited; on NCCL/GPU it hides the transfers.
 
-Every cp_comm_type side by side (`--quick` runs only this part, small): one 4-rank gloo launch, cp = 4, GQA,
+Every cp_comm_type side by side (`--quick` runs only this part, small, on 2 ranks: a2a+p2p as [2, 1]): one 4-rank
+gloo launch (`--cp`), cp = 4, GQA,
 each variant's attention forward + backward interleaved on the same q, k, v: p2p (the ring), all_gather (ours,
 keeps the gathered K/V), all_gather_te (Transformer Engine's: local K/V saved, gathered again in backward),
 a2a (Ulysses) and a2a+p2p (hierarchical_context_parallel_sizes [2, 2]). Per rank: the bytes sent
@@ -124,7 +125,9 @@ for name in variants:
     got, _ = step(name)
     reference = got if reference is None else reference
     measured[name] = dict(sent=trace.wire_bytes + trace_bwd.wire_bytes, saved=meter.bytes,
-                          max_diff_vs_ring=(got - reference).abs().max().item())
+                          max_diff_vs_ring=(got - reference).abs().max().item(),
+                          sent_formula=cpm.communication_per_layer(s, b, np_, ng, hn, cp, name, a2a_size=2)["total"],
+                          **{{f"{{k}}_formula": v for k, v in cpm.saved_bytes_per_layer(s, b, np_, ng, hn, cp, name).items()}})
 for i in range({steps} + 1):  # one warm-up round
     for name in variants:
         torch.distributed.barrier()
@@ -139,32 +142,28 @@ torch.distributed.barrier()
 
 
 def attention_side_by_side(args) -> None:
-    """Every cp_comm_type at cp = 4 (4 gloo ranks): bytes, memory, time, ratios vs the ring."""
-    from megalab.transformer_engine import context_parallel as cpm
-
+    """Every cp_comm_type at cp = args.cp (that many gloo ranks; a2a+p2p as [2, cp/2]): bytes, memory, time,
+    ratios vs the ring."""
     code = ATTENTION.format(heads=args.heads_attention, groups=args.groups, head_dim=args.head_dim,
                             seq=args.seq_attention, steps=args.steps)
-    res = launch.run(code, 4, backend="gloo", timeout=600)
+    res = launch.run(code, args.cp, backend="gloo", timeout=600)
     got = res.results["attention"][0]
     measured, times = got["measured"], got["times"]
-    shape = (args.seq_attention, 1, args.heads_attention, args.groups, args.head_dim, 4)
     med = {name: median(ts) for name, ts in times.items()}
     rows = []
-    for name in measured:
-        sent_formula = cpm.communication_per_layer(*shape, name, a2a_size=2)["total"]
-        memory = cpm.saved_bytes_per_layer(*shape, name)
-        rows.append([name, measured[name]["sent"] / 2**10, sent_formula / 2**10,
-                     measured[name]["sent"] / measured["p2p"]["sent"], measured[name]["saved"] / 2**10,
-                     memory["saved"] / 2**10, memory["kv_buffer"] / 2**10, 1e3 * med[name], med[name] / med["p2p"]])
+    for name, m in measured.items():  # the formulas: computed in the ranks (no torch import here)
+        rows.append([name, m["sent"] / 2**10, m["sent_formula"] / 2**10, m["sent"] / measured["p2p"]["sent"],
+                     m["saved"] / 2**10, m["saved_formula"] / 2**10, m["kv_buffer_formula"] / 2**10, 1e3 * med[name],
+                     med[name] / med["p2p"]])
     load = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
     report("context_parallel_variants",
            ["cp_comm_type", "sent KiB", "formula", "sent / ring", "saved KiB", "formula", "K/V held KiB",
             "median ms", "time / ring"], rows,
-           {"cp": 4, "hierarchical_context_parallel_sizes": [2, 2], "seq": args.seq_attention,
+           {"cp": args.cp, "hierarchical_context_parallel_sizes": [2, args.cp // 2], "seq": args.seq_attention,
             "heads": args.heads_attention, "query_groups": args.groups, "head_dim": args.head_dim,
             "steps": args.steps, "max_output_diff_vs_ring": {n: m["max_diff_vs_ring"] for n, m in measured.items()},
             "load": load, "times_s": times})
-    print(f"cp=4, s={args.seq_attention}, {args.heads_attention} heads / {args.groups} key-value heads: time / ring "
+    print(f"cp={args.cp}, s={args.seq_attention}, {args.heads_attention} heads / {args.groups} key-value heads: time / ring "
           + ", ".join(f"{n} {med[n] / med['p2p']:.2f}" for n in med) + f"   ({load})")
 
 
@@ -179,10 +178,11 @@ def main() -> None:
     parser.add_argument("--heads-attention", type=int, default=8)
     parser.add_argument("--groups", type=int, default=4, help="key/value heads (GQA)")
     parser.add_argument("--head-dim", type=int, default=64)
+    parser.add_argument("--cp", type=int, default=4, help="ranks of the side by side (even: a2a+p2p is [2, cp/2])")
     parser.add_argument("--quick", action="store_true", help="CI smoke: only the side by side, seq 128, 2 steps")
     args = parser.parse_args()
     if args.quick:
-        args.seq_attention, args.head_dim, args.steps = 128, 16, 2
+        args.seq_attention, args.head_dim, args.steps, args.cp = 128, 16, 2, 2
         attention_side_by_side(args)
         return
     attention_side_by_side(args)
