@@ -248,6 +248,29 @@ def create_groups(all_ranks: list[list[int]], rank: int) -> tuple[dist.ProcessGr
     ### END SOLUTION
 
 
+def hierarchical_context_parallel_ranks(cp_ranks: list[int], sizes: list[int]) -> list[list[list[int]]]:
+    """The sub-groups of one CP group, level by level, as Megatron's `create_hierarchical_groups`
+    (megatron/core/parallel_state.py, einops "(l s u) -> (l u) s"): level i's groups hold sizes[i] ranks,
+    prod(sizes[:i]) apart. CP ranks 0..3, sizes [2, 2]
+    (a2a size, p2p size: `hierarchical_context_parallel_sizes`): level 0 [[0, 1], [2, 3]] (all-to-all,
+    neighbours), level 1 [[0, 2], [1, 3]] (the p2p ring, across)."""
+    total = 1
+    for size in sizes:
+        total *= size
+    if total != len(cp_ranks):
+        raise ValueError(f"hierarchical_context_parallel_sizes {list(sizes)} multiply to {total}, not to "
+                         f"context_parallel_size = {len(cp_ranks)}: give [a2a size, p2p size] with a2a * p2p = cp")
+    levels = []
+    for level, size in enumerate(sizes):
+        stride = 1
+        for inner in sizes[:level]:
+            stride *= inner
+        block = stride * size  # one block of the (l s u) layout: s groups-of-u ranks
+        levels.append([[cp_ranks[start + u + stride * i] for i in range(size)]
+                       for start in range(0, len(cp_ranks), block) for u in range(stride)])
+    return levels
+
+
 @dataclass
 class ParallelState:
     """This rank's process groups (and their global ranks), built by `initialize_model_parallel`.
@@ -345,6 +368,14 @@ class ParallelState:
     def get_context_parallel_global_ranks(self) -> list[int]:
         return self.ranks("cp")
 
+    def get_hierarchical_context_parallel_groups(self) -> list:
+        """[a2a group, p2p group] of cp_comm_type "a2a+p2p" (hierarchical_context_parallel_sizes)."""
+        levels = sorted(name for name in self.groups if name.startswith("hcp"))
+        if not levels:
+            raise RuntimeError("no hierarchical context-parallel groups: pass hierarchical_context_parallel_sizes="
+                               "[a2a size, p2p size] to initialize_model_parallel")
+        return [self.groups[name] for name in levels]
+
     # combinations
     def get_model_parallel_group(self):
         return self.group("tp-pp")
@@ -409,8 +440,11 @@ def initialize_model_parallel(
     expert_model_parallel_size: int = 1,
     expert_tensor_parallel_size: int | None = None,
     order: str = DEFAULT_ORDER,
+    hierarchical_context_parallel_sizes: list[int] | None = None,
 ) -> ParallelState:
     """Create every dense and expert group (collective: all ranks call it) and make it current.
+    `hierarchical_context_parallel_sizes` ([a2a size, p2p size], product cp) adds the "hcp0", "hcp1" groups of
+    cp_comm_type "a2a+p2p" (hierarchical_context_parallel_ranks).
 
     torch.distributed must be initialized; the data-parallel sizes follow from the world size.
     Raises ValueError for layouts that do not fit the world, RuntimeError if a state is current.
@@ -428,6 +462,12 @@ def initialize_model_parallel(
         group, ranks = create_groups(all_ranks, rank)
         if ranks is not None:
             groups[name], global_ranks[name] = group, ranks
+    if hierarchical_context_parallel_sizes:
+        by_cp_group = [hierarchical_context_parallel_ranks(r, hierarchical_context_parallel_sizes)
+                       for r in rank_groups(sizes)["cp"]]
+        for level in range(len(hierarchical_context_parallel_sizes)):
+            group, ranks = create_groups([sub for levels in by_cp_group for sub in levels[level]], rank)
+            groups[f"hcp{level}"], global_ranks[f"hcp{level}"] = group, ranks
     _STATE = ParallelState(sizes, rank, groups, global_ranks)
     return _STATE
 
@@ -544,6 +584,10 @@ def get_context_parallel_rank() -> int:
 
 def get_context_parallel_world_size() -> int:
     return get_parallel_state().get_context_parallel_world_size()
+
+
+def get_hierarchical_context_parallel_groups():
+    return get_parallel_state().get_hierarchical_context_parallel_groups()
 
 
 def get_model_parallel_group():

@@ -13,6 +13,7 @@ algorithms, n the payload and t the group size:
     all-reduce       2 (t-1)/t n     (a reduce-scatter, then an all-gather)
     all-gather       (t-1)/t n
     reduce-scatter   (t-1)/t n
+    all-to-all       (t-1)/t n       (all_to_all_single, n its input: every rank keeps 1/t of it)
     isend            n               (point to point, each send of a dist.batch_isend_irecv; the
                                       matching irecv is not counted)
 
@@ -36,7 +37,9 @@ _RING = {
     "reduce_scatter_single": (1, lambda t: (t - 1) / t),  # the [t n] input
     "all_gather_into_tensor": (0, lambda t: (t - 1) / t),  # older names of the two above
     "reduce_scatter_tensor": (1, lambda t: (t - 1) / t),
+    "all_to_all_single": (1, lambda t: (t - 1) / t),  # the [t n/t] input, one slice kept
 }
+_RECORDED_AS = {"all_to_all_single": "all_to_all"}  # the kind step_time / calibrate know it by
 # Point-to-point sends are counted inside dist.batch_isend_irecv (ring attention, pipeline p2p): a wrapped
 # dist.isend would not pass P2POp's check that its op is torch.distributed.isend itself.
 
@@ -56,7 +59,7 @@ def _nbytes(arg) -> int:
 
 
 class CollectiveTracer:
-    """Records every all-reduce, all-gather, reduce-scatter and batched send issued inside the `with` block."""
+    """Records every all-reduce, all-gather, reduce-scatter, all-to-all and batched send issued inside the `with` block."""
 
     def __init__(self):
         self.records: list[Collective] = []
@@ -66,7 +69,7 @@ class CollectiveTracer:
         def traced(*args, **kwargs):
             t = dist.get_world_size(kwargs.get("group"))
             n = _nbytes(args[payload_index])
-            self.records.append(Collective(name, n, t, factor(t) * n))
+            self.records.append(Collective(_RECORDED_AS.get(name, name), n, t, factor(t) * n))
             return fn(*args, **kwargs)
 
         return traced

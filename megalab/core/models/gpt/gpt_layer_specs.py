@@ -43,7 +43,8 @@ def tensor_parallel_layer_spec(tp_group=None, core_attention: Callable = CoreAtt
 def context_parallel_layer_spec(tp_group=None, cp_group=None, zigzag: bool = True, variant: str = "p2p") -> LayerSpec:
     """The tensor-parallel spec (tp may be 1) with context-parallel core attention: a GPTModel built
     from it takes this rank's tokens (get_batch_on_this_cp_rank) and returns their logits or loss
-    [b, s/cp]. `variant`: "p2p" (ring) or "all_gather" (Megatron's cp_comm_type). Groups: the current
+    [b, s/cp]. `variant` (Megatron's cp_comm_type): "p2p" (ring), "all_gather", "all_gather_te", "a2a" or
+    "a2a+p2p" (initialize_model_parallel's hierarchical_context_parallel_sizes). Groups: the current
     ParallelState's unless given. Megatron: the TE spec's TEDotProductAttention with cp_group."""
     cp_group = _cp_group(cp_group)
     spec = tensor_parallel_layer_spec(tp_group, partial(ContextParallelAttention, cp_group=cp_group, zigzag=zigzag,
