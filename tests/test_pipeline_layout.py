@@ -27,42 +27,31 @@ def _virtual_order_offsets(layout):
     return offsets
 
 
+def _wrong_offsets(layout, keys) -> dict:
+    """What the usual slips compute for the stages `keys`, by name."""
+    grid, pp_size = layout.layout, layout.pipeline_model_parallel_size
+    count = lambda r, v, every=False: len(grid[r][v]) if every else grid[r][v].count(LayerType.decoder)  # noqa: E731
+    order = [(k % pp_size, k // pp_size) for k in range(pp_size * layout.virtual_pipeline_model_parallel_size)]
+    before = lambda key, every=False: sum(count(*s, every) for s in order[:order.index(key)])  # noqa: E731
+    return {"counted rank by rank (all chunks of the earlier ranks), not in virtual-stage order":
+            [sum(count(rr, vv) for rr in range(r) for vv in range(len(grid[rr]))) + sum(count(r, vv) for vv in range(v))
+             for r, v in keys],
+            "counted 'E', 'L' and 'm' as transformer layers": [before((r, v), True) for r, v in keys],
+            "counted only this rank's earlier chunks": [sum(count(r, vv) for vv in range(v)) for r, v in keys],
+            "included the stage's own layers": [before((r, v)) + count(r, v) for r, v in keys]}
+
+
 def check_layout_offsets() -> Verdict:
     """get_layer_offset on every stage of LAYOUTS vs the walk in model order; names the usual slips."""
     verdicts = []
     for text, pp_size in LAYOUTS:
         layout = PipelineParallelLayerLayout(text, pp_size)
-        vpp = layout.virtual_pipeline_model_parallel_size
-        keys = [(r, v) for r in range(pp_size) for v in range(vpp)]
+        keys = [(r, v) for r in range(pp_size) for v in range(layout.virtual_pipeline_model_parallel_size)]
         got = [layout.get_layer_offset(vp_stage=v, pp_rank=r) for r, v in keys]
-        grid = layout.layout
-
-        def rank_major():
-            return [sum(s.count(LayerType.decoder) for rr in range(r) for s in grid[rr])
-                    + sum(grid[r][vv].count(LayerType.decoder) for vv in range(v)) for r, v in keys]
-
-        def every_type():
-            walk, offsets = 0, {}
-            for k in range(pp_size * vpp):
-                offsets[(k % pp_size, k // pp_size)] = walk
-                walk += len(grid[k % pp_size][k // pp_size])
-            return [offsets[key] for key in keys]
-
-        def own_chunks():
-            return [sum(grid[r][vv].count(LayerType.decoder) for vv in range(v)) for r, v in keys]
-
-        def inclusive():
-            expected = _virtual_order_offsets(layout)
-            return [expected[(r, v)] + grid[r][v].count(LayerType.decoder) for r, v in keys]
-
         expected = _virtual_order_offsets(layout)
         verdicts.append(named_equal(got, [expected[k] for k in keys],
                                     f"get_layer_offset for the stages (pp_rank, vp_stage) {keys} of {text!r} (pp={pp_size})",
-                                    mistakes={"counted rank by rank (all chunks of the earlier ranks), not in virtual-stage "
-                                              "order": rank_major,
-                                              "counted 'E', 'L' and 'm' as transformer layers": every_type,
-                                              "counted only this rank's earlier chunks": own_chunks,
-                                              "included the stage's own layers": inclusive}))
+                                    mistakes=_wrong_offsets(layout, keys)))
     return all_of(*verdicts)
 
 
