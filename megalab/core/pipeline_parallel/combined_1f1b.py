@@ -133,11 +133,19 @@ class Recorder:
 
 
 class Pending:
-    """An all-to-all in flight: `wait()` blocks until it is done, then runs `then` on its output (once)."""
+    """An all-to-all in flight: `wait()` blocks until it is done, then runs `then` on its output (once).
+    Its record ends when the all-to-all completed (gloo's future calls back then), else when the wait returned."""
 
     def __init__(self, node, direction, output, work, then, start, first):
         self.node, self.direction, self.output, self.work, self.then = node, direction, output, work, then
-        self.start, self.first = start, first
+        self.start, self.first, self.completed = start, first, None
+        try:
+            work.get_future().then(self._complete)
+        except (AttributeError, RuntimeError):  # no work (one rank), or a stand-in without futures
+            pass
+
+    def _complete(self, future):
+        self.completed = time.perf_counter()
 
     def wait(self) -> torch.Tensor:
         waiting = time.perf_counter()
@@ -145,8 +153,8 @@ class Pending:
             self.work.wait()
         done = time.perf_counter()
         result = self.then(self.output)
-        end = time.perf_counter()
         node = self.node
+        end = min(self.completed or done, done)
         node.recorder.records.append(NodeRecord(node.microbatch, node.layer, node.name, self.direction, "comm",
                                                 self.start, end, done - waiting, self.first, node.recorder.tick()))
         return result
