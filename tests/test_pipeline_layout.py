@@ -123,6 +123,7 @@ LAYOUTS_RUN = {text: (text, v, kind) for text, v, kind in (
     ("E|tt|tt|L", 1, "1f1b"), ("Et|t|tt|L", 1, "1f1b"), ("E|t|t||t||t|L", 2, "interleaved"))}  # '||': an empty stage
 
 
+@pytest.mark.exercise("pp.layout_offset")  # build_gpt_stages places the layers with get_layer_offset
 def test_layout_in_the_executor_gives_the_unpipelined_gradients():
     from megalab.core.models.gpt.gpt_model import GPTModel, build_gpt_stages
     from megalab.core.transformer.transformer_config import TransformerConfig
