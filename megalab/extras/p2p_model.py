@@ -278,16 +278,26 @@ class _Scale(torch.nn.Module):
 
 
 def record_pipeline(pp_size: int, num_microbatches: int, num_model_chunks: int = 1, kind: str = "1f1b",
-                    dtype: torch.dtype = torch.float32) -> dict[int, Stream]:
+                    dtype: torch.dtype = torch.float32, layout=None) -> dict[int, Stream]:
     """Each rank's p2p stream from the real executor (`forward_backward_pipelining`) over stand-in chunks
-    whose parameters (and so activations) have `dtype`."""
+    whose parameters (and so activations) have `dtype`; with a `layout` (PipelineParallelLayerLayout for
+    pp_size ranks and num_model_chunks chunks), a chunk holds one stand-in layer per layer of its stage
+    (an embedding- or loss-only stage: one)."""
     from megalab.core.pipeline_parallel import schedules
 
+    if layout is not None and (layout.pipeline_model_parallel_size,
+                               layout.virtual_pipeline_model_parallel_size) != (pp_size, num_model_chunks):
+        raise ValueError(f"the layout {layout!r} is for pp={layout.pipeline_model_parallel_size}, "
+                         f"v={layout.virtual_pipeline_model_parallel_size}, not pp={pp_size}, v={num_model_chunks}")
     shape = (1, 2)
     inputs = [torch.ones(shape, dtype=dtype) for _ in range(num_microbatches)]
 
+    def layers(rank, chunk):
+        return 1 if layout is None else max(1, len(layout.layout[rank][chunk]))
+
     def run(rank, group):
-        chunks = [_Scale().to(dtype) for _ in range(num_model_chunks)]
+        chunks = [torch.nn.Sequential(*(_Scale() for _ in range(layers(rank, k)))).to(dtype)
+                  for k in range(num_model_chunks)]
         schedules.forward_backward_pipelining(chunks, inputs, inputs, lambda out, target: (out * target).sum(), shape,
                                               kind=kind, group=group)
 
@@ -295,9 +305,9 @@ def record_pipeline(pp_size: int, num_microbatches: int, num_model_chunks: int =
 
 
 def check_pipeline(pp_size: int, num_microbatches: int, num_model_chunks: int = 1, kind: str = "1f1b",
-                   dtype: torch.dtype = torch.float32) -> None:
+                   dtype: torch.dtype = torch.float32, layout=None) -> None:
     """Record the executor's streams for this configuration and replay them; raises on deadlock or mismatch."""
-    streams = record_pipeline(pp_size, num_microbatches, num_model_chunks, kind, dtype)
+    streams = record_pipeline(pp_size, num_microbatches, num_model_chunks, kind, dtype, layout)
     try:
         replay(streams)
     except (P2PDeadlock, P2PMismatch) as e:

@@ -1,4 +1,5 @@
-"""Pipeline schedules simulated and timed: bubbles, in-flight micro-batches, fixed-duration stages.
+"""Pipeline schedules simulated and timed: bubbles, in-flight micro-batches, fixed-duration stages, and
+uneven stages from a pipeline layout (per-rank work, idle share, activation and parameter memory).
 
 Not in Megatron-LM (it runs the schedules, core/pipeline_parallel/schedules.py); the course uses these to
 draw a schedule, predict its bubble ((p-1)/m, or (p-1)/(v·m) interleaved) and measure it on real ranks.
@@ -22,7 +23,10 @@ from megalab.core.pipeline_parallel.schedules import (
     get_schedule,
     virtual_stage,
 )
+from megalab.core.transformer.pipeline_parallel_layer_layout import CHAR_TO_LAYER_TYPE, LayerType
 from megalab.lab.dist import device
+
+_CHAR = {t: c for c, t in CHAR_TO_LAYER_TYPE.items()}
 
 
 # --------------------------------------------------------------------------------------- schedules (pure)
@@ -46,15 +50,20 @@ def peak_in_flight(ops: Sequence[Op]) -> int:
 
 
 def simulate(pp_size: int, num_microbatches: int, num_model_chunks: int = 1, kind: str = "1f1b",
-             forward_time: float = 1.0, backward_time: float = 2.0) -> list[OpRecord]:
+             forward_time: float = 1.0, backward_time: float = 2.0,
+             stage_cost: Sequence[float] | None = None) -> list[OpRecord]:
     """Run every rank's schedule on an ideal machine (fixed op times, free communication).
 
     An op starts when its rank finished the previous op and its input exists: F needs the
     previous virtual stage's F of the same micro-batch, B the next stage's B (and its own F).
+    stage_cost[k] scales virtual stage k's op times (uneven stages: `layout_stage_cost`); 1 each by default.
     Raises RuntimeError if the schedules deadlock (a rank waits for an op that waits for it).
     """
     v = num_model_chunks
     num_stages = pp_size * v
+    if stage_cost is not None and len(stage_cost) != num_stages:
+        raise ValueError(f"stage_cost has {len(stage_cost)} entries; give one per virtual stage, pp*v = {num_stages}")
+    cost = list(stage_cost) if stage_cost is not None else [1.0] * num_stages
     schedules = [get_schedule(pp_size, r, num_microbatches, v, kind) for r in range(pp_size)]
     done: dict[tuple[str, int, int], float] = {}  # (kind, microbatch, virtual stage) -> end time
     position, clock = [0] * pp_size, [0.0] * pp_size
@@ -73,7 +82,7 @@ def simulate(pp_size: int, num_microbatches: int, num_model_chunks: int = 1, kin
                 if any(d not in done for d in deps):
                     break
                 start = max([clock[rank]] + [done[d] for d in deps])
-                end = start + (forward_time if op.kind == "F" else backward_time)
+                end = start + (forward_time if op.kind == "F" else backward_time) * cost[stage]
                 done[(op.kind, op.microbatch, stage)] = clock[rank] = end
                 records.append(OpRecord(rank, op, start, end))
                 position[rank] += 1
@@ -90,6 +99,61 @@ def measured_bubble(records: Sequence[OpRecord]) -> float:
     span = max(r.end for r in records) - min(r.start for r in records)
     busy = sum(r.end - r.start for r in records)
     return 1.0 - busy / (span * len(ranks))
+
+
+# --------------------------------------------------------------------------------------- uneven stages (layouts)
+def layout_stage_cost(layout, embedding: float = 0.0, loss: float = 1.0, mtp: float = 1.0) -> list[float]:
+    """Each virtual stage's work in transformer layers: its 't' count, plus `embedding`, `loss` and `mtp` layers'
+    worth for 'E', 'L' and 'm' (layout: a PipelineParallelLayerLayout). The defaults count the loss (the output
+    layer's logits GEMM, 2·h·V FLOPs per token against a layer's ~24·h²) as one layer, the embedding lookup as free."""
+    weight = {LayerType.decoder: 1.0, LayerType.embedding: embedding, LayerType.loss: loss, LayerType.mtp: mtp}
+    pp, vpp = layout.pipeline_model_parallel_size, layout.virtual_pipeline_model_parallel_size
+    return [sum(weight[t] for t in layout.layout[k % pp][k // pp]) for k in range(pp * vpp)]
+
+
+def rank_idle_fraction(records: Sequence[OpRecord]) -> list[float]:
+    """Each rank's share of the step (first start to last end, all ranks) spent not computing: its own bubble."""
+    ranks = sorted({r.rank for r in records})
+    span = max(r.end for r in records) - min(r.start for r in records)
+    return [1.0 - sum(r.end - r.start for r in records if r.rank == rank) / span for rank in ranks]
+
+
+def peak_activation_memory(ops: Sequence[Op], chunk_memory: Sequence[float]) -> float:
+    """The most activation memory a rank holds along its schedule: a chunk's forward keeps chunk_memory[chunk]
+    (e.g. its layer count: one micro-batch's activations per layer) until that micro-batch's backward."""
+    alive = peak = 0.0
+    for op in ops:
+        alive += chunk_memory[op.chunk] if op.kind == "F" else -chunk_memory[op.chunk]
+        peak = max(peak, alive)
+    return peak
+
+
+def layout_report(layout, num_microbatches: int, embedding: float = 0.0, loss: float = 1.0,
+                  embedding_params: float = 0.0) -> list[dict]:
+    """Per pp rank, for `layout` under its schedule (1F1B, or interleaved when v > 1) on the ideal machine: the
+    stages it holds, its transformer layers, its work per micro-batch (`layout_stage_cost`), its idle share of
+    the step, its peak activations (layer-micro-batches: a stage's 't' plus `loss` for 'L') and its parameters
+    (layers, plus `embedding_params` layers' worth for the embedding and again for an untied output layer);
+    `step` is the simulated step time (a forward of one layer takes 1, a backward 2)."""
+    pp, v = layout.pipeline_model_parallel_size, layout.virtual_pipeline_model_parallel_size
+    kind = "interleaved" if v > 1 else "1f1b"
+    cost = layout_stage_cost(layout, embedding, loss)
+    records = simulate(pp, num_microbatches, v, kind, stage_cost=cost)
+    idle = rank_idle_fraction(records)
+    rows = []
+    for rank in range(pp):
+        chunks = layout.layout[rank]
+        activations = [s.count(LayerType.decoder) + loss * s.count(LayerType.loss) for s in chunks]
+        params = sum(s.count(LayerType.decoder) + embedding_params * (s.count(LayerType.embedding)
+                                                                        + s.count(LayerType.loss)) for s in chunks)
+        rows.append(dict(rank=rank, stages=" | ".join("".join(_CHAR[t] for t in s) or "-" for s in chunks),
+                         layers=sum(s.count(LayerType.decoder) for s in chunks),
+                         work=sum(cost[vp * pp + rank] for vp in range(v)), idle=idle[rank],
+                         activations=peak_activation_memory(get_schedule(pp, rank, num_microbatches, v, kind),
+                                                            activations),
+                         params=params, step=max(r.end for r in records)))
+    return rows
+
 
 
 class FixedDurationStage(nn.Module):

@@ -232,6 +232,8 @@ class _Steps:
         if self.moe_aux_loss_scale is not None:  # the aux losses weigh as this micro-batch's loss does
             MoEAuxLossAutoScaler.set_loss_scale(self.moe_aux_loss_scale)
         output = send = self.chunks[op.chunk](x)
+        if output is x:  # an empty stage (a layout's "||"): send a tensor of its own, freeing it keeps the input
+            output = send = x.clone()
         if self.is_last(op.chunk):
             loss = self.loss_func(output, self.targets[op.microbatch])
             self.result.losses.append(loss.item())

@@ -158,13 +158,25 @@ class GPTModel(nn.Module):
         ### END SOLUTION
 
 
-def build_gpt_stages(model: GPTModel, pp_size: int, pp_rank: int, num_model_chunks: int = 1) -> list[GPTModel]:
+def build_gpt_stages(model: GPTModel, pp_size: int, pp_rank: int, num_model_chunks: int = 1,
+                     layout=None) -> list[GPTModel]:
     """This rank's pipeline chunks of `model` (built whole), chunk k = virtual stage k·pp + rank.
-    Megatron builds each rank's chunks directly (GPTModel(pre_process=..., post_process=..., vp_stage=k))."""
+    Megatron builds each rank's chunks directly (GPTModel(pre_process=..., post_process=..., vp_stage=k)).
+    `layout` (a PipelineParallelLayerLayout for pp_size ranks and num_model_chunks chunks, validated for the
+    model's num_layers) places uneven numbers of layers; without it every stage gets num_layers / (pp·v)."""
     num_stages = pp_size * num_model_chunks
+    if layout is not None:
+        if (layout.pipeline_model_parallel_size, layout.virtual_pipeline_model_parallel_size) != (pp_size, num_model_chunks):
+            raise ValueError(f"the layout {layout!r} is for pp={layout.pipeline_model_parallel_size}, "
+                             f"v={layout.virtual_pipeline_model_parallel_size}, not pp={pp_size}, v={num_model_chunks}")
+        layout.validate_layer_layout(model.config.num_layers)
     stages = []
     for k in range(num_model_chunks):
-        start, stop = get_layer_range(model.config.num_layers, pp_size, pp_rank, k, num_model_chunks)
+        if layout is None:
+            start, stop = get_layer_range(model.config.num_layers, pp_size, pp_rank, k, num_model_chunks)
+        else:
+            start = layout.get_layer_offset(vp_stage=k, pp_rank=pp_rank)
+            stop = start + layout.get_num_layers_to_build(vp_stage=k, pp_rank=pp_rank)
         stage = virtual_stage(pp_size, pp_rank, k)
         stages.append(model.chunk(start, stop, pre_process=stage == 0, post_process=stage == num_stages - 1))
     return stages
