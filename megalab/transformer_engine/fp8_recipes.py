@@ -14,9 +14,17 @@ from __future__ import annotations
 import torch
 
 from megalab.transformer_engine.float8_blockwise_tensor import Float8BlockQuantizer
-from megalab.transformer_engine.fp8 import (FP8_DTYPES, RECIPE_FORMATS, CurrentScaling, DelayedScaling,
-                                            Float8BlockScaling, MXFP8BlockScaling, compute_current_scale,
-                                            compute_scale, quantize)
+from megalab.transformer_engine.fp8 import (
+    FP8_DTYPES,
+    RECIPE_FORMATS,
+    CurrentScaling,
+    DelayedScaling,
+    Float8BlockScaling,
+    MXFP8BlockScaling,
+    compute_current_scale,
+    compute_scale,
+    quantize,
+)
 from megalab.transformer_engine.mxfp8_tensor import MXFP8Quantizer
 
 FP8_RECIPES = ("delayed", "tensorwise", "mxfp8", "blockwise")  # Megatron's Fp8Recipe, less "custom"
@@ -128,9 +136,11 @@ def tiny_gpt_tensors(steps: int = 2, batch_size: int = 4, seq_length: int = 128,
     out = []
     for _ in range(steps):
         seen = {}
-        hooks = [m.register_forward_hook(lambda m, i, o, n=n: seen.__setitem__(f"{n} input", i[0].detach()))
+        hooks = [m.register_forward_hook(lambda m, i, o, n=n, seen=seen: seen.__setitem__(f"{n} input",
+                                                                                       i[0].detach()))
                  for n, m in linears.items()]
-        hooks += [m.register_full_backward_hook(lambda m, gi, go, n=n: seen.__setitem__(f"{n} grad", go[0].detach()))
+        hooks += [m.register_full_backward_hook(lambda m, gi, go, n=n, seen=seen: seen.__setitem__(f"{n} grad",
+                                                                                                  go[0].detach()))
                   for n, m in linears.items()]
         starts = torch.randint(0, len(tokens) - seq_length - 1, (batch_size,), generator=g)
         window = torch.stack([tokens[i:i + seq_length + 1] for i in starts.tolist()])    # [b, s + 1]
