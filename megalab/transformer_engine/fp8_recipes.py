@@ -11,6 +11,8 @@ Megatron-LM: megatron/core/fp8_utils.py (get_fp8_recipe), megatron/core/transfor
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from megalab.transformer_engine.float8_blockwise_tensor import Float8BlockQuantizer
@@ -30,6 +32,17 @@ from megalab.transformer_engine.mxfp8_tensor import MXFP8Quantizer
 FP8_RECIPES = ("delayed", "tensorwise", "mxfp8", "blockwise")  # Megatron's Fp8Recipe, less "custom"
 FP8_FORMATS = {"e4m3": "E4M3", "hybrid": "HYBRID"}             # --fp8-format -> TE's Format
 ROLES = ("input", "weight", "grad_output")                     # the three operands of a Linear's GEMMs
+
+
+@contextlib.contextmanager
+def _one_thread():
+    """Small tensors: one intra-op thread is faster, and much faster on a busy machine (restored after)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def get_fp8_recipe(config):
@@ -94,11 +107,14 @@ def fake_quantize(x: torch.Tensor, recipe, role: str, previous_amax: torch.Tenso
 
 
 def quantization_error(x: torch.Tensor, x_hat: torch.Tensor) -> dict:
-    """relative error ||x_hat - x|| / ||x||, and the share of x's nonzero values that became 0 (underflow)."""
+    """rel_error ||x_hat - x|| / ||x||; zeroed: the share of x's nonzero values that became 0 (underflow);
+    p90: the 90th percentile of |x_hat - x| / |x| over x's nonzero values (what the small values suffer)."""
     x, x_hat = x.detach().float(), x_hat.float()
     nonzero = x != 0
+    per_value = ((x_hat - x).abs() / x.abs())[nonzero]
     return {"rel_error": ((x_hat - x).norm() / x.norm()).item(),
-            "zeroed": ((x_hat == 0) & nonzero).sum().item() / max(int(nonzero.sum()), 1)}
+            "zeroed": ((x_hat == 0) & nonzero).sum().item() / max(int(nonzero.sum()), 1),
+            "p90": per_value.quantile(0.9).item() if per_value.numel() else 0.0}
 
 
 def default_recipes(fp8_format: str = "HYBRID") -> dict:
@@ -110,12 +126,13 @@ def default_recipes(fp8_format: str = "HYBRID") -> dict:
 def recipe_errors(tensors: dict, previous: dict, recipes: dict) -> list[dict]:
     """One row per tensor: its role and, per recipe, the quantisation error (quantization_error)."""
     rows = []
-    for name, (role, x) in tensors.items():
-        row = {"tensor": name, "role": role, "shape": list(x.shape)}
-        for label, recipe in recipes.items():
-            prev = previous[name][1].abs().max() if isinstance(recipe, DelayedScaling) else None
-            row[label] = quantization_error(x, fake_quantize(x, recipe, role, previous_amax=prev))
-        rows.append(row)
+    with _one_thread():
+        for name, (role, x) in tensors.items():
+            row = {"tensor": name, "role": role, "shape": list(x.shape)}
+            for label, recipe in recipes.items():
+                prev = previous[name][1].abs().max() if isinstance(recipe, DelayedScaling) else None
+                row[label] = quantization_error(x, fake_quantize(x, recipe, role, previous_amax=prev))
+            rows.append(row)
     return rows
 
 
@@ -134,24 +151,29 @@ def tiny_gpt_tensors(steps: int = 2, batch_size: int = 4, seq_length: int = 128,
     g = torch.Generator().manual_seed(seed)
     linears = {n.removeprefix("decoder."): m for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
     out = []
-    for _ in range(steps):
-        seen = {}
-        hooks = [m.register_forward_hook(lambda m, i, o, n=n, seen=seen: seen.__setitem__(f"{n} input",
-                                                                                       i[0].detach()))
-                 for n, m in linears.items()]
-        hooks += [m.register_full_backward_hook(lambda m, gi, go, n=n, seen=seen: seen.__setitem__(f"{n} grad",
-                                                                                                  go[0].detach()))
-                  for n, m in linears.items()]
-        starts = torch.randint(0, len(tokens) - seq_length - 1, (batch_size,), generator=g)
-        window = torch.stack([tokens[i:i + seq_length + 1] for i in starts.tolist()])    # [b, s + 1]
-        model.zero_grad()
-        model(window[:, :-1], labels=window[:, 1:]).mean().backward()
-        for h in hooks:
-            h.remove()
-        step = {}
-        for n, m in linears.items():
-            step[f"{n} input"] = ("input", seen[f"{n} input"].reshape(-1, m.in_features))
-            step[f"{n} weight"] = ("weight", m.weight.detach().clone())
-            step[f"{n} grad"] = ("grad_output", seen[f"{n} grad"].reshape(-1, m.out_features))
-        out.append(step)
+    with _one_thread():
+        for _ in range(steps):
+            out.append(_operands(model, linears, tokens, batch_size, seq_length, g))
     return out
+
+
+def _operands(model, linears: dict, tokens: torch.Tensor, batch_size: int, seq_length: int,
+              g: torch.Generator) -> dict:
+    """One batch's forward and backward: name -> (role, tensor) for every Linear's three GEMM operands."""
+    seen = {}
+    hooks = [m.register_forward_hook(lambda m, i, o, n=n: seen.__setitem__(f"{n} input", i[0].detach()))
+             for n, m in linears.items()]
+    hooks += [m.register_full_backward_hook(lambda m, gi, go, n=n: seen.__setitem__(f"{n} grad", go[0].detach()))
+              for n, m in linears.items()]
+    starts = torch.randint(0, len(tokens) - seq_length - 1, (batch_size,), generator=g)
+    window = torch.stack([tokens[i:i + seq_length + 1] for i in starts.tolist()])    # [b, s + 1]
+    model.zero_grad()
+    model(window[:, :-1], labels=window[:, 1:]).mean().backward()
+    for h in hooks:
+        h.remove()
+    step = {}
+    for n, m in linears.items():
+        step[f"{n} input"] = ("input", seen[f"{n} input"].reshape(-1, m.in_features))
+        step[f"{n} weight"] = ("weight", m.weight.detach().clone())
+        step[f"{n} grad"] = ("grad_output", seen[f"{n} grad"].reshape(-1, m.out_features))
+    return step
