@@ -578,3 +578,25 @@ def test_block_recipes_keep_the_small_values_that_per_tensor_scaling_flushes():
     assert errs["mxfp8"]["zeroed"] < 0.005 and errs["blockwise"]["zeroed"] < 0.005  # only the outlier tokens' tiles
     with pytest.raises(ValueError, match="previous_amax"):
         fp8_recipes.fake_quantize(x, fp8.DelayedScaling(), "input")
+
+
+def test_block_scaled_gemm_on_torch_scaled_mm_is_the_dequantized_matmul():
+    from megalab.transformer_engine import float8_blockwise_tensor as fbt
+    from megalab.transformer_engine import fp8_recipes
+    from megalab.transformer_engine import mxfp8_tensor as mx
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 300, generator=g) * torch.logspace(-2, 2, 64)[:, None]  # [M, K]: a partial K-block
+    w = torch.randn(96, 300, generator=g) * 0.02                                   # [N, K]
+    qx = fbt.Float8BlockQuantizer(block_scaling_dim=1, columnwise=False)(x)        # 1x128 tiles
+    qw = fbt.Float8BlockQuantizer(block_scaling_dim=2, columnwise=False)(w)        # 128x128 blocks
+    y = fp8_recipes.block_scaled_mm(qx.rowwise_data, qx.rowwise_scale_inv, qw.rowwise_data,
+                                    qw.rowwise_scale_inv.repeat_interleave(128, 0)[:96], 128)
+    require(close(y, qx.dequantize() @ qw.dequantize().T, "blockwise GEMM from per-K-block torch._scaled_mm",
+                  rtol=1e-5, atol=1e-4))
+    qx, qw = mx.MXFP8Quantizer(columnwise=False)(x[:, :256]), mx.MXFP8Quantizer(columnwise=False)(w[:, :256])
+    y = fp8_recipes.block_scaled_mm(qx.rowwise_data, mx.e8m0_to_float(qx.rowwise_scale_inv), qw.rowwise_data,
+                                    mx.e8m0_to_float(qw.rowwise_scale_inv), 32)
+    require(close(y, qx.dequantize() @ qw.dequantize().T, "MXFP8 GEMM from per-K-block torch._scaled_mm",
+                  rtol=1e-5, atol=1e-4))
+    assert _rel(y, x[:, :256] @ w[:, :256].T) < 0.06  # and it is the product of the unquantized tensors, roughly

@@ -177,3 +177,21 @@ def _operands(model, linears: dict, tokens: torch.Tensor, batch_size: int, seq_l
         step[f"{n} weight"] = ("weight", m.weight.detach().clone())
         step[f"{n} grad"] = ("grad_output", seen[f"{n} grad"].reshape(-1, m.out_features))
     return step
+
+
+def block_scaled_mm(a_data: torch.Tensor, a_scale_inv: torch.Tensor, b_data: torch.Tensor, b_scale_inv: torch.Tensor,
+                    block_k: int, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """y [M, N] = A B^T for block-scaled fp8 A [M, K] and B [N, K], one scale per row and K-block of `block_k`
+    (a_scale_inv [M, ceil(K / block_k)], b_scale_inv [N, ceil(K / block_k)], dequantization scales).
+
+    Each K-block is one torch._scaled_mm with rowwise scales (which PyTorch runs on CPU), the partial products
+    summed in fp32: the block-scaled GEMM as a sum of per-block GEMMs, like cuBLAS's block-scaled kernels with
+    their split accumulator. Expand a 128x128 block's scales to its rows first."""
+    M, K = a_data.shape
+    out = torch.zeros(M, b_data.shape[0], dtype=torch.float32, device=a_data.device)
+    for t, start in enumerate(range(0, K, block_k)):
+        a = a_data[:, start:start + block_k].contiguous()                            # [M, k]
+        b = b_data[:, start:start + block_k].contiguous().t()                        # [k, N] column-major
+        out += torch._scaled_mm(a, b, scale_a=a_scale_inv[:, t:t + 1].float().contiguous(),
+                                scale_b=b_scale_inv[:, t:t + 1].float().t().contiguous(), out_dtype=torch.float32)
+    return out.to(out_dtype)
