@@ -165,8 +165,11 @@ class Float8BlockScaling:
         dims = (self.x_block_scaling_dim, self.w_block_scaling_dim, self.grad_block_scaling_dim)
         if any(d not in (1, 2) for d in dims):
             raise ValueError(f"block scaling dims must be 1 (1x128 tiles) or 2 (128x128 blocks), got {dims}")
-        if self.x_block_scaling_dim == 2 and self.w_block_scaling_dim == 2:
-            raise ValueError("2D by 2D block GEMM is not supported (TE): give x or w block_scaling_dim 1")
+        x, w, grad = dims
+        for (name_a, a), (name_b, b) in ((("x", x), ("w", w)), (("x", x), ("grad", grad)), (("w", w), ("grad", grad))):
+            if a == 2 and b == 2:  # each pair meets in one of the three GEMMs
+                raise ValueError(f"2D by 2D block GEMM is not supported (TE): give {name_a} or {name_b} "
+                                 "block_scaling_dim 1")
 
 
 def _check_format(fp8_format: str) -> None:

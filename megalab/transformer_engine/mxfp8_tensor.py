@@ -20,8 +20,9 @@ Transcribed from Transformer Engine (the pinned tree at d0067d0, 2026-08-22):
       cvt.rp.satfinite.ue8m0x2.f32 rounds the same way: towards +inf, saturating at 2^127);
   transformer_engine/common/util/ptx.cuh (exp2f_rcp, exp2f: the scale back from the E8M0 byte);
   transformer_engine/common/utils.cuh (Quantized_Limits::max_norm_rcp = 1.0 / max_norm, as fp32);
-  transformer_engine/pytorch/tensor/mxfp8_tensor.py (MXFP8Quantizer.is_quantizable: both the last dim and the
-      product of the others must be multiples of MXFP8_BLOCK_SCALING_SIZE = 32).
+  transformer_engine/pytorch/csrc/quantizer.cpp (MXFP8Quantizer::create_tensor refuses: "MXFP8 requires tensor
+      dims that are divisible by 32") and pytorch/tensor/mxfp8_tensor.py (MXFP8Quantizer.is_quantizable): both the
+      last dim and the product of the others must be multiples of MXFP8_BLOCK_SCALING_SIZE = 32.
 One difference: TE's block amax uses fmaxf, which skips a NaN element; torch's amax here makes the block NaN.
 """
 
@@ -73,7 +74,8 @@ def e8m0_to_float(biased_exp: torch.Tensor) -> torch.Tensor:
 
 
 def check_mxfp8_shape(shape: torch.Size | tuple[int, ...]) -> None:
-    """Refuse a shape MXFP8 cannot block, as TE's MXFP8Quantizer.is_quantizable does, saying what to change."""
+    """Refuse a shape MXFP8 cannot block, as TE does (quantizer.cpp, MXFP8Quantizer::create_tensor), saying what
+    to change."""
     if len(shape) < 2:
         raise ValueError(f"MXFP8 quantizes tensors of 2 or more dims, got shape {list(shape)}: reshape to "
                          "[tokens, hidden]")
