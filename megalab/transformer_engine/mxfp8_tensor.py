@@ -23,6 +23,8 @@ Transcribed from Transformer Engine (the pinned tree at d0067d0, 2026-08-22):
   transformer_engine/pytorch/csrc/quantizer.cpp (MXFP8Quantizer::create_tensor refuses: "MXFP8 requires tensor
       dims that are divisible by 32") and pytorch/tensor/mxfp8_tensor.py (MXFP8Quantizer.is_quantizable): both the
       last dim and the product of the others must be multiples of MXFP8_BLOCK_SCALING_SIZE = 32.
+TE's CPU reference for its kernel tests computes the same: tests/cpp/test_common.h (float_to_e8m0, exp2f_rcp) used
+by tests/cpp/operator/test_cast_mxfp8.cu (scale = float_to_e8m0(block_amax * max_reciprocal)).
 One difference: TE's block amax uses fmaxf, which skips a NaN element; torch's amax here makes the block NaN.
 """
 
