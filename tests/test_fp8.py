@@ -484,33 +484,31 @@ def _block_reference(x, dtype, tile, *, pow2=True, eps=0.0):
     return q.float(), scale.reciprocal()
 
 
-@pytest.mark.parametrize("dim", [1, 2])
-@pytest.mark.parametrize("pow2", [True, False])
-def test_blockwise_matches_transformer_engines_reference_with_partial_tiles(dim, pow2):
+@pytest.mark.parametrize("dim, pow2, dtype", [(1, True, E4M3), (1, False, E5M2), (2, True, E5M2), (2, False, E4M3)])
+def test_blockwise_matches_transformer_engines_reference_with_partial_tiles(dim, pow2, dtype):
     from megalab.transformer_engine.float8_blockwise_tensor import Float8BlockQuantizer
 
     g = torch.Generator().manual_seed(1)
-    x = torch.randn(136, 260, generator=g) * torch.logspace(-3, 3, 260)  # 136 x 260: partial tiles both ways
-    x[:, 256:] = 0  # a zero tile: scale 1
+    x = torch.randn(136, 132, generator=g) * torch.logspace(-3, 3, 132)  # 136 x 132: partial tiles both ways
+    x[:, 128:] = 0  # a zero tile: scale 1
     tile = (1, 128) if dim == 1 else (128, 128)
-    for dtype in (E4M3, E5M2):
-        q = Float8BlockQuantizer(dtype, block_scaling_dim=dim, force_pow_2_scales=pow2)(x)
-        data, s_inv = _block_reference(x, dtype, tile, pow2=pow2)
-        where = f"{tile[0]}x{tile[1]} tiles, pow2={pow2}, {dtype}"
-        require(close(q.rowwise_data.float(), data, f"rowwise data ({where})", rtol=0, atol=0))
-        require(close(q.rowwise_scale_inv, s_inv, f"rowwise scale_inv ({where})", rtol=0, atol=0))
-        data_t, s_inv_t = _block_reference(x.t(), dtype, tile, pow2=pow2)
-        if dim == 1:  # columnwise: the transpose [260, 136] tiled again, 1x128 along the 136 rows
-            require(close(q.columnwise_data.float(), data_t, f"columnwise data ({where})", rtol=0, atol=0))
-            require(close(q.columnwise_scale_inv, s_inv_t, f"columnwise scale_inv ({where})", rtol=0, atol=0))
-        else:  # square blocks: the columnwise copy is the same numbers transposed
-            require(close(q.columnwise_data.float().t(), data, f"columnwise = rowwise^T ({where})", rtol=0, atol=0))
-        require(close(q.dequantize(), data * s_inv.repeat_interleave(tile[0], 0).repeat_interleave(tile[1], 1)
-                      [:136, :260], f"dequantize ({where})", rtol=0, atol=0))
-        assert _rel(q.dequantize(columnwise=True), x) < (0.04 if dtype == E4M3 else 0.08)  # the same x, back
-        if pow2:
-            s = q.rowwise_scale_inv
-            require(equal(bool((torch.frexp(s)[0] == 0.5).all()), True, f"every scale a power of two ({where})"))
+    q = Float8BlockQuantizer(dtype, block_scaling_dim=dim, force_pow_2_scales=pow2)(x)
+    data, s_inv = _block_reference(x, dtype, tile, pow2=pow2)
+    where = f"{tile[0]}x{tile[1]} tiles, pow2={pow2}, {dtype}"
+    require(close(q.rowwise_data.float(), data, f"rowwise data ({where})", rtol=0, atol=0))
+    require(close(q.rowwise_scale_inv, s_inv, f"rowwise scale_inv ({where})", rtol=0, atol=0))
+    data_t, s_inv_t = _block_reference(x.t(), dtype, tile, pow2=pow2)
+    if dim == 1:  # columnwise: the transpose [132, 136] tiled again, 1x128 along the 136 rows
+        require(close(q.columnwise_data.float(), data_t, f"columnwise data ({where})", rtol=0, atol=0))
+        require(close(q.columnwise_scale_inv, s_inv_t, f"columnwise scale_inv ({where})", rtol=0, atol=0))
+    else:  # square blocks: the columnwise copy is the same numbers transposed
+        require(close(q.columnwise_data.float().t(), data, f"columnwise = rowwise^T ({where})", rtol=0, atol=0))
+    require(close(q.dequantize(), data * s_inv.repeat_interleave(tile[0], 0).repeat_interleave(tile[1], 1)
+                  [:136, :132], f"dequantize ({where})", rtol=0, atol=0))
+    assert _rel(q.dequantize(columnwise=True), x) < (0.04 if dtype == E4M3 else 0.08)  # the same x, back
+    if pow2:
+        s = q.rowwise_scale_inv
+        require(equal(bool((torch.frexp(s)[0] == 0.5).all()), True, f"every scale a power of two ({where})"))
 
 
 def test_blockwise_scale_edge_cases_follow_compute_scale_from_amax():
