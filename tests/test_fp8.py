@@ -598,3 +598,36 @@ def test_block_scaled_gemm_on_torch_scaled_mm_is_the_dequantized_matmul():
     require(close(y, qx.dequantize() @ qw.dequantize().T, "MXFP8 GEMM from per-K-block torch._scaled_mm",
                   rtol=1e-5, atol=1e-4))
     assert _rel(y, x[:, :256] @ w[:, :256].T) < 0.06  # and it is the product of the unquantized tensors, roughly
+
+
+def test_fp8_linear_under_mxfp8_uses_each_gemms_own_blocks():
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(64, 96)
+    # values spanning 12 decades along the last dim: rowwise and columnwise blocks flush different values, so
+    # using one copy where the GEMM needs the other shows
+    wide = lambda n: torch.logspace(-6, 6, n)
+    with torch.no_grad():
+        linear.weight.mul_(wide(64))
+    x = (torch.randn(2, 32, 64) * wide(64)).requires_grad_()  # 64 tokens
+    g = torch.randn(2, 32, 96) * wide(96)
+    layer = fp8.Fp8Linear.from_linear(linear, fp8.MXFP8BlockScaling())  # E4M3 everywhere, TE's default
+
+    def deq(t, along):  # MXFP8 blocks of 32 along dim `along` of the 2-D t, dequantized (the frexp reference)
+        data, s = _mx_reference(t, E4M3, block_dim=-1 if along == 1 else 0)
+        return data * (s.repeat_interleave(32, 1) if along == 1 else s.t().repeat_interleave(32, 0))
+
+    y = layer(x)
+    dx, dw = torch.autograd.grad(y, (x, layer.weight), g)
+    x2, w, g2 = x.detach().reshape(64, 64), linear.weight.detach(), g.reshape(64, 96)
+    where = "Fp8Linear (MXFP8BlockScaling)"
+    require(close(y.reshape(64, 96), deq(x2, 1) @ deq(w, 1).T + linear.bias.detach(),
+                  f"{where}: y vs x W^T from blocks along K", rtol=1e-5, atol=1e-5))
+    require(close(dx.reshape(64, 64), deq(g2, 1) @ deq(w, 0), f"{where}: dx vs g W from blocks along N (W columnwise)",
+                  rtol=1e-5, atol=1e-5))
+    require(close(dw, deq(g2, 0).T @ deq(x2, 0), f"{where}: dW vs g^T x from blocks along M (both columnwise)",
+                  rtol=1e-5, atol=1e-5))
+    x, g, plain = torch.randn(64, 64, requires_grad=True), torch.randn(64, 96), torch.nn.Linear(64, 96)
+    exact = torch.autograd.grad(plain(x), x, g)[0]
+    dx_e4m3, dx_hybrid = (torch.autograd.grad(fp8.Fp8Linear.from_linear(plain, fp8.Float8BlockScaling(
+        fp8_format=f))(x), x, g)[0] for f in ("E4M3", "HYBRID"))
+    assert _rel(dx_e4m3, exact) < 0.7 * _rel(dx_hybrid, exact)  # E4M3 gradients: one more mantissa bit than E5M2

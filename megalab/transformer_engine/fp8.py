@@ -354,6 +354,10 @@ class Fp8Linear(nn.Linear):
         if fp8_path(x.device) == "tensor cores" and (self.in_features % 16 or self.out_features % 16):
             raise ValueError(f"FP8 tensor cores need in/out features divisible by {MATMUL_ALIGNMENT}, "
                              f"got {self.in_features} x {self.out_features}: pad the layer")
+        if isinstance(self.recipe, (MXFP8BlockScaling, Float8BlockScaling)):  # per-block scales, no ScalingMeta
+            from megalab.transformer_engine.fp8_recipes import block_linear
+
+            return block_linear(x, self.weight, self.bias, self.recipe)
         m = self.fp8_meta
         return _Fp8LinearFunction.apply(x, self.weight, self.bias, m["input"], m["weight"], m["grad_output"])
 
