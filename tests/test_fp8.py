@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from megalab.extras.toy import mlp, regression_data
+from megalab.lab.checks import mistake
 from megalab.transformer_engine import fp8
 from tests.feedback import close, equal, require
 
@@ -351,3 +352,282 @@ def test_doctor_names_the_fp8_path():
 
     fast = torch.cuda.is_available() and fp8.fp8_path("cuda") == "tensor cores"
     assert f"megalab.transformer_engine.fp8 path: {'tensor cores' if fast else 'emulated'}" in doctor.report()
+
+
+# ---------------------------------------------------------------- MXFP8 and blockwise FP8 (TE's block recipes)
+def _pow2_at_least(v):
+    """2^ceil(log2(v)) for v > 0, via frexp (v = m 2^e, m in [0.5, 1)): an independent route to TE's E8M0 rounding."""
+    m, e = torch.frexp(v)
+    return torch.ldexp(torch.ones_like(v), torch.where(m == 0.5, e - 1, e))
+
+
+def _mx_reference(x, dtype, *, block_dim=-1, amax="block", pow2="up"):
+    """MXFP8 rowwise data (as floats) and dequantization scales [M, K/32], or what one typical mistake gives."""
+    fmax = torch.finfo(dtype).max
+    xt = x.float() if block_dim == -1 else x.float().t()
+    M, K = xt.shape
+    blocks = xt.reshape(M, K // 32, 32)
+    a = blocks.abs().amax(-1) if amax == "block" else xt.abs().max().expand(M, K // 32)
+    if pow2 == "up":
+        s_inv = _pow2_at_least(a * torch.tensor(1 / fmax, dtype=torch.float32))
+    elif pow2 == "nearest":  # torch's own cast to float8_e8m0fnu rounds to nearest
+        s_inv = (a / fmax).to(torch.float8_e8m0fnu).float()
+    else:  # fp8_max / amax itself, no power of two
+        s_inv = a / fmax
+    data = (blocks / s_inv[..., None]).clamp(-fmax, fmax).to(dtype).float().reshape(M, K)
+    return (data, s_inv) if block_dim == -1 else (data.t(), s_inv)
+
+
+def _mx_input():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 96, generator=g) * torch.logspace(-4, 4, 96)  # [64, 96]: columns spanning 8 decades
+    x[5, 40] = 3.0e4  # an outlier token
+    return x
+
+
+@pytest.mark.exercise("mxfp8.quantize_rowwise")
+def test_mxfp8_rowwise_block_scales_and_names_the_mistake():
+    from megalab.transformer_engine import mxfp8_tensor as mx
+
+    x = _mx_input()
+    data, scale_inv = mx.mxfp8_quantize_rowwise(x, E4M3)
+    require(equal(tuple(data.shape), (64, 96), "the shape of the data of mxfp8_quantize_rowwise(x [64, 96])"))
+    if tuple(scale_inv.shape) == (2, 96):
+        require(mistake("blocks along the wrong dimension (32 rows down a column; MXFP8's rowwise blocks run along "
+                        "the last dim)", "scale_inv has shape [M/32, K] = (2, 96), expected [M, K/32] = (64, 3)"))
+    require(equal(tuple(scale_inv.shape), (64, 3), "the shape of scale_inv (one E8M0 byte per 32 elements of a row)"))
+    expected, expected_s = _mx_reference(x, E4M3)
+    wrong_dim = lambda: _mx_reference(x, E4M3, block_dim=0)[0]
+    require(close(data.float(), expected, "the FP8 data of mxfp8_quantize_rowwise(x [64, 96], E4M3), as floats",
+                  rtol=0, atol=0, mistakes={
+                      "scale not a power of two (scaled by fp8_max / amax; MXFP8 scales are E8M0 exponents)":
+                          lambda: _mx_reference(x, E4M3, pow2="none")[0],
+                      "amax of the whole tensor (one scale for all: that is current scaling, not a block scale)":
+                          lambda: _mx_reference(x, E4M3, amax="tensor")[0],
+                      "blocks along the wrong dimension (32 rows down a column; MXFP8's rowwise blocks run along "
+                      "the last dim)": wrong_dim,
+                      "rounded the exponent to nearest (a plain cast to float8_e8m0fnu) instead of up: the block's "
+                      "largest values saturate": lambda: _mx_reference(x, E4M3, pow2="nearest")[0],
+                  }))
+    require(close(mx.e8m0_to_float(scale_inv), expected_s, "the scales 2^(scale_inv - 127) (E8M0 biased exponents "
+                                                             "of the power of two >= block amax / 448)", rtol=0,
+                  atol=0))
+
+
+@pytest.mark.exercise("mxfp8.quantize_rowwise")
+def test_mxfp8_quantizer_rowwise_and_columnwise_in_both_formats():
+    from megalab.transformer_engine import mxfp8_tensor as mx
+
+    x = _mx_input().reshape(2, 32, 96)  # [b, s, h]: 64 rows
+    for dtype in (E4M3, E5M2):
+        q = mx.MXFP8Quantizer(dtype)(x)
+        x2 = x.reshape(64, 96)
+        data, s = _mx_reference(x2, dtype)
+        require(close(q.rowwise_data.float(), data, f"rowwise data ({dtype})", rtol=0, atol=0))
+        data_c, s_c = _mx_reference(x2, dtype, block_dim=0)  # blocks of 32 down each column
+        require(equal(tuple(q.columnwise_scale_inv.shape), (2, 96), "columnwise scale_inv shape [M/32, K]"))
+        require(close(q.columnwise_data.float(), data_c, f"columnwise data ({dtype})", rtol=0, atol=0))
+        require(close(mx.e8m0_to_float(q.columnwise_scale_inv), s_c.t(), f"columnwise scales ({dtype})", rtol=0,
+                      atol=0))
+        deq = q.dequantize()
+        require(equal(tuple(deq.shape), (2, 32, 96), "dequantize() shape"))
+        require(close(deq.reshape(64, 96), data * s.repeat_interleave(32, 1), f"dequantized ({dtype})", rtol=0,
+                      atol=0))
+        # nothing saturates: the exponent rounds up, so every block's amax scales to <= fp8 max
+        assert _rel(deq, x) < 0.07 and (q.rowwise_data.float().abs().amax() <= torch.finfo(dtype).max)
+
+
+def test_e8m0_rounds_up_as_transformer_engine_and_decodes_as_torch():
+    from megalab.transformer_engine import mxfp8_tensor as mx
+
+    v = torch.tensor([1.0, 1.5, 3.0, 0.75, 2.0**-127, 2.0**-128, 0.0, float("inf"), float("nan"), 2.0**127 * 1.5,
+                      2.0**-126 * 1.25])
+    # TE's float_to_e8m0: exponent rounded up on any mantissa; NaN 0xFF, inf 0xFE, 0 0x00, saturating at 0xFE;
+    # subnormals up to 2^-127 stay 0x00
+    assert mx.float_to_e8m0(v).tolist() == [127, 128, 129, 127, 0, 0, 0, 254, 255, 254, 2]
+    # torch's cast rounds to nearest instead: 1.25 * 2^-126 -> 2^-126 (byte 1), inf -> NaN
+    assert v.to(torch.float8_e8m0fnu).view(torch.uint8).tolist()[-1] == 1
+    codes = torch.arange(255).to(torch.uint8)
+    assert torch.equal(mx.e8m0_to_float(codes), torch.ldexp(torch.ones(255), codes.int() - 127))
+    assert torch.equal(mx.exp2f_rcp(codes) * mx.e8m0_to_float(codes), torch.ones(255))  # exact reciprocals
+    assert torch.isnan(mx.exp2f_rcp(torch.tensor([255], dtype=torch.uint8))).all()
+    amax = torch.rand(1000) * 1e3
+    assert torch.equal(mx.e8m0_to_float(mx.float_to_e8m0(amax)), _pow2_at_least(amax))
+
+
+def test_mxfp8_refuses_shapes_32_does_not_divide():
+    from megalab.transformer_engine import mxfp8_tensor as mx
+
+    for shape in ((64, 48), (40, 64), (2, 10, 64), (64,)):
+        with pytest.raises(ValueError, match=r"multiples? of 32|2 or more dims") as info:
+            mx.MXFP8Quantizer()(torch.randn(shape))
+        if len(shape) > 1:
+            assert "get_fp8_align_size" in str(info.value) and str(list(shape)) in str(info.value)
+    mx.check_mxfp8_shape((2, 16, 64))  # 32 rows, 64 columns: fine
+
+
+def _block_reference(x, dtype, tile, *, pow2=True, eps=0.0):
+    """TE's tests/pytorch/references/blockwise_quantizer_reference.py + quantize_scale_calc.py (frexp route)."""
+    M, K = x.shape
+    pm, pk = -M % tile[0], -K % tile[1]
+    xp = torch.nn.functional.pad(x.float(), (0, pk, 0, pm))
+    t = xp.reshape((M + pm) // tile[0], tile[0], (K + pk) // tile[1], tile[1])
+    amax = torch.max(t.abs().amax(dim=(1, 3)), torch.tensor(eps))
+    fmax = torch.finfo(dtype).max
+    scale = torch.div(fmax, amax)
+    scale = torch.where(scale == torch.inf, torch.finfo(x.dtype).max, scale)
+    if pow2:
+        _, e = torch.frexp(scale)
+        scale = torch.ldexp(torch.ones_like(scale), e - 1)
+    scale = torch.where(amax == 0, 1.0, scale)
+    q = (t * scale[:, None, :, None]).clamp(-fmax, fmax).to(dtype).reshape(M + pm, K + pk)[:M, :K]
+    return q.float(), scale.reciprocal()
+
+
+@pytest.mark.parametrize("dim, pow2, dtype", [(1, True, E4M3), (1, False, E5M2), (2, True, E5M2), (2, False, E4M3)])
+def test_blockwise_matches_transformer_engines_reference_with_partial_tiles(dim, pow2, dtype):
+    from megalab.transformer_engine.float8_blockwise_tensor import Float8BlockQuantizer
+
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(136, 132, generator=g) * torch.logspace(-3, 3, 132)  # 136 x 132: partial tiles both ways
+    x[:, 128:] = 0  # a zero tile: scale 1
+    tile = (1, 128) if dim == 1 else (128, 128)
+    q = Float8BlockQuantizer(dtype, block_scaling_dim=dim, force_pow_2_scales=pow2)(x)
+    data, s_inv = _block_reference(x, dtype, tile, pow2=pow2)
+    where = f"{tile[0]}x{tile[1]} tiles, pow2={pow2}, {dtype}"
+    require(close(q.rowwise_data.float(), data, f"rowwise data ({where})", rtol=0, atol=0))
+    require(close(q.rowwise_scale_inv, s_inv, f"rowwise scale_inv ({where})", rtol=0, atol=0))
+    data_t, s_inv_t = _block_reference(x.t(), dtype, tile, pow2=pow2)
+    if dim == 1:  # columnwise: the transpose [132, 136] tiled again, 1x128 along the 136 rows
+        require(close(q.columnwise_data.float(), data_t, f"columnwise data ({where})", rtol=0, atol=0))
+        require(close(q.columnwise_scale_inv, s_inv_t, f"columnwise scale_inv ({where})", rtol=0, atol=0))
+    else:  # square blocks: the columnwise copy is the same numbers transposed
+        require(close(q.columnwise_data.float().t(), data, f"columnwise = rowwise^T ({where})", rtol=0, atol=0))
+    require(close(q.dequantize(), data * s_inv.repeat_interleave(tile[0], 0).repeat_interleave(tile[1], 1)
+                  [:136, :132], f"dequantize ({where})", rtol=0, atol=0))
+    assert _rel(q.dequantize(columnwise=True), x) < (0.04 if dtype == E4M3 else 0.08)  # the same x, back
+    if pow2:
+        s = q.rowwise_scale_inv
+        require(equal(bool((torch.frexp(s)[0] == 0.5).all()), True, f"every scale a power of two ({where})"))
+
+
+def test_blockwise_scale_edge_cases_follow_compute_scale_from_amax():
+    from megalab.transformer_engine.float8_blockwise_tensor import Float8BlockQuantizer
+
+    x = torch.zeros(2, 128)
+    x[0, 0] = 1e-38  # tiny: 448 / 1e-38 overflows fp32 -> the INPUT dtype's max (compute_scale_from_types)
+    for dtype, expected in ((torch.float32, FP32_MAX), (torch.bfloat16, torch.finfo(torch.bfloat16).max)):
+        q = Float8BlockQuantizer(E4M3, block_scaling_dim=1, force_pow_2_scales=False, columnwise=False)(x.to(dtype))
+        assert q.rowwise_scale_inv[:, 0].tolist() == torch.tensor([1 / expected, 1.0]).tolist()  # zero row: scale 1
+    eps = Float8BlockQuantizer(E4M3, block_scaling_dim=1, force_pow_2_scales=False, amax_epsilon=1.0,
+                               columnwise=False)(torch.full((1, 128), 0.01))
+    assert eps.rowwise_scale_inv.item() == pytest.approx(1 / 448)  # amax raised to the epsilon
+    with pytest.raises(ValueError, match="block_scaling_dim"):
+        Float8BlockQuantizer(block_scaling_dim=3)
+    with pytest.raises(ValueError, match="2D by 2D"):
+        fp8.Float8BlockScaling(x_block_scaling_dim=2)
+
+
+def test_get_fp8_recipe_maps_megatrons_flags():
+    import importlib.util
+    import re
+    from types import SimpleNamespace
+
+    from megalab.transformer_engine import fp8_recipes
+
+    # the installed megatron-core's TransformerConfig, read as text (importing it costs seconds)
+    source = open(importlib.util.find_spec("megatron.core").submodule_search_locations[0]
+                  + "/transformer/transformer_config.py").read()
+    literal = re.search(r"fp8_recipe: Optional\[Literal\[([^\]]*)\]\] = \(?\s*['\"](\w+)", source)
+    choices = set(re.findall(r"'(\w+)'", literal.group(1)))
+    assert choices - {"custom"} == set(fp8_recipes.FP8_RECIPES) and literal.group(2) == "delayed"
+    defaults = {f: re.search(rf"\n    {f}: [^=\n]+= ([^\n]+)", source).group(1).strip("'\"")
+                for f in ("fp8_margin", "fp8_amax_history_len", "fp8_amax_compute_algo")}
+    assert defaults == {"fp8_margin": "0", "fp8_amax_history_len": "1", "fp8_amax_compute_algo": "most_recent"}
+    expected = {"delayed": fp8.DelayedScaling, "tensorwise": fp8.CurrentScaling, "mxfp8": fp8.MXFP8BlockScaling,
+                "blockwise": fp8.Float8BlockScaling}
+    for name, kind in expected.items():
+        recipe = fp8_recipes.get_fp8_recipe(SimpleNamespace(fp8="hybrid", fp8_recipe=name))
+        assert type(recipe) is kind and recipe.fp8_format == "HYBRID"
+    delayed = fp8_recipes.get_fp8_recipe(SimpleNamespace(fp8="e4m3"))
+    assert delayed == fp8.DelayedScaling(margin=0, fp8_format="E4M3", amax_history_len=1,
+                                         amax_compute_algo="most_recent")
+    with pytest.raises(ValueError, match="e4m3"):
+        fp8_recipes.get_fp8_recipe(type("C", (), {"fp8": None})())
+    with pytest.raises(ValueError, match="mxfp8"):
+        fp8_recipes.get_fp8_recipe(type("C", (), {"fp8": "hybrid", "fp8_recipe": "nvfp4"})())
+
+
+@pytest.mark.exercise("mxfp8.quantize_rowwise")
+def test_block_recipes_keep_the_small_values_that_per_tensor_scaling_flushes():
+    from megalab.transformer_engine import fp8_recipes
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(256, 128, generator=g)
+    plain = {k: fp8_recipes.quantization_error(x, fp8_recipes.fake_quantize(x, r, "input", x.abs().max()))
+             for k, r in fp8_recipes.default_recipes("E4M3").items()}
+    # no outliers: a power-of-two scale changes no value's relative rounding, so the recipes tie
+    spread = max(v["rel_error"] for v in plain.values()) - min(v["rel_error"] for v in plain.values())
+    assert spread < 0.002 and all(v["zeroed"] == 0 for v in plain.values())
+    x[::64, :2] *= 3e4  # massive activations: a few tokens, two channels
+    errs = {k: fp8_recipes.quantization_error(x, fp8_recipes.fake_quantize(x, r, "input", x.abs().max()))
+            for k, r in fp8_recipes.default_recipes("E4M3").items()}
+    assert errs["tensorwise"]["zeroed"] > 0.05 and errs["delayed"]["zeroed"] > 0.05
+    assert errs["mxfp8"]["zeroed"] < 0.005 and errs["blockwise"]["zeroed"] < 0.005  # only the outlier tokens' tiles
+    with pytest.raises(ValueError, match="previous_amax"):
+        fp8_recipes.fake_quantize(x, fp8.DelayedScaling(), "input")
+
+
+def test_block_scaled_gemm_on_torch_scaled_mm_is_the_dequantized_matmul():
+    from megalab.transformer_engine import float8_blockwise_tensor as fbt
+    from megalab.transformer_engine import fp8_recipes
+    from megalab.transformer_engine import mxfp8_tensor as mx
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 300, generator=g) * torch.logspace(-2, 2, 64)[:, None]  # [M, K]: a partial K-block
+    w = torch.randn(96, 300, generator=g) * 0.02                                   # [N, K]
+    qx = fbt.Float8BlockQuantizer(block_scaling_dim=1, columnwise=False)(x)        # 1x128 tiles
+    qw = fbt.Float8BlockQuantizer(block_scaling_dim=2, columnwise=False)(w)        # 128x128 blocks
+    y = fp8_recipes.block_scaled_mm(qx.rowwise_data, qx.rowwise_scale_inv, qw.rowwise_data,
+                                    qw.rowwise_scale_inv.repeat_interleave(128, 0)[:96], 128)
+    require(close(y, qx.dequantize() @ qw.dequantize().T, "blockwise GEMM from per-K-block torch._scaled_mm",
+                  rtol=1e-5, atol=1e-4))
+    qx, qw = mx.MXFP8Quantizer(columnwise=False)(x[:, :256]), mx.MXFP8Quantizer(columnwise=False)(w[:, :256])
+    y = fp8_recipes.block_scaled_mm(qx.rowwise_data, mx.e8m0_to_float(qx.rowwise_scale_inv), qw.rowwise_data,
+                                    mx.e8m0_to_float(qw.rowwise_scale_inv), 32)
+    require(close(y, qx.dequantize() @ qw.dequantize().T, "MXFP8 GEMM from per-K-block torch._scaled_mm",
+                  rtol=1e-5, atol=1e-4))
+    assert _rel(y, x[:, :256] @ w[:, :256].T) < 0.06  # and it is the product of the unquantized tensors, roughly
+
+
+def test_fp8_linear_under_mxfp8_uses_each_gemms_own_blocks():
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(64, 96)
+    # values spanning 12 decades along the last dim: rowwise and columnwise blocks flush different values, so
+    # using one copy where the GEMM needs the other shows
+    wide = lambda n: torch.logspace(-6, 6, n)
+    with torch.no_grad():
+        linear.weight.mul_(wide(64))
+    x = (torch.randn(2, 32, 64) * wide(64)).requires_grad_()  # 64 tokens
+    g = torch.randn(2, 32, 96) * wide(96)
+    layer = fp8.Fp8Linear.from_linear(linear, fp8.MXFP8BlockScaling())  # E4M3 everywhere, TE's default
+
+    def deq(t, along):  # MXFP8 blocks of 32 along dim `along` of the 2-D t, dequantized (the frexp reference)
+        data, s = _mx_reference(t, E4M3, block_dim=-1 if along == 1 else 0)
+        return data * (s.repeat_interleave(32, 1) if along == 1 else s.t().repeat_interleave(32, 0))
+
+    y = layer(x)
+    dx, dw = torch.autograd.grad(y, (x, layer.weight), g)
+    x2, w, g2 = x.detach().reshape(64, 64), linear.weight.detach(), g.reshape(64, 96)
+    where = "Fp8Linear (MXFP8BlockScaling)"
+    require(close(y.reshape(64, 96), deq(x2, 1) @ deq(w, 1).T + linear.bias.detach(),
+                  f"{where}: y vs x W^T from blocks along K", rtol=1e-5, atol=1e-5))
+    require(close(dx.reshape(64, 64), deq(g2, 1) @ deq(w, 0), f"{where}: dx vs g W from blocks along N (W columnwise)",
+                  rtol=1e-5, atol=1e-5))
+    require(close(dw, deq(g2, 0).T @ deq(x2, 0), f"{where}: dW vs g^T x from blocks along M (both columnwise)",
+                  rtol=1e-5, atol=1e-5))
+    x, g, plain = torch.randn(64, 64, requires_grad=True), torch.randn(64, 96), torch.nn.Linear(64, 96)
+    exact = torch.autograd.grad(plain(x), x, g)[0]
+    dx_e4m3, dx_hybrid = (torch.autograd.grad(fp8.Fp8Linear.from_linear(plain, fp8.Float8BlockScaling(
+        fp8_format=f))(x), x, g)[0] for f in ("E4M3", "HYBRID"))
+    assert _rel(dx_e4m3, exact) < 0.7 * _rel(dx_hybrid, exact)  # E4M3 gradients: one more mantissa bit than E5M2

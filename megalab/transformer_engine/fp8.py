@@ -134,6 +134,44 @@ class CurrentScaling:
             raise ValueError(f"amax_epsilon must be >= 0, got {self.amax_epsilon}")
 
 
+@dataclass(frozen=True)
+class MXFP8BlockScaling:
+    """Transformer Engine's MXFP8BlockScaling recipe: one E8M0 (power-of-two) scale per 32 consecutive
+    elements, rowwise and columnwise (megalab/transformer_engine/mxfp8_tensor.py). TE's default format is E4M3
+    for every tensor, gradients included: blocks this small make E5M2's extra range unnecessary."""
+
+    fp8_format: str = "E4M3"
+    margin: int = 0
+
+    def __post_init__(self):
+        _check_format(self.fp8_format)
+
+
+@dataclass(frozen=True)
+class Float8BlockScaling:
+    """Transformer Engine's Float8BlockScaling recipe: fp32 scales per 1x128 tile (block_scaling_dim 1) or
+    128x128 block (2); activations x and gradients 1x128, weights 128x128 by default; power-of-two scales
+    unless NVTE_FP8_BLOCK_SCALING_FP32_SCALES=1 (megalab/transformer_engine/float8_blockwise_tensor.py)."""
+
+    fp8_format: str = "E4M3"
+    power_2_scale: bool = True
+    amax_epsilon: float = 0.0
+    x_block_scaling_dim: int = 1
+    w_block_scaling_dim: int = 2
+    grad_block_scaling_dim: int = 1
+
+    def __post_init__(self):
+        _check_format(self.fp8_format)
+        dims = (self.x_block_scaling_dim, self.w_block_scaling_dim, self.grad_block_scaling_dim)
+        if any(d not in (1, 2) for d in dims):
+            raise ValueError(f"block scaling dims must be 1 (1x128 tiles) or 2 (128x128 blocks), got {dims}")
+        x, w, grad = dims
+        for (name_a, a), (name_b, b) in ((("x", x), ("w", w)), (("x", x), ("grad", grad)), (("w", w), ("grad", grad))):
+            if a == 2 and b == 2:  # each pair meets in one of the three GEMMs
+                raise ValueError(f"2D by 2D block GEMM is not supported (TE): give {name_a} or {name_b} "
+                                 "block_scaling_dim 1")
+
+
 def _check_format(fp8_format: str) -> None:
     if fp8_format not in RECIPE_FORMATS:
         raise ValueError(f'fp8_format must be "HYBRID" (E4M3 forward, E5M2 backward) or "E4M3", got {fp8_format!r}')
@@ -163,14 +201,15 @@ def compute_scale(amax: torch.Tensor, scale: torch.Tensor, fp8_max: float, margi
 
 
 def compute_current_scale(amax: torch.Tensor, fp8_max: float, use_power_2_scales: bool = False,
-                          amax_epsilon: float = 0.0) -> torch.Tensor:
+                          amax_epsilon: float = 0.0, value_for_inf: float = FP32_MAX) -> torch.Tensor:
     """Current scaling's scale from this tensor's amax (TE's compute_scale_from_amax,
     transformer_engine/common/recipe/recipe_common.cuh): amax raised to amax_epsilon; 1 where amax is 0,
-    inf or NaN (there is no previous scale); FP32 max on overflow; optionally the power of two below."""
+    inf or NaN (there is no previous scale); `value_for_inf` (FP32 max; the blockwise kernels pass the input
+    dtype's max) on overflow; optionally the power of two below."""
     amax = amax.float()
     amax = torch.where(amax < amax_epsilon, torch.full_like(amax, amax_epsilon), amax)
     scale = torch.full_like(amax, fp8_max) / amax
-    scale = torch.where(torch.isinf(scale), torch.full_like(scale, FP32_MAX), scale)
+    scale = torch.where(torch.isinf(scale), torch.full_like(scale, value_for_inf), scale)
     scale = torch.where(torch.isinf(amax) | (amax == 0) | torch.isnan(scale), torch.ones_like(scale), scale)
     if use_power_2_scales:  # keep sign and exponent bits: the largest power of two <= scale
         scale = (scale.view(torch.int32) & 0x7F800000).view(torch.float32)
@@ -315,6 +354,10 @@ class Fp8Linear(nn.Linear):
         if fp8_path(x.device) == "tensor cores" and (self.in_features % 16 or self.out_features % 16):
             raise ValueError(f"FP8 tensor cores need in/out features divisible by {MATMUL_ALIGNMENT}, "
                              f"got {self.in_features} x {self.out_features}: pad the layer")
+        if isinstance(self.recipe, (MXFP8BlockScaling, Float8BlockScaling)):  # per-block scales, no ScalingMeta
+            from megalab.transformer_engine.fp8_recipes import block_linear
+
+            return block_linear(x, self.weight, self.bias, self.recipe)
         m = self.fp8_meta
         return _Fp8LinearFunction.apply(x, self.weight, self.bias, m["input"], m["weight"], m["grad_output"])
 
