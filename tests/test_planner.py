@@ -207,12 +207,19 @@ def test_activation_memory_follows_cp_and_recompute():
     assert with_cp == pytest.approx(base / 2), (  # every rank holds half the tokens
         f"LLaMA-3 8B, s=8192, tp=2: activation_memory with cp=2 is {with_cp / 1e9:.4g} GB, without {base / 1e9:.4g} GB; "
         "cp=2 should halve it (each rank holds s/cp tokens)")
-    none = P.activation_memory(model, P.Layout(tp=2, dp=4), P.Training(recompute="none"), 64)
+    unfused = P.Training(recompute="none", flash_attention=False)
+    none = P.activation_memory(model, P.Layout(tp=2, dp=4), unfused, 64)
     s, a, L, t = 8192, 32, 32, 2  # the stored attention scores: 5 a s^2 b / t per layer
     assert none - base == pytest.approx(L * 5 * a * s * s / t), (
-        f"LLaMA-3 8B, s=8192, tp=2: activation_memory without recomputation exceeds selective recomputation's by "
-        f"{(none - base) / 1e9:.4g} GB, expected the attention scores 5 a s^2 b / t per layer x {L} layers = "
-        f"{L * 5 * a * s * s / t / 1e9:.4g} GB")
+        f"LLaMA-3 8B, s=8192, tp=2, unfused attention: activation_memory without recomputation exceeds selective "
+        f"recomputation's by {(none - base) / 1e9:.4g} GB, expected the attention scores 5 a s^2 b / t per layer x {L} "
+        f"layers = {L * 5 * a * s * s / t / 1e9:.4g} GB")
+    flash = P.activation_memory(model, P.Layout(tp=2, dp=4), P.Training(recompute="none"), 64)
+    assert flash == pytest.approx(base), (  # FlashAttention never stores the scores, recomputation or not
+        f"LLaMA-3 8B, s=8192, tp=2, FlashAttention, no recomputation: activation_memory {flash / 1e9:.4g} GB, expected "
+        f"selective recomputation's {base / 1e9:.4g} GB (no s x s scores are stored)")
+    assert calc.activation_memory_per_layer(s, 1, 4096, a, recompute="none", flash_attention=True) == \
+        calc.activation_memory_per_layer(s, 1, 4096, a, recompute="selective")
 
 
 @pytest.mark.exercise("planner.weight_memory")

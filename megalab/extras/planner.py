@@ -25,6 +25,8 @@ the shortest estimated step.
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from dataclasses import dataclass, field
 
 from megalab.core.transformer.transformer_config import TransformerConfig
@@ -162,7 +164,7 @@ class Training:
     param_bytes: float = BF16
     grad_bytes: float = FP32
     optimizer_bytes: float = 12
-    gpu_memory_gb: float = 80.0
+    gpu_memory_gb: float | None = None  # None: the hardware's (80 GB on H100, 141 on H200, 180 on B200)
     memory_headroom: float = 0.1  # kept free: allocator fragmentation, NCCL buffers, the CUDA context
     # for the step time (step_time.py): the cluster, and what Megatron's flags let overlap
     hardware: str | step_time.Hardware = "H100-SXM (DGX H100)"
@@ -171,6 +173,17 @@ class Training:
     overlap_param_gather: bool = True  # --overlap-param-gather (with the distributed optimizer)
     tp_comm_overlap: bool = False  # --tp-comm-overlap (Transformer Engine userbuffers)
     zero_stage: int = 0  # 3: DeepSpeed ZeRO-3 / FSDP (params gathered per micro-batch): step time only, for comparison
+    # what today's Megatron adds (issue 39)
+    fp8_recipe: str | None = None  # --fp8-recipe: None (bf16), "delayed", "tensorwise", "mxfp8", "blockwise"
+    cp_comm_type: str = "p2p"  # --cp-comm-type: "p2p" (ring), "all_gather", "a2a" (Ulysses), "a2a+p2p"
+    hierarchical_context_parallel_sizes: tuple[int, int] | None = None  # (a2a, p2p) for "a2a+p2p"
+    overlap_moe_expert_parallel_comm: bool = False  # --overlap-moe-expert-parallel-comm
+    moe_imbalance: float = 1.0  # tokens on the most loaded expert-parallel rank / the mean (1: balanced)
+
+    @property
+    def memory_gb(self) -> float:
+        """The GPU's memory: gpu_memory_gb, or the hardware's datasheet figure when it is None."""
+        return self.gpu_memory_gb if self.gpu_memory_gb is not None else step_time.hardware(self.hardware).gpu.memory_gb
 
     @property
     def gpus_per_node(self) -> int:
@@ -186,6 +199,9 @@ class Layout:
     ep: int = 1
     etp: int = 1  # expert tensor parallel (Megatron recommends 1 with EP)
     vpp: int = 1  # virtual pipeline chunks per rank (interleaved 1F1B)
+    # transformer layers on each pipeline rank (its virtual chunks together), for uneven stages; None: L/pp
+    # each. parse_pipeline_layout reads Megatron's --pipeline-model-parallel-layout string into it.
+    pipeline_layout: tuple[int, ...] | None = None
 
     @property
     def world_size(self) -> int:
@@ -194,7 +210,36 @@ class Layout:
     def __str__(self) -> str:
         parts = [f"{k}{v}" for k, v in (("tp", self.tp), ("pp", self.pp), ("cp", self.cp), ("ep", self.ep),
                                            ("dp", self.dp)) if v > 1 or k == "dp"]
-        return "·".join(parts) + (f" (vpp {self.vpp})" if self.vpp > 1 else "")
+        return "·".join(parts) + (f" (vpp {self.vpp})" if self.vpp > 1 else "") + (
+            " [" + ",".join(map(str, self.pipeline_layout)) + "]" if self.pipeline_layout else "")
+
+
+def parse_pipeline_layout(layout: str, pp: int) -> tuple[tuple[int, ...], int]:
+    """Megatron's --pipeline-model-parallel-layout (e.g. "Et|(tt|)*30,tL" or "E|t*8|...|L") read as
+    (transformer layers on each of the pp ranks, vpp). Stages are separated by "|" in virtual order
+    (stage i runs on rank i % pp, chunk i // pp); "E" embedding, "L" loss, "t" a transformer layer,
+    "m" an MTP layer (not counted); "x*n" and "(...)*n" repeat, commas are cosmetic. A small reading of
+    megatron/core/transformer/pipeline_parallel_layer_layout.py (parse_str_to_list) for the planner."""
+    import re
+
+    text = layout.replace(",", "")
+    for pattern in (r"\(([^)]+)\)\*(\d+)", r"(.)\*(\d+)"):
+        text = re.sub(pattern, lambda g: g.group(1) * int(g.group(2)), text)
+    stages = text.split("|")
+    bad = sorted(set(text) - set("ELtm|"))
+    if bad:
+        raise ValueError(f"pipeline layout {layout!r}: unknown characters {bad}; use E (embedding), L (loss), "
+                         "t (transformer layer), m (MTP layer), | between stages, x*n and (...)*n to repeat")
+    if len(stages) % pp:
+        raise ValueError(f"pipeline layout {layout!r} has {len(stages)} stages, not a multiple of pp={pp}: "
+                         "give pp x vpp stages separated by |")
+    if text.count("E") != 1 or not stages[0].startswith("E") or text.count("L") != 1 or not stages[-1].endswith("L"):
+        raise ValueError(f"pipeline layout {layout!r}: the first stage must start with E (embedding) and the last "
+                         "end with L (loss), each once")
+    per_rank = [0] * pp
+    for i, stage in enumerate(stages):
+        per_rank[i % pp] += stage.count("t")
+    return tuple(per_rank), len(stages) // pp
 
 
 @dataclass
@@ -232,10 +277,31 @@ def check_layout(model: ModelSpec, layout: Layout, train: Training) -> int:
         problems.append(f"tp={t} spans nodes (gpus_per_node={train.gpus_per_node}): keep tensor parallel inside a node")
     if model.num_attention_heads % t or (model.kv_lora_rank is None and model.groups % t):
         problems.append(f"tp={t} must divide the {model.num_attention_heads} heads and {model.groups} query groups")
-    if model.num_layers % (p * layout.vpp):
-        problems.append(f"pp·vpp={p * layout.vpp} must divide the {model.num_layers} layers")
+    stages = layout.pipeline_layout
+    if stages is None and model.num_layers % (p * layout.vpp):
+        problems.append(f"pp·vpp={p * layout.vpp} must divide the {model.num_layers} layers (or give uneven stages: "
+                        "Layout(pipeline_layout=...), e.g. from parse_pipeline_layout)")
+    if stages is not None and (len(stages) != p or sum(stages) != model.num_layers or min(stages) < 0):
+        problems.append(f"pipeline_layout {tuple(stages)} must give the layers of each of the pp={p} ranks and add up "
+                        f"to the model's {model.num_layers} layers (it has {len(stages)} ranks, {sum(stages)} layers)")
     if c > 1 and train.seq_length % (2 * c):
         problems.append(f"seq_length {train.seq_length} must be divisible by 2·cp={2 * c} (zigzag split)")
+    if train.cp_comm_type not in step_time.CP_COMM_TYPES:
+        problems.append(f"cp_comm_type {train.cp_comm_type!r} is unknown: use one of {', '.join(step_time.CP_COMM_TYPES)}")
+    elif c > 1 and train.cp_comm_type in ("a2a", "a2a+p2p"):
+        a = c if train.cp_comm_type == "a2a" else (train.hierarchical_context_parallel_sizes or (0, 0))[0]
+        if train.cp_comm_type == "a2a+p2p" and (train.hierarchical_context_parallel_sizes is None
+                                                or math.prod(train.hierarchical_context_parallel_sizes) != c):
+            problems.append(f"cp_comm_type a2a+p2p needs hierarchical_context_parallel_sizes=(a2a, p2p) multiplying "
+                            f"to cp={c}, got {train.hierarchical_context_parallel_sizes}")
+        elif a and (model.num_attention_heads // t % a or max(1, model.groups // t) % a):
+            problems.append(f"the a2a group of {a} must divide the {model.num_attention_heads // t} heads and "
+                            f"{max(1, model.groups // t)} key/value groups per tp rank (all-to-all scatters heads): "
+                            "choose a smaller a2a size, or p2p")
+    try:
+        step_time.fp8_recipe(train.fp8_recipe, step_time.hardware(train.hardware).gpu)
+    except ValueError as e:
+        problems.append(str(e))
     if model.num_experts is None and e > 1:
         problems.append(f"ep={e} needs a MoE model")
     if model.num_experts is not None and model.num_experts % e:
@@ -297,6 +363,10 @@ def activation_memory(model: ModelSpec, layout: Layout, train: Training, num_mic
     """Bytes of activations on the first stage's GPU at its peak (Korthikanti Table 2 per layer)."""
     s, b, h, t = train.seq_length, train.micro_batch_size, model.hidden_size, layout.tp
     sp = train.sequence_parallel and t > 1
+    if train.flash_attention and train.recompute == "none":
+        # FlashAttention (and cuDNN's fused attention) never stores the s x s scores: without recomputation a layer
+        # keeps what selective recomputation keeps (Korthikanti's Table 2 without its 5as²b term)
+        train = dataclasses.replace(train, recompute="selective")
     # tokens go through topk (+ shared) experts: the MLP's ffn-wide tensors grow by that much
     ffn = model.ffn_hidden_size
     if model.num_experts is not None:
@@ -329,8 +399,9 @@ def communication(model: ModelSpec, layout: Layout, train: Training, num_microba
 
         dp  gradient reduction (all-reduce, or reduce-scatter + param all-gather): 2 (d-1)/d x bytes
         tp  8 b s h (t-1)/t per layer and micro-batch (calc; the same with SP)
-        cp  ring attention: cp-1 K/V blocks forward, cp-1 K/V blocks and cp dK/dV blocks backward (calc)
+        cp  by cp_comm_type (calc.context_parallel_communication_per_layer): ring, all-gather, a2a, a2a+p2p
         ep  dispatch + combine all-to-all, forward and backward: 4 (ep-1)/ep x routed tokens x h
+            (x moe_imbalance on the most loaded rank)
         pp  one activation forward and one gradient backward per micro-batch
     """
     s, b, h, m = train.seq_length / layout.cp, train.micro_batch_size, model.hidden_size, num_microbatches
@@ -343,13 +414,15 @@ def communication(model: ModelSpec, layout: Layout, train: Training, num_microba
                                + ring(expert_dp) * per_layer["expert"] / (layout.ep * layout.etp)),
         "tp": calc.tensor_parallel_communication_per_layer(s, b, h, t) * layers * m,
         "cp": calc.context_parallel_communication_per_layer(
-            train.seq_length, b, model.groups / t, model.head_dim, layout.cp, bytes_per_element=BF16)["total"] * layers * m,
+            train.seq_length, b, max(1, model.groups // t), model.head_dim, layout.cp,
+            variant=train.cp_comm_type, bytes_per_element=BF16, num_attention_heads=model.num_attention_heads // t,
+            hierarchical_sizes=train.hierarchical_context_parallel_sizes)["total"] * layers * m,
         "ep": 0.0,
         "pp": 2 * s * b * h * BF16 / (t if train.sequence_parallel else 1) * m if layout.pp > 1 else 0.0,
     }
     if model.num_experts is not None:
         moe_layers = model.num_moe_layers / layout.pp
-        routed = s * b / t * model.moe_router_topk  # SP: each tp rank routes its share of the tokens
+        routed = s * b / t * model.moe_router_topk * train.moe_imbalance  # SP: each tp rank routes its share
         out["ep"] = 4 * (layout.ep - 1) / layout.ep * routed * h * BF16 * moe_layers * m
     return out
 
@@ -360,14 +433,40 @@ def crosses_nodes(layout: Layout, train: Training) -> dict[str, bool]:
     return step_time.spans_nodes(layout, train.gpus_per_node)
 
 
+def fp8_weight_memory(model: ModelSpec, layout: Layout, train: Training) -> float:
+    """Bytes of the fp8 weight copies (both layouts and their scales, step_time.FP8_RECIPES) that Transformer
+    Engine keeps beside the bf16 params on the first stage's GPU: the layers' weights (the embedding, output
+    layer, norms and router stay bf16). 0 without fp8."""
+    recipe = step_time.fp8_recipe(train.fp8_recipe)
+    if recipe is None:
+        return 0.0
+    per_layer = model.layer_params()
+    layers = model.num_layers / layout.pp
+    return recipe.weight_bytes * layers * (per_layer["dense"] / layout.tp + per_layer["expert"] / (layout.ep * layout.etp))
+
+
+def first_stage_model(model: ModelSpec, layout: Layout) -> ModelSpec:
+    """The model as the first pipeline rank sees it: with uneven stages (layout.pipeline_layout) its layer count
+    made pp x the first rank's, so that the L/pp of the memory formulas is that rank's layers (a first rank with
+    only the embedding is shown with the most layers any rank holds: an upper bound)."""
+    if layout.pipeline_layout is None:
+        return model
+    first = layout.pipeline_layout[0] or max(layout.pipeline_layout)
+    dense_share = model.moe_first_dense_layers / model.num_layers
+    return dataclasses.replace(model, num_layers=first * layout.pp,
+                               moe_first_dense_layers=round(dense_share * first * layout.pp))
+
+
 def evaluate(model: ModelSpec, layout: Layout, train: Training) -> Plan:
     m = check_layout(model, layout, train)
-    memory = weight_memory(model, layout, train)
-    memory["activations"] = activation_memory(model, layout, train, m)
+    staged = first_stage_model(model, layout)
+    memory = weight_memory(staged, layout, train)
+    memory["fp8 weights"] = fp8_weight_memory(staged, layout, train)
+    memory["activations"] = activation_memory(staged, layout, train, m)
     memory["total"] = sum(memory.values())
     bubble = bubble_fraction(layout.pp, m, layout.vpp) if layout.pp > 1 else 0.0
     comm = communication(model, layout, train, m)
-    usable = train.gpu_memory_gb * GB * (1 - train.memory_headroom)
+    usable = train.memory_gb * GB * (1 - train.memory_headroom)
     return Plan(layout, m, memory, bubble, comm, fits=memory["total"] <= usable,
                 time=step_time.step_time(model, layout, train))
 

@@ -84,6 +84,8 @@ class GPU:
     source: str = ""
     # a measured curve instead of the wave model: (m, n, k) -> fraction of peak (e.g. a CPU's)
     efficiency_curve: Callable[[int, int, int], float] | None = None
+    fp8_flops: float | None = None  # dense FP8 tensor-core FLOP/s (datasheet); None: no FP8 tensor cores
+    fp8_recipes: tuple[str, ...] = ()  # the FP8 recipes (FP8_RECIPES) its tensor cores run natively
 
     @property
     def achievable_bandwidth(self) -> float:
@@ -129,10 +131,24 @@ A100_40GB = dataclasses.replace(A100_80GB, name="A100-SXM4-40GB", memory_bandwid
                                 source="as A100-80GB, HBM2 1,555 GB/s (NVIDIA A100 datasheet)")
 H100_SXM = GPU(
     "H100-SXM5-80GB", peak_flops=989e12, matmul_efficiency=792.1 / 989, num_sms=132, memory_bandwidth=3.35e12,
-    memory_gb=80.0,
-    source="peak and HBM: NVIDIA H100 datasheet (989 TFLOP/s bf16 dense, 3.35 TB/s); best GEMM 792.1 TFLOP/s "
+    memory_gb=80.0, fp8_flops=1979e12, fp8_recipes=("delayed", "tensorwise", "blockwise"),
+    source="peak and HBM: NVIDIA H100 datasheet (989 TFLOP/s bf16 dense, 1,979 fp8 dense: the datasheet's 1,979 "
+           "and 3,958 'with sparsity', halved; 3.35 TB/s); best GEMM 792.1 TFLOP/s "
            "(80.1%, shape 6144x17920x2816): S. Bekman, ml-engineering, 'Maximum Achievable Matmul FLOPS' table; "
-           "the fractions as A100's (not validated on H100 runs)")
+           "the fractions as A100's, the same best fraction for fp8 GEMMs (an assumption: not measured here)")
+H200_SXM = dataclasses.replace(
+    H100_SXM, name="H200-SXM-141GB", memory_bandwidth=4.8e12, memory_gb=141.0,
+    source="NVIDIA H200 datasheet (nvidia.com/en-us/data-center/h200): 141 GB HBM3e, 4.8 TB/s, bf16 1,979 and fp8 "
+           "3,958 TFLOP/s with sparsity (989 and 1,979 dense), NVLink 900 GB/s; the same GH100 die as H100 (132 SMs), "
+           "so H100's measured best GEMM fraction and estimated fractions (not validated on H200 runs)")
+B200 = GPU(
+    "B200-180GB", peak_flops=2250e12, matmul_efficiency=792.1 / 989, num_sms=148, memory_bandwidth=8.0e12,
+    memory_gb=180.0, fp8_flops=4500e12, fp8_recipes=("delayed", "tensorwise", "mxfp8", "blockwise"),
+    source="NVIDIA DGX B200 datasheet (nvidia.com/en-us/data-center/dgx-b200): 8 GPUs, 1,440 GB HBM3e (180 GB each), "
+           "64 TB/s (8 TB/s each), 72 PFLOP/s fp8 training with sparsity (4.5 dense per GPU); HGX B200 dense bf16 2,250 "
+           "and fp8 4,500 TFLOP/s per GPU at 1,000 W (NVIDIA HGX B200 specifications); 148 SMs; best GEMM fraction "
+           "taken from H100's (an assumption: no published B200 matmul table), the other fractions as A100's")
+GPUS: dict[str, GPU] = {}  # filled below: every GPU type with a record
 
 _NCCL = "; NCCL rings reach ~80% of NVLink and ~88% of an InfiniBand NIC's line rate (typical nccl-tests bus bandwidth)"
 NVLINK3 = Link("NVLink 3 (A100)", bandwidth=300e9, latency=8e-6, efficiency=0.8,
@@ -141,6 +157,9 @@ NVLINK4 = Link("NVLink 4 (H100)", bandwidth=450e9, latency=8e-6, efficiency=0.8,
                source="18 links x 25 GB/s = 450 GB/s per direction per GPU (NVIDIA H100 datasheet)" + _NCCL)
 HDR_IB = Link("InfiniBand HDR, one 200 Gb/s NIC per GPU", bandwidth=25e9, latency=15e-6, efficiency=0.88,
               source="Selene / DGX A100: 8 x 200 Gb/s HDR compute NICs per node (Narayanan et al. 2021, Section 5)" + _NCCL)
+NVLINK5 = Link("NVLink 5 (B200)", bandwidth=900e9, latency=8e-6, efficiency=0.8,
+               source="18 links x 50 GB/s = 900 GB/s per direction per GPU, 1.8 TB/s both ways (NVIDIA DGX B200 "
+                      "datasheet: 14.4 TB/s aggregate over 8 GPUs)" + _NCCL)
 NDR_IB = Link("InfiniBand NDR, one 400 Gb/s NIC per GPU", bandwidth=50e9, latency=15e-6, efficiency=0.88,
               source="DGX H100: 8 x 400 Gb/s NDR ConnectX-7 per node (NVIDIA DGX H100 datasheet)" + _NCCL)
 
@@ -148,7 +167,11 @@ HARDWARE: dict[str, Hardware] = {hw.name: hw for hw in (
     Hardware("A100-80GB (Selene)", A100_80GB, NVLINK3, HDR_IB),
     Hardware("A100-40GB (DGX A100)", A100_40GB, NVLINK3, HDR_IB),
     Hardware("H100-SXM (DGX H100)", H100_SXM, NVLINK4, NDR_IB),
+    Hardware("H200-SXM (DGX H200)", H200_SXM, dataclasses.replace(NVLINK4, name="NVLink 4 (H200)"), NDR_IB),
+    Hardware("B200 (DGX B200)", B200, NVLINK5, dataclasses.replace(
+        NDR_IB, source="DGX B200: 8 x 400 Gb/s ConnectX-7 per node (NVIDIA DGX B200 datasheet)" + _NCCL)),
 )}
+GPUS.update({hw.gpu.name: hw.gpu for hw in HARDWARE.values()})
 
 
 def hardware(spec: str | Hardware) -> Hardware:
@@ -159,7 +182,8 @@ def hardware(spec: str | Hardware) -> Hardware:
         return HARDWARE[spec]
     gpu_fields = ", ".join(f.name for f in fields(GPU) if f.name not in ("name", "source"))
     raise ValueError(
-        f"no calibration for hardware {spec!r}; known: {', '.join(HARDWARE)}. To model another GPU, build "
+        f"no calibration for hardware {spec!r}; known: {', '.join(HARDWARE)} (GPU types: {', '.join(GPUS)}). "
+        f"Pass one of these names as Training(hardware=...), or, to model another GPU, build "
         f"Hardware(name, GPU(name, {gpu_fields}), intra_node=Link(name, bandwidth, latency, efficiency), "
         f"inter_node=Link(...), gpus_per_node) from its datasheet and a measured matmul curve, and pass it instead")
 
@@ -223,6 +247,53 @@ def attention_time(b: int, heads: int, s_q: int, s_kv: int, head_dim: int, gpu: 
     softmax = elementwise_time(SOFTMAX_DROPOUT_BYTES * b * heads * s_q * s_kv, gpu)
     values = gemm_time(s_q, dv, s_kv, gpu, batch=b * heads)  # [s_q, s_kv] x [s_kv, dv] per head
     return scores + softmax + values
+
+
+# ------------------------------------------------------------------------------------ FP8 training
+@dataclass(frozen=True)
+class FP8Recipe:
+    """What one of Megatron's `--fp8-recipe`s costs: the weight GEMMs (TE's Linear / GroupedLinear layers: qkv,
+    proj, fc1, fc2, experts; not the router, the attention core or the output layer, which stay bf16) run at the
+    GPU's fp8 rate, and every GEMM input is quantised first.
+
+    cast_bytes     HBM bytes per element to quantise a bf16 tensor: read 2, write the fp8 copy 1 and the
+                   transposed / column-wise copy 1 (the backward GEMMs need the other layout), plus the scales;
+                   current scaling reads the tensor once more for its amax
+    weight_bytes   bytes per parameter of the fp8 copies of the weights TE keeps (both layouts + scales),
+                   beside the bf16 params
+    gemm_efficiency fraction of the fp8 GEMM rate kept (blockwise: the 1x128 / 128x128 scales are applied inside
+                   the GEMM's main loop on Hopper — an estimate, not a measurement)
+    """
+
+    name: str
+    megatron: str  # the flags
+    cast_bytes: float
+    weight_bytes: float
+    gemm_efficiency: float = 1.0
+
+
+FP8_RECIPES: dict[str, FP8Recipe] = {r.name: r for r in (
+    FP8Recipe("delayed", "--fp8-format hybrid --fp8-recipe delayed", cast_bytes=2 + 1 + 1, weight_bytes=2.0),
+    FP8Recipe("tensorwise", "--fp8-format e4m3 --fp8-recipe tensorwise", cast_bytes=2 + 2 + 1 + 1, weight_bytes=2.0),
+    FP8Recipe("mxfp8", "--fp8-format e4m3 --fp8-recipe mxfp8", cast_bytes=2 + 1 + 1 + 2 / 32,
+              weight_bytes=2 + 2 / 32),  # one E8M0 byte per 32 elements, row-wise and column-wise
+    FP8Recipe("blockwise", "--fp8-format e4m3 --fp8-recipe blockwise", cast_bytes=2 + 1 + 1 + 2 * 4 / 128,
+              weight_bytes=2 + 2 * 4 / (128 * 128), gemm_efficiency=0.9),  # fp32 scales: 1x128 data, 128x128 weights
+)}
+
+
+def fp8_recipe(name: str | None, gpu: GPU | None = None) -> FP8Recipe | None:
+    """The FP8Recipe named `name` (None: bf16 training), refused clearly when unknown or when `gpu` cannot run it."""
+    if name is None:
+        return None
+    if name not in FP8_RECIPES:
+        raise ValueError(f"unknown fp8_recipe {name!r}: use one of {', '.join(FP8_RECIPES)} (Megatron's --fp8-recipe), "
+                         "or None for bf16")
+    if gpu is not None and (gpu.fp8_flops is None or name not in gpu.fp8_recipes):
+        runs = f"it runs {', '.join(gpu.fp8_recipes)}" if gpu.fp8_recipes else "it has no fp8 tensor cores"
+        raise ValueError(f"fp8_recipe {name!r} does not run on {gpu.name} ({runs}): choose another recipe, another "
+                         "GPU (mxfp8 needs Blackwell's block-scaled tensor cores), or fp8_recipe=None")
+    return FP8_RECIPES[name]
 
 
 # ------------------------------------------------------------------------------------ communication
@@ -303,9 +374,10 @@ class StepTime:
                 **{f"{k} comm": v for k, v in self.comm.items()}, "optimizer": self.optimizer}
 
 
-def _gemms_per_layer(model, layout, tokens: int, moe: bool) -> list[tuple[int, int, int, int]]:
+def _gemms_per_layer(model, layout, tokens: int, moe: bool, imbalance: float = 1.0) -> list[tuple[int, int, int, int]]:
     """(m, n, k, batch) of one layer's weight GEMMs on one GPU, forward. Tensor parallel splits n (column-
-    parallel: qkv, fc1) or k (row-parallel: proj, fc2); expert GEMMs see the tokens routed to this GPU."""
+    parallel: qkv, fc1) or k (row-parallel: proj, fc2); expert GEMMs see the tokens routed to this GPU (times
+    `imbalance`, the most loaded rank's tokens over the mean). The router is the MoE layer's third GEMM."""
     h, t = model.hidden_size, layout.tp
     if model.kv_lora_rank is None:
         q, kv = model.num_attention_heads * model.head_dim, 2 * model.groups * model.head_dim
@@ -318,7 +390,7 @@ def _gemms_per_layer(model, layout, tokens: int, moe: bool) -> list[tuple[int, i
     # MoE: this GPU's share of the tokens (sequence parallel), top-k copies each, spread over the experts;
     # it holds num_experts/ep experts, each sliced by etp (which gathers etp ranks' tokens)
     local_experts = model.num_experts // layout.ep
-    routed = max(1, tokens // t * model.moe_router_topk * layout.etp * layout.ep // model.num_experts)
+    routed = max(1, int(tokens // t * model.moe_router_topk * layout.etp * layout.ep * imbalance // model.num_experts))
     ffn = model.moe_ffn_hidden_size // layout.etp
     gemms += [(tokens // t, model.num_experts, h, 1),  # router
               (routed, gate * ffn, h, local_experts), (routed, h, ffn, local_experts)]
@@ -332,12 +404,28 @@ def _layer_forward(model, layout, train, hw: Hardware, moe: bool) -> dict[str, f
     gpu, t, b = hw.gpu, layout.tp, train.micro_batch_size
     s_q = train.seq_length // layout.cp
     tokens = b * s_q
-    gemms = _gemms_per_layer(model, layout, tokens, moe)
-    gemm = sum(gemm_time(m, n, k, gpu, batch=batch) for m, n, k, batch in gemms)
+    imbalance = getattr(train, "moe_imbalance", 1.0)
+    gemms = _gemms_per_layer(model, layout, tokens, moe, imbalance)
+    recipe = fp8_recipe(getattr(train, "fp8_recipe", None), gpu)
+    quantised = [i for i in range(len(gemms)) if not (moe and i == (1 if model.kv_lora_rank is not None else 2))]
+    if recipe is None:
+        quantised = []
+    fp8_gpu = None if recipe is None else dataclasses.replace(gpu, peak_flops=gpu.fp8_flops * recipe.gemm_efficiency)
+
+    def one(i, m, n, k, batch):  # the GEMM at the fp8 rate (1-byte operands) or bf16
+        return gemm_time(m, n, k, fp8_gpu, dtype_bytes=1, batch=batch) if i in quantised else gemm_time(m, n, k, gpu, batch=batch)
+
+    gemm = sum(one(i, m, n, k, batch) for i, (m, n, k, batch) in enumerate(gemms))
     # backward of Y[m, n] = X[m, k] W[k, n]: dX = dY Wᵀ (m, k, n) and dW = Xᵀ dY (k, n, m), which
     # accumulates into the fp32 main_grad (read + write 8 bytes per weight)
-    gemm_bwd = sum(gemm_time(m, k, n, gpu, batch=batch) + gemm_time(k, n, m, gpu, batch=batch)
-                   + elementwise_time(8 * k * n * batch, gpu) for m, n, k, batch in gemms)
+    gemm_bwd = sum(one(i, m, k, n, batch) + one(i, k, n, m, batch) + elementwise_time(8 * k * n * batch, gpu)
+                   for i, (m, n, k, batch) in enumerate(gemms))
+    # fp8: every quantised GEMM casts its input X [m, k] forward and dY [m, n] backward; weights once per step
+    cast = cast_bwd = weights = 0.0
+    if recipe is not None:
+        cast = elementwise_time(recipe.cast_bytes * sum(gemms[i][0] * gemms[i][2] * gemms[i][3] for i in quantised), gpu)
+        cast_bwd = elementwise_time(recipe.cast_bytes * sum(gemms[i][0] * gemms[i][1] * gemms[i][3] for i in quantised), gpu)
+        weights = elementwise_time(recipe.cast_bytes * sum(gemms[i][1] * gemms[i][2] * gemms[i][3] for i in quantised), gpu)
     heads = model.num_attention_heads // t
     if model.kv_lora_rank is None:
         d, dv = model.head_dim, model.head_dim
@@ -349,14 +437,15 @@ def _layer_forward(model, layout, train, hw: Hardware, moe: bool) -> dict[str, f
     if not moe:
         ffn_elements, permute = tokens * model.ffn_hidden_size / t, 0.0
     else:
-        routed = tokens / t * model.moe_router_topk
+        routed = tokens / t * model.moe_router_topk * imbalance
         ffn_elements = routed * model.moe_ffn_hidden_size + tokens * (model.moe_shared_expert_intermediate_size or 0) / t
         permute = 2 * 2 * BF16 * routed * h  # token permutation before and after the experts (read + write)
     elementwise = elementwise_time(
         (2 * NORM_BYTES + 2 * BIAS_DROPOUT_ADD_BYTES) * tokens * h / sp
         + ACTIVATION_BYTES[model.swiglu] * ffn_elements + permute, gpu)
-    return {"gemm": gemm, "gemm_backward": gemm_bwd, "attention": attention, "elementwise": elementwise,
-            "core_attention": 0.0 if train.flash_attention else attention}
+    return {"gemm": gemm + cast, "gemm_backward": gemm_bwd + cast_bwd, "attention": attention,
+            "elementwise": elementwise, "core_attention": 0.0 if train.flash_attention else attention,
+            "fp8_cast": cast + cast_bwd, "fp8_weight_cast": weights}
 
 
 def layer_forward(model, layout, train, hw: Hardware) -> dict[str, float]:
@@ -383,14 +472,69 @@ def _link(kind: str, layout, hw: Hardware) -> Link:
     return hw.inter_node if spans_nodes(layout, hw.gpus_per_node)[kind] else hw.intra_node
 
 
+CP_COMM_TYPES = ("p2p", "all_gather", "a2a", "a2a+p2p")
+
+
+def _hierarchical_cp(train, cp: int) -> tuple[int, int]:
+    """(a2a size, p2p size) of cp_comm_type "a2a+p2p": Megatron's hierarchical_context_parallel_sizes."""
+    sizes = getattr(train, "hierarchical_context_parallel_sizes", None)
+    if sizes is None or len(sizes) != 2 or sizes[0] * sizes[1] != cp:
+        raise ValueError(f'cp_comm_type "a2a+p2p" needs hierarchical_context_parallel_sizes=(a2a, p2p) with a2a·p2p = '
+                         f"cp = {cp}, got {sizes!r}")
+    return sizes
+
+
+def cp_layer_comm(model, layout, train, hw: Hardware, attention: float) -> float:
+    """Exposed seconds of one layer's context-parallel communication, forward + backward, one micro-batch, for
+    Megatron's cp_comm_type (TE's attention with CP; K/V carry max(1, groups/tp) heads):
+
+        p2p         ring: cp−1 K/V blocks forward, K/V + dK/dV backward, each hidden behind one block of attention
+        all_gather  all-gather K/V forward, again backward (TE keeps only the local K/V), reduce-scatter dK/dV:
+                    before the attention that needs them, so exposed
+        a2a         Ulysses: all-to-alls of q, k, v and the output forward (sequence gathered, heads scattered), of
+                    dO, dQ, dK, dV backward: on the critical path
+        a2a+p2p     a2a inside groups of a (the fast link), then a ring over p = cp/a of the gathered s/p tokens
+    """
+    b, t, cp, s = train.micro_batch_size, layout.tp, layout.cp, train.seq_length
+    hd = model.head_dim if model.kv_lora_rank is None else model.qk_head_dim + model.qk_pos_emb_head_dim
+    heads, groups = model.num_attention_heads // t, max(1, model.groups // t)
+    kind = getattr(train, "cp_comm_type", "p2p")
+    link = _link("cp", layout, hw)
+
+    def ring(n: int, tokens: int, kv_heads: int, block: float) -> float:
+        hop = collective_time("send_recv", BF16 * 2 * b * tokens * kv_heads * hd, 2, link)
+        return (n - 1) * (overlapped(hop, block, hw.gpu) + overlapped(2 * hop, BACKWARD_FACTOR * block, hw.gpu))
+
+    def ulysses(n: int, tokens: int) -> float:  # q + k + v + out (and their gradients) of `tokens` on this rank
+        per = BF16 * b * tokens * hd
+        return 2 * collective_time("all_to_all", per * (2 * heads + 2 * groups), n, link)
+
+    if kind == "p2p":
+        return ring(cp, s // cp, groups, attention / cp)
+    if kind == "all_gather":
+        kv = BF16 * 2 * b * s * groups * hd  # the gathered K/V
+        return 2 * collective_time("all_gather", kv, cp, link) + collective_time("reduce_scatter", kv, cp, link)
+    if kind == "a2a":
+        return ulysses(cp, s // cp)
+    if kind == "a2a+p2p":
+        a, p = _hierarchical_cp(train, cp)
+        inner = dataclasses.replace(layout, cp=a)  # the a2a group: neighbouring ranks
+        one = ulysses(a, s // cp) if a > 1 else 0.0
+        if a > 1 and spans_nodes(inner, hw.gpus_per_node)["cp"] != spans_nodes(layout, hw.gpus_per_node)["cp"]:
+            one *= hw.intra_node.achievable_bandwidth / link.achievable_bandwidth  # a2a group inside the node
+        return one + (ring(p, s // p, max(1, groups // a), attention / p) if p > 1 else 0.0)
+    raise ValueError(f"unknown cp_comm_type {kind!r}: use one of {', '.join(CP_COMM_TYPES)} (Megatron's --cp-comm-type)")
+
+
 def layer_comm(model, layout, train, hw: Hardware, fwd: dict[str, float]) -> dict[str, float]:
     """Exposed seconds of one layer's collectives for one micro-batch, forward + backward (+ recompute).
 
     tp  2 all-reduces forward and 2 backward of [s b, h] (SP: all-gather + reduce-scatter, the same
         volume); on the critical path unless tp_comm_overlap hides them under the layer's GEMMs
-    cp  ring attention: cp − 1 K/V blocks forward, K/V + dK/dV backward, each hidden behind one block
-        of attention when the block computes longer than it travels
-    ep  token dispatch and combine all-to-alls, forward and backward
+    cp  cp_layer_comm: the ring hidden behind attention, all-gather and a2a exposed
+    ep  token dispatch and combine all-to-alls, forward and backward, of the most loaded rank's tokens
+        (moe_imbalance x the mean); with overlap_moe_expert_parallel_comm Megatron runs one micro-batch's
+        all-to-all beside another micro-batch's computation, so only what outlasts that layer's compute shows
     """
     b, t, cp = train.micro_batch_size, layout.tp, layout.cp
     tokens = b * train.seq_length // cp
@@ -407,14 +551,15 @@ def layer_comm(model, layout, train, hw: Hardware, fwd: dict[str, float]) -> dic
             comm = overlapped(comm, fwd["gemm"] + fwd["gemm_backward"], hw.gpu)
         out["tp"] = comm
     if cp > 1:
-        kv = BF16 * 2 * b * (train.seq_length // cp) * max(1, model.groups // t) * model.head_dim
-        hop = collective_time("send_recv", kv, 2, _link("cp", layout, hw))
-        block = fwd["attention"] / cp
-        out["cp"] = (cp - 1) * (overlapped(hop, block, hw.gpu) + overlapped(2 * hop, BACKWARD_FACTOR * block, hw.gpu))
+        out["cp"] = cp_layer_comm(model, layout, train, hw, fwd["attention"])
     if model.num_experts is not None and layout.ep > 1 and model.num_moe_layers:
-        routed = BF16 * tokens // t * model.moe_router_topk * h
+        routed = BF16 * tokens // t * model.moe_router_topk * h * getattr(train, "moe_imbalance", 1.0)
         share = model.num_moe_layers / model.num_layers  # per layer, averaged like layer_forward
-        out["ep"] = share * 4 * collective_time("all_to_all", routed, layout.ep, _link("ep", layout, hw))
+        comm = 4 * collective_time("all_to_all", routed, layout.ep, _link("ep", layout, hw))
+        if getattr(train, "overlap_moe_expert_parallel_comm", False):
+            compute = fwd["gemm"] + fwd["gemm_backward"] + (1 + BACKWARD_FACTOR) * (fwd["attention"] + fwd["elementwise"])
+            comm = overlapped(comm, compute, hw.gpu)
+        out["ep"] = share * comm
     return out
 
 
@@ -455,6 +600,15 @@ def recomputed_flops(model, train, num_sequences: int) -> float:
     return extra * num_sequences
 
 
+def stage_layers(model, layout) -> list[int | float]:
+    """Transformer layers on each pipeline rank: layout.pipeline_layout (uneven stages, e.g. parsed from
+    Megatron's --pipeline-model-parallel-layout by planner.parse_pipeline_layout) or L/p on every rank."""
+    given = getattr(layout, "pipeline_layout", None)
+    if given is None:
+        return [model.num_layers / layout.pp] * layout.pp
+    return list(given)
+
+
 def step_time(model, layout, train, hw: Hardware | str | None = None) -> StepTime:
     """The step's seconds on the slowest GPU (the last pipeline stage: its layers and the logit layer).
     The layout is taken as valid (planner.check_layout says why one is not)."""
@@ -464,7 +618,7 @@ def step_time(model, layout, train, hw: Hardware | str | None = None) -> StepTim
     if rest or not m:
         raise ValueError(f"global batch {train.global_batch_size} is not a whole number of micro-batches "
                          f"({train.micro_batch_size}) times dp={layout.dp}")
-    layers = model.num_layers / p
+    stages = stage_layers(model, layout)  # layers on each pipeline rank (all its virtual chunks)
     fwd = layer_forward(model, layout, train, hw)
     layer_fwd = fwd["gemm"] + fwd["attention"] + fwd["elementwise"]
     attention_bwd = (FLASH_BACKWARD_FACTOR if train.flash_attention else BACKWARD_FACTOR) * fwd["attention"]
@@ -474,7 +628,12 @@ def step_time(model, layout, train, hw: Hardware | str | None = None) -> StepTim
     logits = gemm_time(tokens, model.vocab_size // t, model.hidden_size, gpu) * (1 + BACKWARD_FACTOR) \
         + elementwise_time(3 * 4 * tokens * model.vocab_size / t, gpu)  # fp32 softmax cross-entropy
     comm = layer_comm(model, layout, train, hw, fwd)
-    mb_compute = layers * (layer_fwd + layer_bwd) + logits
+    # the slowest rank: its layers, and the output layer + loss on the last one
+    per_rank = [n * (layer_fwd + layer_bwd + recompute + sum(comm.values())) + (logits if r == p - 1 else 0.0)
+                for r, n in enumerate(stages)]
+    slowest = max(range(p), key=lambda r: (per_rank[r], r))
+    layers = stages[slowest]
+    mb_compute = layers * (layer_fwd + layer_bwd) + (logits if slowest == p - 1 else 0.0)
     mb_recompute = layers * recompute
     mb_comm = {k: layers * c for k, c in comm.items()}
     t_mb = mb_compute + mb_recompute + sum(mb_comm.values())
@@ -489,10 +648,11 @@ def step_time(model, layout, train, hw: Hardware | str | None = None) -> StepTim
 
     exposed["dp"] = _data_parallel(model, layout, train, hw, m, mb_compute / (1 + BACKWARD_FACTOR), t_mb)
     optimizer = elementwise_time(ADAM_BYTES_PER_PARAM * _optimizer_params(model, layout, train), gpu)
+    fp8_weights = layers * fwd["fp8_weight_cast"]  # TE quantises the weights once per step (first micro-batch)
 
     sequences = train.global_batch_size
     flops = model_flops(model, train, sequences)
-    return StepTime(compute=m * mb_compute, recompute=m * mb_recompute, bubble=bubble(p, m, v) * m * t_mb,
+    return StepTime(compute=m * mb_compute + fp8_weights, recompute=m * mb_recompute, bubble=bubble(p, m, v) * m * t_mb,
                     comm=exposed, optimizer=optimizer, model_flops=flops,
                     hardware_flops=flops + recomputed_flops(model, train, sequences),
                     num_gpus=layout.world_size, peak_flops=gpu.peak_flops,
@@ -505,7 +665,7 @@ ADAM_BYTES_PER_PARAM = 4 * 4 + 3 * 4 + 2  # read fp32 param, grad, m, v; write p
 def _params_on_gpu(model, layout) -> tuple[float, float]:
     """(dense, expert) parameters on a GPU of the first stage: its layers' dense weights / tp, its experts
     / (ep·etp), the word embedding / tp."""
-    per_layer, layers = model.layer_params(), model.num_layers / layout.pp
+    per_layer, layers = model.layer_params(), max(stage_layers(model, layout))
     dense = layers * per_layer["dense"] / layout.tp + model.embedding_params() / layout.tp
     return dense, layers * per_layer["expert"] / (layout.ep * layout.etp)
 
