@@ -300,8 +300,8 @@ def check_layout(model: ModelSpec, layout: Layout, train: Training) -> int:
                             "choose a smaller a2a size, or p2p")
     try:
         step_time.fp8_recipe(train.fp8_recipe, step_time.hardware(train.hardware).gpu)
-    except ValueError as e:
-        problems.append(str(e))
+    except ValueError as err:
+        problems.append(str(err))
     if model.num_experts is None and e > 1:
         problems.append(f"ep={e} needs a MoE model")
     if model.num_experts is not None and model.num_experts % e:

@@ -14,8 +14,25 @@ each with its table and row.
         Table 5   model and hardware FLOPs utilisation (MFU, HFU) with sequence parallelism and
                   selective recomputation, data-parallel size 1; configurations from its Table 3.
 
-All runs: A100-SXM4-80GB on Selene (8 GPUs and 8 HDR NICs a node), GPT with V = 51,200, s = 2048,
+These runs: A100-SXM4-80GB on Selene (8 GPUs and 8 HDR NICs a node), GPT with V = 51,200, s = 2048,
 LayerNorm, GeLU MLP of 4h, learned positions, tied embeddings, 16-bit, no FlashAttention (2021-22).
+They are the CALIBRATION set: the step-time model's estimated fractions were chosen against them.
+
+The VALIDATION set (split="validation", never used to choose anything in the model) is NVIDIA's
+Megatron-Bridge performance summary, tables of the 25.11 and 26.02 NeMo containers:
+    https://github.com/NVIDIA-NeMo/Megatron-Bridge/blob/0a25f911b2ed6c6905a539504fdb8e5b40e3438b/docs/performance-summary-archive.md
+    (also https://docs.nvidia.com/nemo/megatron-bridge/latest/performance-summary-archive.html)
+every DGX-H100 and DGX-B200 row whose model the planner can describe: LLaMA-3 8B / 70B, LLaMA-3.1 405B,
+Qwen3 30B-A3B and 235B-A22B (dense and MoE, FP8 current scaling and MXFP8; GB200/GB300/B300 systems,
+GPT-OSS (sliding-window attention), DeepSeek-V3 (MTP) and the 25.09 rows (no precision given) left out).
+Metric: "Tokens / sec / GPU". What a row does not give is our reading, the same for every row: sequence
+parallelism with tp > 1, the distributed optimizer with overlapped grad reduce and param gather, TP
+communication overlap with tp > 1, FlashAttention without recomputation, the ring for CP, balanced experts
+("we force-balance the token distribution among experts", the table's note: moe_imbalance 1), no EP overlap,
+FSDP > 0 as ZeRO-3, and uneven stages where the layers do not divide: the embedding and the loss each take
+one layer's slot (Megatron's account_for_embedding/loss_in_pipeline_split), e.g. LLaMA-3.1 405B's 126
+layers over pp 8 x vpp 8 as 15, 16 x 6, 15 per rank. "FP8" (26.02, H100) is read as FP8-CS, the name the
+25.11 table gives the same H100 runs.
 """
 
 from __future__ import annotations
@@ -40,7 +57,9 @@ class PublishedRun:
     model: ModelSpec
     layout: Layout
     train: Training
-    published: dict[str, float]  # "TFLOP/s per GPU" (Narayanan), "MFU %" and "HFU %" (Korthikanti)
+    published: dict[str, float]  # "TFLOP/s per GPU" (Narayanan), "MFU %" / "HFU %" (Korthikanti), "tokens/s per GPU"
+    split: str = "calibration"  # "calibration": the model's estimates were chosen against it; "validation": never
+    family: str = "A100 dense BF16/FP16"  # for the per-family error table
 
     @property
     def label(self) -> str:
@@ -133,8 +152,84 @@ def korthikanti_table_5() -> list[PublishedRun]:
     return runs
 
 
+# ------------------------------------------------------------------------------ the validation set
+BRIDGE = "https://github.com/NVIDIA-NeMo/Megatron-Bridge/blob/0a25f911b2ed6c6905a539504fdb8e5b40e3438b/docs/performance-summary-archive.md"
+# LLaMA-3.1 405B (Meta's config.json: 126 layers, h 16384, 128 heads, 8 kv groups, ffn 53248, vocab 128256)
+LLAMA31_405B = ModelSpec("LLaMA-3.1 405B", 126, 16384, 128, 53248, 128256, num_query_groups=8, kv_channels=128)
+# Qwen3 MoE (Qwen's config.json): every layer MoE, 128 experts, top-8, head_dim 128, untied embeddings
+QWEN3_30B_A3B = ModelSpec("Qwen3 30B-A3B", 48, 2048, 32, 6144, 151936, num_query_groups=4, kv_channels=128,
+                          num_experts=128, moe_router_topk=8, moe_ffn_hidden_size=768)
+QWEN3_235B_A22B = ModelSpec("Qwen3 235B-A22B", 94, 4096, 64, 12288, 151936, num_query_groups=4, kv_channels=128,
+                            num_experts=128, moe_router_topk=8, moe_ffn_hidden_size=1536)
+H100, B200 = "H100-SXM (DGX H100)", "B200 (DGX B200)"
+_RECIPE = {"FP8-CS": "tensorwise", "FP8": "tensorwise", "FP8-MX": "mxfp8", "MXFP8": "mxfp8"}
+
+
+def _uneven(num_layers: int, pp: int, vpp: int) -> tuple[int, ...] | None:
+    """Layers per rank when the embedding and the loss each take a layer's slot (None when L divides evenly)."""
+    if num_layers % (pp * vpp) == 0:
+        return None
+    per_stage, rest = divmod(num_layers + 2, pp * vpp)
+    if rest:
+        raise ValueError(f"{num_layers} layers + embedding + loss do not divide into {pp * vpp} stages")
+    stages = [per_stage] * (pp * vpp)
+    stages[0] -= 1  # E
+    stages[-1] -= 1  # L
+    return tuple(sum(stages[c * pp + r] for c in range(vpp)) for r in range(pp))
+
+
+# (container, system, model, GPUs, precision, GBS, MBS, seq, FSDP, TP, PP, CP, VP, EP, tokens/s/GPU) -- the
+# table's columns in its order (25.11 tables: "System: DGX-..." sections; 26.02: "Model: ..." sections)
+_BRIDGE_ROWS = [
+    ("25.11", H100, "LLAMA3_8B", 8, "FP8-CS", 128, 1, 8192, 8, 1, 1, 1, None, 1, 14451),
+    ("25.11", H100, "LLAMA3_70B", 64, "FP8-CS", 128, 1, 8192, 0, 4, 8, 1, 5, 1, 1602),
+    ("25.11", H100, "LLAMA3.1_405B", 1024, "FP8-CS", 512, 1, 8192, 0, 8, 8, 2, 8, 1, 292),
+    ("25.11", H100, "Qwen3_30B_a3B", 16, "FP8-CS", 512, 2, 4096, 0, 1, 2, 1, 24, 8, 5275),
+    ("25.11", H100, "Qwen3_235B_a22B", 256, "FP8-CS", 2048, 1, 4096, 0, 2, 8, 1, 4, 32, 1575),
+    ("25.11", B200, "LLAMA3_8B", 8, "FP8-CS", 128, 2, 8192, 0, 1, 1, 1, None, 1, 30624),
+    ("25.11", B200, "LLAMA3_8B", 8, "FP8-MX", 128, 2, 8192, 0, 1, 1, 1, None, 1, 29521),
+    ("25.11", B200, "LLAMA3.1_405B", 128, "FP8-CS", 64, 1, 8192, 0, 4, 8, 2, 8, 1, 661),
+    ("25.11", B200, "LLAMA3.1_405B", 128, "FP8-MX", 64, 1, 8192, 0, 4, 8, 2, 8, 1, 624),
+    ("25.11", B200, "Qwen3_30B_a3B", 8, "FP8-MX", 512, 1, 4096, 0, 1, 1, 1, None, 8, 9299),
+    ("25.11", B200, "Qwen3_235B_a22B", 64, "FP8-MX", 1024, 1, 4096, 0, 1, 8, 1, 2, 8, 3269),
+    ("26.02", H100, "LLAMA3_70B", 64, "FP8", 256, 1, 8192, 0, 4, 8, 1, 5, None, 1621),
+    ("26.02", H100, "LLAMA3.1_405B", 1024, "FP8", 1536, 1, 8192, 0, 8, 8, 2, 8, None, 311),
+    ("26.02", H100, "Qwen3_30B_a3B", 16, "FP8", 1024, 1, 4096, 0, 1, 2, 1, 12, 8, 5113),
+    ("26.02", H100, "Qwen3_235B_a22B", 256, "FP8", 8192, 1, 4096, 0, 2, 8, 1, 4, 32, 1633),
+    ("26.02", B200, "Qwen3_30B_a3B", 8, "MXFP8", 512, 1, 4096, 0, 1, 1, 1, None, 8, 9691),
+    ("26.02", B200, "Qwen3_235B_a22B", 256, "MXFP8", 8192, 1, 4096, 0, 1, 8, 1, None, 8, 3805),
+]
+
+
+def megatron_bridge_tables() -> list[PublishedRun]:
+    from megalab.extras.planner import LLAMA3_8B, LLAMA3_70B
+
+    models = {"LLAMA3_8B": LLAMA3_8B, "LLAMA3_70B": LLAMA3_70B, "LLAMA3.1_405B": LLAMA31_405B,
+              "Qwen3_30B_a3B": QWEN3_30B_A3B, "Qwen3_235B_a22B": QWEN3_235B_A22B}
+    runs = []
+    for (container, system, name, gpus, precision, gbs, mbs, seq, fsdp, tp, pp, cp, vp, ep, tokens) in _BRIDGE_ROWS:
+        model, vpp = models[name], vp or 1
+        layout = Layout(tp=tp, pp=pp, cp=cp, dp=gpus // (tp * pp * cp), ep=ep or 1, vpp=vpp,
+                        pipeline_layout=_uneven(model.num_layers, pp, vpp))
+        train = Training(seq_length=seq, global_batch_size=gbs, micro_batch_size=mbs, sequence_parallel=tp > 1,
+                         recompute="selective", hardware=system, fp8_recipe=_RECIPE[precision],
+                         tp_comm_overlap=tp > 1, zero_stage=3 if fsdp else 0)
+        section = f"System: {system.split()[-1][:-1]}" if container == "25.11" else f"Model: {name}"
+        family = f"{system.split()[0].split('-')[0]} {'MoE' if model.num_experts else 'dense'} FP8"
+        runs.append(PublishedRun(f"Megatron-Bridge perf. summary, {container} container, {section}, {name} "
+                                 f"{gpus} GPUs {precision} row", model, layout, train, {"tokens/s per GPU": tokens},
+                                 split="validation", family=family))
+    return runs
+
+
 def all_runs() -> list[PublishedRun]:
+    """The calibration set (the A100 papers' runs): what the model's estimated fractions were chosen against."""
     return narayanan_table_1() + narayanan_table_2() + korthikanti_table_5()
+
+
+def validation_runs() -> list[PublishedRun]:
+    """The validation set: published runs the model was never tuned on (split="validation")."""
+    return megatron_bridge_tables()
 
 
 def predict(run: PublishedRun) -> dict[str, float]:
@@ -145,6 +240,8 @@ def predict(run: PublishedRun) -> dict[str, float]:
     m, tr = run.model, run.train
     args = (tr.global_batch_size, tr.seq_length, m.num_layers, m.hidden_size, m.vocab_size)
     gpus, peak = run.layout.world_size, step_time.hardware(tr.hardware).gpu.peak_flops
+    if "tokens/s per GPU" in run.published:
+        return {"tokens/s per GPU": tr.global_batch_size * tr.seq_length / t.total / gpus}
     per_gpu = {
         "TFLOP/s per GPU": calc.flops_per_iteration(*args, recompute=True) / t.total / gpus / 1e12,
         "MFU %": 100 * calc.flops_per_iteration(*args, recompute=False) / t.total / gpus / peak,
@@ -159,10 +256,28 @@ def validation_rows(runs: list[PublishedRun] | None = None) -> list[dict]:
     for run in runs or all_runs():
         predicted = predict(run)
         for metric, published in run.published.items():
-            rows.append({"source": run.source, "model": run.model.name, "layout": str(run.layout), "metric": metric,
+            rows.append({"source": run.source, "split": run.split, "family": run.family,
+                         "model": run.model.name, "layout": str(run.layout), "metric": metric,
                          "published": published, "predicted": predicted[metric],
                          "error": predicted[metric] / published - 1})
     return rows
+
+
+def family_errors(rows: list[dict]) -> dict[tuple[str, str], dict[str, float]]:
+    """{(split, family): {"runs", "mean", "largest"}}: the figures' count, mean signed and largest |error|."""
+    out: dict[tuple[str, str], dict[str, float]] = {}
+    for r in rows:
+        out.setdefault((r["split"], r["family"]), []).append(r["error"])
+    return {k: {"runs": len(e), "mean": sum(e) / len(e), "largest": max(map(abs, e))} for k, e in sorted(out.items())}
+
+
+def family_table(rows: list[dict]) -> str:
+    """The per-family error table: calibration and validation apart."""
+    head = f"{'split':<12} {'family':<24} {'figures':>7} {'mean error':>11} {'largest |error|':>16}"
+    lines = [head, "-" * len(head)]
+    lines += [f"{split:<12} {family:<24} {e['runs']:>7} {e['mean']:>+11.1%} {e['largest']:>16.1%}"
+              for (split, family), e in family_errors(rows).items()]
+    return "\n".join(lines)
 
 
 def validation_table(rows: list[dict] | None = None) -> str:
