@@ -364,7 +364,7 @@ from megalab.extras import step_time as S  # noqa: E402
 # Largest |error| per family, as measured (benchmarks/planner_validation.py), plus a margin: the honest bounds.
 # calibration: the A100 papers the estimated fractions were chosen on (10.1% measured); validation: the
 # Megatron-Bridge tables, never used to choose anything (dense H100 5.5%, dense B200 29.7%, MoE H100 174.8%,
-# MoE B200 280.1% measured: small-expert MoE runs are far slower than the model's sum of pieces).
+# MoE B200 280.1% measured: small-expert MoE runs are far slower than the sum of the pieces).
 FAMILY_BOUNDS = {("calibration", "A100 dense BF16/FP16"): 0.15, ("validation", "H100 dense FP8"): 0.10,
                  ("validation", "B200 dense FP8"): 0.35, ("validation", "H100 MoE FP8"): 2.0,
                  ("validation", "B200 MoE FP8"): 3.1}
