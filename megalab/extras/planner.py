@@ -16,7 +16,10 @@ first pipeline stage, which holds the embedding and the most in-flight micro-bat
                                   communication on NVLink or the network (checked against published runs)
 
 and flags the layouts that do not fit. `plan(...)` returns them best first: fitting layouts, then
-the shortest estimated step.
+the shortest estimated step. Training also takes today's Megatron flags: fp8_recipe (fp8 weight copies
+in memory, fp8 GEMMs in time), cp_comm_type, overlap_moe_expert_parallel_comm, moe_imbalance; Layout
+takes uneven stages (pipeline_layout, or parse_pipeline_layout of Megatron's layout string). With
+FlashAttention (the default) no s x s attention scores are kept, with or without recomputation.
 
     model ─┐                      ┌─ Layout(tp, pp, cp, ep, dp, vpp) ── valid? ── memory, bubble, bytes, time
     GPUs  ─┴─ enumerate_layouts ──┤─ ...

@@ -27,8 +27,15 @@ overlapped(comm, compute) = max(comm − compute, f · comm) is exposed. Which l
 follows Megatron's rank order tp-cp-ep-dp-pp (`spans_nodes`): a group inside one node runs on
 NVLink, a group that spans nodes is bound by each GPU's own NIC.
 
-Checked against published runs (published_runs.py, tests/test_step_time.py, benchmarks/
-planner_validation.py): Narayanan et al. 2021 Tables 1 and 2, Korthikanti et al. 2022 Table 5.
+What today's Megatron trains with (issue 39): FP8 per recipe (FP8_RECIPES: the weight GEMMs at the fp8
+rate, the casts of their inputs, TE's fp8 weight copies), uneven pipeline stages (stage_layers: the slowest
+rank sets the pace), CP by cp_comm_type (cp_layer_comm: p2p ring, all_gather, a2a, a2a+p2p), the EP
+all-to-all overlapped with another micro-batch's compute and routing imbalance, and A100, H100, H200 and
+B200 records, each with its datasheet.
+
+Calibrated on published runs (published_runs.all_runs, tests/test_step_time.py): Narayanan et al. 2021
+Tables 1 and 2, Korthikanti et al. 2022 Table 5. Validated out of sample (published_runs.validation_runs,
+tests/test_planner.py, benchmarks/planner_validation.py) on NVIDIA's Megatron-Bridge H100 and B200 tables.
 
 API (stable; the laptop calibration builds its own Hardware on it):
 
@@ -46,6 +53,9 @@ API (stable; the laptop calibration builds its own Hardware on it):
                                                             reduce_scatter, all_to_all, send_recv
     overlapped(comm, compute, gpu) -> exposed s
     bubble(pp, num_microbatches, vpp=1) -> (p − 1)/(v m)
+    fp8_recipe(name, gpu=None) -> FP8Recipe | None   unknown or unsupported recipe -> ValueError naming the known
+    cp_layer_comm(model, layout, train, hw, attention) -> exposed s of one layer's CP traffic
+    stage_layers(model, layout) -> layers on each pipeline rank
     step_time(model, layout, train, hw=None) -> StepTime: compute, recompute, bubble, comm{tp,cp,ep,pp,dp},
                                                 optimizer, total, mfu, hfu, parts()
 """
