@@ -421,6 +421,8 @@ def test_uneven_pipeline_layouts_from_megatrons_string():
         P.parse_pipeline_layout("Et|t|tL", 4)
     with pytest.raises(ValueError, match="start with E"):
         P.parse_pipeline_layout("t|tL", 2)
+    with pytest.raises(ValueError, match="places 125 transformer layers.*the model has 126"):
+        P.parse_pipeline_layout("Et|(tt|)*61,t|tL", 8, num_layers=model.num_layers)
 
 
 def test_cp_variants_bytes_and_exposure():

@@ -217,11 +217,12 @@ class Layout:
             " [" + ",".join(map(str, self.pipeline_layout)) + "]" if self.pipeline_layout else "")
 
 
-def parse_pipeline_layout(layout: str, pp: int) -> tuple[tuple[int, ...], int]:
+def parse_pipeline_layout(layout: str, pp: int, num_layers: int | None = None) -> tuple[tuple[int, ...], int]:
     """Megatron's --pipeline-model-parallel-layout (e.g. "Et|(tt|)*30,tL" or "E|t*8|...|L") read as
     (transformer layers on each of the pp ranks, vpp). Stages are separated by "|" in virtual order
     (stage i runs on rank i % pp, chunk i // pp); "E" embedding, "L" loss, "t" a transformer layer,
-    "m" an MTP layer (not counted); "x*n" and "(...)*n" repeat, commas are cosmetic. A small reading of
+    "m" an MTP layer (not counted); "x*n" and "(...)*n" repeat, commas are cosmetic. With `num_layers`, a
+    layout that does not place exactly that many "t" is refused. A small reading of
     megatron/core/transformer/pipeline_parallel_layer_layout.py (parse_str_to_list) for the planner."""
     import re
 
@@ -239,6 +240,9 @@ def parse_pipeline_layout(layout: str, pp: int) -> tuple[tuple[int, ...], int]:
     if text.count("E") != 1 or not stages[0].startswith("E") or text.count("L") != 1 or not stages[-1].endswith("L"):
         raise ValueError(f"pipeline layout {layout!r}: the first stage must start with E (embedding) and the last "
                          "end with L (loss), each once")
+    if num_layers is not None and text.count("t") != num_layers:
+        raise ValueError(f"pipeline layout {layout!r} places {text.count('t')} transformer layers (t), the model has "
+                         f"{num_layers}: add or remove t's so that the stages cover every layer once")
     per_rank = [0] * pp
     for i, stage in enumerate(stages):
         per_rank[i % pp] += stage.count("t")
