@@ -265,6 +265,7 @@ def validation_rows(runs: list[PublishedRun] | None = None) -> list[dict]:
         predicted = predict(run)
         for metric, published in run.published.items():
             rows.append({"source": run.source, "split": run.split, "family": run.family,
+                         "precision": run.train.fp8_recipe or "bf16/fp16",
                          "model": run.model.name, "layout": str(run.layout), "metric": metric,
                          "published": published, "predicted": predicted[metric],
                          "error": predicted[metric] / published - 1})
