@@ -404,11 +404,15 @@ def test_fp8_recipes_speed_the_gemms_and_cost_casts_and_copies():
 def test_uneven_pipeline_layouts_from_megatrons_string():
     model, pp = R.LLAMA31_405B, 8  # 126 layers over 8 ranks x 8 chunks, embedding and loss one slot each
     stages, vpp = P.parse_pipeline_layout("Et|(tt|)*62,tL", pp)
-    assert vpp == 8 and stages == (15, 16, 16, 16, 16, 16, 16, 15) == R._uneven(126, 8, 8)
+    assert vpp == 8 and stages == (15, 16, 16, 16, 16, 16, 16, 15) == P.embedding_and_loss_layout(126, 8, 8)
     train = P.Training(seq_length=8192, global_batch_size=512, fp8_recipe="tensorwise", tp_comm_overlap=True)
     with pytest.raises(ValueError, match=r"must divide the 126 layers.*pipeline_layout"):
         P.check_layout(model, P.Layout(tp=8, pp=8, cp=2, dp=8, vpp=8), train)
     uneven = P.evaluate(model, P.Layout(tp=8, pp=8, cp=2, dp=8, vpp=8, pipeline_layout=stages), train)
+    assert str(uneven.layout) == "tp8·pp8·cp2·dp8 (vpp 8) [15,16x6,15]"
+    assert uneven.time.mfu == pytest.approx(uneven.time.model_flops / (uneven.step_time * 1024 * 1979e12))  # fp8 peak
+    planned = P.plan(model, 1024, train)  # the planner proposes uneven layouts itself where L does not divide
+    assert any(p.layout.pipeline_layout == (7,) + (8,) * 14 + (7,) for p in planned)
     worse = P.Layout(tp=8, pp=8, cp=2, dp=8, vpp=8, pipeline_layout=(14, 16, 16, 16, 16, 16, 16, 16))
     assert S.step_time(model, worse, train).total > uneven.step_time  # the last rank: 16 layers and the loss
     for bad, words in [((15, 16, 16, 16, 16, 16, 16, 14), "add up to the model's 126 layers"),
@@ -452,7 +456,7 @@ def test_cp_variants_bytes_and_exposure():
 
 
 def test_ep_overlap_hides_the_all_to_all_and_imbalance_slows_the_step():
-    model, layout = R.QWEN3_235B_A22B, P.Layout(tp=2, pp=8, dp=16, ep=32, vpp=4, pipeline_layout=R._uneven(94, 8, 4))
+    model, layout = R.QWEN3_235B_A22B, P.Layout(tp=2, pp=8, dp=16, ep=32, vpp=4, pipeline_layout=P.embedding_and_loss_layout(94, 8, 4))
     train = P.Training(seq_length=4096, global_batch_size=2048, fp8_recipe="tensorwise")
     plain = S.step_time(model, layout, train)
     hidden = S.step_time(model, layout, dataclasses.replace(train, overlap_moe_expert_parallel_comm=True))

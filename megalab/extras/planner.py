@@ -214,7 +214,31 @@ class Layout:
         parts = [f"{k}{v}" for k, v in (("tp", self.tp), ("pp", self.pp), ("cp", self.cp), ("ep", self.ep),
                                            ("dp", self.dp)) if v > 1 or k == "dp"]
         return "·".join(parts) + (f" (vpp {self.vpp})" if self.vpp > 1 else "") + (
-            " [" + ",".join(map(str, self.pipeline_layout)) + "]" if self.pipeline_layout else "")
+            f" [{_runs(self.pipeline_layout)}]" if self.pipeline_layout else "")
+
+
+def _runs(counts) -> str:
+    """(15, 16, 16, 16, 15) -> "15,16x3,15": layers per rank, repeats folded."""
+    out: list[list] = []
+    for c in counts:
+        if out and out[-1][0] == c:
+            out[-1][1] += 1
+        else:
+            out.append([c, 1])
+    return ",".join(f"{c}x{n}" if n > 1 else f"{c}" for c, n in out)
+
+
+def embedding_and_loss_layout(num_layers: int, pp: int, vpp: int = 1) -> tuple[int, ...] | None:
+    """Layers on each pipeline rank when the embedding and the loss each take one layer's slot of the pp·vpp
+    virtual stages (Megatron's --account-for-embedding-in-pipeline-split and --account-for-loss-in-pipeline-split;
+    e.g. LLaMA-3.1 405B: 126 + 2 = 128 slots over 8 x 8 stages). None when that does not divide either."""
+    per_stage, rest = divmod(num_layers + 2, pp * vpp)
+    if rest or per_stage < 1:
+        return None
+    stages = [per_stage] * (pp * vpp)
+    stages[0] -= 1  # E
+    stages[-1] -= 1  # L
+    return tuple(sum(stages[c * pp + r] for c in range(vpp)) for r in range(pp))
 
 
 def parse_pipeline_layout(layout: str, pp: int, num_layers: int | None = None) -> tuple[tuple[int, ...], int]:
@@ -483,7 +507,8 @@ def _divisors(n: int) -> list[int]:
 
 
 def enumerate_layouts(model: ModelSpec, num_gpus: int, train: Training, max_vpp: int = 1) -> list[Plan]:
-    """Every valid layout of `num_gpus` (tp·pp·cp·dp = N; ep re-slices tp·cp·dp for expert layers)."""
+    """Every valid layout of `num_gpus` (tp·pp·cp·dp = N; ep re-slices tp·cp·dp for expert layers); where the
+    layers do not divide into pp·vpp stages, the uneven embedding_and_loss_layout when it exists."""
     plans = []
     for tp in _divisors(num_gpus):
         for pp in _divisors(num_gpus // tp):
@@ -492,8 +517,11 @@ def enumerate_layouts(model: ModelSpec, num_gpus: int, train: Training, max_vpp:
                 eps = [1] if model.num_experts is None else _divisors(model.num_experts)
                 for ep in eps:
                     for vpp in range(1, max_vpp + 1) if pp > 1 else [1]:
+                        # layers that do not divide into pp·vpp stages: the embedding and loss take a slot each
+                        stages = (None if model.num_layers % (pp * vpp) == 0
+                                  else embedding_and_loss_layout(model.num_layers, pp, vpp))
                         try:
-                            plans.append(evaluate(model, Layout(tp, pp, cp, dp, ep, vpp=vpp), train))
+                            plans.append(evaluate(model, Layout(tp, pp, cp, dp, ep, vpp=vpp, pipeline_layout=stages), train))
                         except ValueError:
                             continue
     return plans

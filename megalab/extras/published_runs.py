@@ -41,7 +41,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megalab.extras import calc, step_time
-from megalab.extras.planner import Layout, ModelSpec, Training
+from megalab.extras.planner import Layout, ModelSpec, Training, embedding_and_loss_layout
 
 SELENE = "A100-80GB (Selene)"
 VOCAB, SEQ = 51200, 2048
@@ -166,19 +166,6 @@ H100, B200 = "H100-SXM (DGX H100)", "B200 (DGX B200)"
 _RECIPE = {"FP8-CS": "tensorwise", "FP8": "tensorwise", "FP8-MX": "mxfp8", "MXFP8": "mxfp8"}
 
 
-def _uneven(num_layers: int, pp: int, vpp: int) -> tuple[int, ...] | None:
-    """Layers per rank when the embedding and the loss each take a layer's slot (None when L divides evenly)."""
-    if num_layers % (pp * vpp) == 0:
-        return None
-    per_stage, rest = divmod(num_layers + 2, pp * vpp)
-    if rest:
-        raise ValueError(f"{num_layers} layers + embedding + loss do not divide into {pp * vpp} stages")
-    stages = [per_stage] * (pp * vpp)
-    stages[0] -= 1  # E
-    stages[-1] -= 1  # L
-    return tuple(sum(stages[c * pp + r] for c in range(vpp)) for r in range(pp))
-
-
 # (container, system, model, GPUs, precision, GBS, MBS, seq, FSDP, TP, PP, CP, VP, EP, tokens/s/GPU) -- the
 # table's columns in its order (25.11 tables: "System: DGX-..." sections; 26.02: "Model: ..." sections)
 _BRIDGE_ROWS = [
@@ -217,7 +204,8 @@ def megatron_bridge_tables() -> list[PublishedRun]:
     for (container, system, name, gpus, precision, gbs, mbs, seq, fsdp, tp, pp, cp, vp, ep, tokens) in _BRIDGE_ROWS:
         model, vpp = models[name], vp or 1
         layout = Layout(tp=tp, pp=pp, cp=cp, dp=gpus // (tp * pp * cp), ep=ep or 1, vpp=vpp,
-                        pipeline_layout=_uneven(model.num_layers, pp, vpp))
+                        pipeline_layout=None if model.num_layers % (pp * vpp) == 0
+                        else embedding_and_loss_layout(model.num_layers, pp, vpp))
         train = Training(seq_length=seq, global_batch_size=gbs, micro_batch_size=mbs, sequence_parallel=tp > 1,
                          recompute="selective", hardware=system, fp8_recipe=_RECIPE[precision],
                          tp_comm_overlap=tp > 1, zero_stage=3 if fsdp else 0,

@@ -665,8 +665,14 @@ def step_time(model, layout, train, hw: Hardware | str | None = None) -> StepTim
     return StepTime(compute=m * mb_compute + fp8_weights, recompute=m * mb_recompute, bubble=bubble(p, m, v) * m * t_mb,
                     comm=exposed, optimizer=optimizer, model_flops=flops,
                     hardware_flops=flops + recomputed_flops(model, train, sequences),
-                    num_gpus=layout.world_size, peak_flops=gpu.peak_flops,
+                    num_gpus=layout.world_size, peak_flops=_peak(gpu, train),
                     per_microbatch={"compute": mb_compute, "recompute": mb_recompute, **mb_comm})
+
+
+def _peak(gpu: GPU, train) -> float:
+    """The peak MFU is measured against: the fp8 rate when the GEMMs run in fp8, else the 16-bit rate."""
+    recipe = fp8_recipe(getattr(train, "fp8_recipe", None), gpu)
+    return gpu.fp8_flops if recipe is not None else gpu.peak_flops
 
 
 ADAM_BYTES_PER_PARAM = 4 * 4 + 3 * 4 + 2  # read fp32 param, grad, m, v; write param, m, v; write the bf16 copy
