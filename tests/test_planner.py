@@ -419,6 +419,15 @@ def test_uneven_pipeline_layouts_from_megatrons_string():
                        ((63, 63), "each of the pp=8 ranks")]:
         with pytest.raises(ValueError, match=words):
             P.check_layout(model, P.Layout(tp=8, pp=8, cp=2, dp=8, vpp=8, pipeline_layout=bad), train)
+    # DeepSeek-V3's 61 layers and its MTP module in Megatron-Bridge's recipes (deepseek_workload_base_configs.py,
+    # pp_layout of DEEPSEEK_V3_PRETRAIN_CONFIG_H100_V1 and ..._B200_FP8_MX_V2)
+    assert P.parse_pipeline_layout("Et|(tt|)*30mL", 8, num_layers=61) == ((7, 8, 8, 8, 8, 8, 8, 6), 4)
+    assert P.parse_pipeline_layout("Et*4|(t*4|)*14tmL", 8, num_layers=61) == ((8,) * 7 + (5,), 2)
+    dsv3 = P.Layout(tp=2, pp=8, dp=64, ep=64, vpp=4, pipeline_layout=(7, 8, 8, 8, 8, 8, 8, 6))
+    fp8 = P.Training(seq_length=4096, global_batch_size=8192, fp8_recipe="tensorwise")
+    with_mtp = P.evaluate(P.DEEPSEEK_V3, dsv3, fp8).time
+    without = S.step_time(dataclasses.replace(P.DEEPSEEK_V3, mtp_num_layers=0), dsv3, fp8)
+    assert with_mtp.total > without.total and with_mtp.model_flops > without.model_flops
     with pytest.raises(ValueError, match="unknown characters"):
         P.parse_pipeline_layout("Ex|tL", 2)
     with pytest.raises(ValueError, match="not a multiple of pp=4"):

@@ -68,6 +68,7 @@ class ModelSpec:
     qk_head_dim: int = 128
     qk_pos_emb_head_dim: int = 64
     v_head_dim: int = 128
+    mtp_num_layers: int = 0  # multi-token prediction modules on the last stage (DeepSeek-V3: 1); not in the counts
 
     @classmethod
     def from_config(cls, name: str, config: TransformerConfig) -> ModelSpec:
@@ -147,7 +148,7 @@ LLAMA3_70B = ModelSpec.from_config("LLaMA-3 70B", llama_preset("llama3-70b"))
 MIXTRAL_8X7B = ModelSpec.from_config("Mixtral 8x7B", mixtral_preset("mixtral-8x7b"))
 DEEPSEEK_V3 = ModelSpec("DeepSeek-V3", 61, 7168, 128, 18432, 129280, num_experts=256, moe_router_topk=8,
                         moe_ffn_hidden_size=2048, moe_shared_expert_intermediate_size=2048, moe_first_dense_layers=3,
-                        q_lora_rank=1536, kv_lora_rank=512)
+                        q_lora_rank=1536, kv_lora_rank=512, mtp_num_layers=1)
 MODELS = {m.name: m for m in (LLAMA3_8B, LLAMA3_70B, MIXTRAL_8X7B, DEEPSEEK_V3)}
 
 

@@ -587,12 +587,15 @@ def forward_flops(model, seq_length: int) -> dict[str, float]:
     else:
         moe_mlp = 0.0
     weights = (L - moe_layers) * (attention + dense_mlp) + moe_layers * (attention + moe_mlp)
+    # multi-token prediction (DeepSeek-V3): each MTP module is a projection [2h -> h], one more layer and the logits
+    mtp = getattr(model, "mtp_num_layers", 0)
+    weights += mtp * (2 * h * h + attention + (moe_mlp if moe_layers else dense_mlp))
     if model.kv_lora_rank is None:
         qk = v = model.head_dim
     else:
         qk, v = model.qk_head_dim + model.qk_pos_emb_head_dim, model.v_head_dim
-    return {"layers": 2 * weights * s, "attention": 2 * s * s * model.num_attention_heads * (qk + v) * L,
-            "logits": 2 * model.vocab_size * h * s}
+    return {"layers": 2 * weights * s, "attention": 2 * s * s * model.num_attention_heads * (qk + v) * (L + mtp),
+            "logits": 2 * model.vocab_size * h * s * (1 + mtp)}
 
 
 def model_flops(model, train, num_sequences: int) -> float:
@@ -638,12 +641,16 @@ def step_time(model, layout, train, hw: Hardware | str | None = None) -> StepTim
     logits = gemm_time(tokens, model.vocab_size // t, model.hidden_size, gpu) * (1 + BACKWARD_FACTOR) \
         + elementwise_time(3 * 4 * tokens * model.vocab_size / t, gpu)  # fp32 softmax cross-entropy
     comm = layer_comm(model, layout, train, hw, fwd)
-    # the slowest rank: its layers, and the output layer + loss on the last one
-    per_rank = [n * (layer_fwd + layer_bwd + recompute + sum(comm.values())) + (logits if r == p - 1 else 0.0)
-                for r, n in enumerate(stages)]
+    # the last rank also runs the output layer + loss, and the MTP modules (DeepSeek-V3's multi-token prediction:
+    # a [2h -> h] projection, one more layer and the logits again, each), as Megatron places them
+    mtp = getattr(model, "mtp_num_layers", 0)
+    head = logits * (1 + mtp) + mtp * gemm_time(tokens, model.hidden_size, 2 * model.hidden_size, gpu) * (1 + BACKWARD_FACTOR)
+    # the slowest rank: its layers (+ the MTP layers and the head on the last one)
+    per_rank = [(n + (mtp if r == p - 1 else 0)) * (layer_fwd + layer_bwd + recompute + sum(comm.values()))
+                + (head if r == p - 1 else 0.0) for r, n in enumerate(stages)]
     slowest = max(range(p), key=lambda r: (per_rank[r], r))
-    layers = stages[slowest]
-    mb_compute = layers * (layer_fwd + layer_bwd) + (logits if slowest == p - 1 else 0.0)
+    layers = stages[slowest] + (mtp if slowest == p - 1 else 0)
+    mb_compute = layers * (layer_fwd + layer_bwd) + (head if slowest == p - 1 else 0.0)
     mb_recompute = layers * recompute
     mb_comm = {k: layers * c for k, c in comm.items()}
     t_mb = mb_compute + mb_recompute + sum(mb_comm.values())
