@@ -460,6 +460,7 @@ def test_cp_variants_bytes_and_exposure():
         P.check_layout(model, layout, dataclasses.replace(train, cp_comm_type="a2a+p2p"))
     with pytest.raises(ValueError, match="cp_comm_type 'ring' is unknown"):
         P.check_layout(model, layout, dataclasses.replace(train, cp_comm_type="ring"))
+    assert P.evaluate(model, P.Layout(tp=8, dp=8), dataclasses.replace(train, cp_comm_type="a2a+p2p")).time.comm["cp"] == 0
     ok = dataclasses.replace(train, cp_comm_type="a2a", sequence_parallel=True)
     assert S.step_time(P.LLAMA3_70B, P.Layout(tp=2, cp=4, dp=8), ok).comm["cp"] > 0
 

@@ -447,7 +447,7 @@ def communication(model: ModelSpec, layout: Layout, train: Training, num_microba
         "tp": calc.tensor_parallel_communication_per_layer(s, b, h, t) * layers * m,
         "cp": calc.context_parallel_communication_per_layer(
             train.seq_length, b, max(1, model.groups // t), model.head_dim, layout.cp,
-            variant=train.cp_comm_type, bytes_per_element=BF16, num_attention_heads=model.num_attention_heads // t,
+            variant=train.cp_comm_type if layout.cp > 1 else "p2p", bytes_per_element=BF16, num_attention_heads=model.num_attention_heads // t,
             hierarchical_sizes=train.hierarchical_context_parallel_sizes)["total"] * layers * m,
         "ep": 0.0,
         "pp": 2 * s * b * h * BF16 / (t if train.sequence_parallel else 1) * m if layout.pp > 1 else 0.0,
