@@ -56,6 +56,8 @@ class ModelSpec:
     swiglu: bool = True
     normalization: str = "RMSNorm"
     untie_embeddings_and_output_weights: bool = True
+    position_embedding_type: str = "rope"  # "rope": rotated q and k in every layer; "learned_absolute": GPT's table
+    qk_layernorm: bool = False  # a norm over q and k of every head (Qwen3)
     # MoE (num_experts None: dense)
     num_experts: int | None = None
     moe_router_topk: int = 2
@@ -77,6 +79,8 @@ class ModelSpec:
                    config.vocab_size, num_query_groups=config.num_query_groups, kv_channels=config.kv_channels,
                    swiglu=config.gated_linear_unit, normalization=config.normalization,
                    untie_embeddings_and_output_weights=not config.share_embeddings_and_output_weights,
+                   position_embedding_type=config.position_embedding_type,
+                   qk_layernorm=getattr(config, "qk_layernorm", False),
                    num_experts=config.num_moe_experts, moe_router_topk=config.moe_router_topk,
                    moe_ffn_hidden_size=config.moe_ffn_hidden_size,
                    moe_shared_expert_intermediate_size=config.moe_shared_expert_intermediate_size)

@@ -31,7 +31,11 @@ What today's Megatron trains with (issue 39): FP8 per recipe (FP8_RECIPES: the w
 rate, the casts of their inputs, TE's fp8 weight copies), uneven pipeline stages (stage_layers: the slowest
 rank sets the pace), CP by cp_comm_type (cp_layer_comm: p2p ring, all_gather, a2a, a2a+p2p), the EP
 all-to-all overlapped with another micro-batch's compute and routing imbalance, and A100, H100, H200 and
-B200 records, each with its datasheet.
+B200 records, each with its datasheet. What a small-expert MoE layer pays beyond its FLOPs, each from the source
+that runs it: the expert GEMMs as Transformer Engine runs them (grouped_gemm_time: one cuBLAS GEMM per expert,
+4 streams side by side; fp8 operands, bf16 outputs in the roofline), the memory-bound token permutes (and the
+alltoall dispatcher's sort by local expert), the router's fp32 scores, and the dispatcher's all-gather of token
+counts and host sync before each all-to-all; every attention also streams RoPE and (Qwen3) q/k norms.
 
 Calibrated on published runs (published_runs.all_runs, tests/test_step_time.py): Narayanan et al. 2021
 Tables 1 and 2, Korthikanti et al. 2022 Table 5. Validated out of sample (published_runs.validation_runs,
@@ -46,7 +50,8 @@ API (stable; the laptop calibration builds its own Hardware on it):
     Hardware(name, gpu, intra_node, inter_node, gpus_per_node=8)
     hardware(name_or_Hardware) -> Hardware      known: HARDWARE; unknown -> ValueError naming the fields
     matmul_efficiency(m, n, k, gpu, batch=1) -> fraction of peak
-    gemm_time(m, n, k, gpu, dtype_bytes=2, batch=1) -> s
+    gemm_time(m, n, k, gpu, dtype_bytes=2, batch=1, out_bytes=None) -> s
+    grouped_gemm_time(m, n, k, gpu, groups, dtype_bytes=2, out_bytes=None) -> s   experts, as TE runs them
     elementwise_time(nbytes, gpu) -> s
     attention_time(b, heads, s_q, s_kv, head_dim, gpu, *, flash, causal=True, value_dim=None) -> s (forward)
     collective_time(kind, nbytes, group_size, link) -> s    kind: all_reduce, all_gather,
@@ -217,13 +222,32 @@ def matmul_efficiency(m: int, n: int, k: int, gpu: GPU, batch: int = 1) -> float
     return gpu.matmul_efficiency * gpu.sustained * useful
 
 
-def gemm_time(m: int, n: int, k: int, gpu: GPU, dtype_bytes: int = BF16, batch: int = 1) -> float:
-    """Seconds for `batch` GEMMs [m, k] x [k, n]: compute- or memory-bound (the roofline), plus a launch."""
+def gemm_time(m: int, n: int, k: int, gpu: GPU, dtype_bytes: int = BF16, batch: int = 1,
+              out_bytes: int | None = None) -> float:
+    """Seconds for `batch` GEMMs [m, k] x [k, n]: compute- or memory-bound (the roofline), plus a launch.
+    The inputs are `dtype_bytes` per element, the output `out_bytes` (default the same; an fp8 GEMM writes bf16)."""
     if min(m, n, k, batch) <= 0:
         return 0.0
+    out = dtype_bytes if out_bytes is None else out_bytes
     compute = 2 * m * n * k * batch / (gpu.peak_flops * matmul_efficiency(m, n, k, gpu, batch))
-    memory = dtype_bytes * batch * (m * k + k * n + m * n) / gpu.achievable_bandwidth
+    memory = batch * (dtype_bytes * (m * k + k * n) + out * m * n) / gpu.achievable_bandwidth
     return max(compute, memory) + gpu.kernel_overhead
+
+
+# TE's grouped GEMM (nvte_multi_tensor_gemm, transformer_engine/common/gemm/cublaslt_gemm.cu) runs one cuBLAS GEMM
+# per expert, spread round-robin over nvte_get_num_compute_streams() = 4 streams (common/util/multi_stream.cpp);
+# its CUTLASS grouped kernel is used only on Hopper and only with NVTE_USE_CUTLASS_GROUPED_GEMM=1 (off by default)
+TE_COMPUTE_STREAMS = 4
+
+
+def grouped_gemm_time(m: int, n: int, k: int, gpu: GPU, groups: int, dtype_bytes: int = BF16,
+                      out_bytes: int | None = None) -> float:
+    """Seconds for `groups` same-shaped expert GEMMs as TE runs them: rounds of TE_COMPUTE_STREAMS GEMMs side by
+    side (each round's tiles share the SMs in waves, each GEMM its own launch), the last round partly filled."""
+    full, rest = divmod(groups, TE_COMPUTE_STREAMS)
+    one = gemm_time(m, n, k, gpu, dtype_bytes, batch=min(groups, TE_COMPUTE_STREAMS), out_bytes=out_bytes)
+    return full * one + (gemm_time(m, n, k, gpu, dtype_bytes, batch=rest, out_bytes=out_bytes) if rest and full else
+                         one if rest else 0.0)
 
 
 def elementwise_time(nbytes: float, gpu: GPU) -> float:
@@ -236,6 +260,13 @@ NORM_BYTES = 4  # read x, write y
 BIAS_DROPOUT_ADD_BYTES = 7  # read x and the residual, write y and the dropout mask
 ACTIVATION_BYTES = {False: 4, True: 6}  # bias-GeLU: read, write; SwiGLU: read two halves, write
 SOFTMAX_DROPOUT_BYTES = 9  # fused scale-mask-softmax (read, write) + attention dropout (read, write, mask)
+ROPE_BYTES = 4  # RoPE on q and k: read, write (per element of q and k); the same for q/k layernorm (Qwen3)
+# the router's fp32 scores [tokens, experts]: softmax (read, write), top-k (read), aux loss (read the scores and
+# the 1-byte routing map) -- moe_router_dtype fp32, Megatron's TopKRouter (moe/router.py)
+ROUTER_BYTES = 4 + 4 + 4 + 4 + 1
+# each routed copy of a token: permute (gather: read, write), unpermute (read, then weight by its probability and
+# sum into the token's output: write), in bf16 -- moe_permute_fusion's fused kernels (moe/moe_utils.py)
+PERMUTE_BYTES = 2 * BF16 + 2 * BF16
 BACKWARD_FACTOR = 2.0  # backward does twice the forward's matmul work and memory traffic
 FLASH_BACKWARD_FACTOR = 2.5  # FlashAttention's backward also recomputes the scores it never stored
 
@@ -422,8 +453,11 @@ def _layer_forward(model, layout, train, hw: Hardware, moe: bool) -> dict[str, f
         quantised = []
     fp8_gpu = None if recipe is None else dataclasses.replace(gpu, peak_flops=gpu.fp8_flops * recipe.gemm_efficiency)
 
-    def one(i, m, n, k, batch):  # the GEMM at the fp8 rate (1-byte operands) or bf16
-        return gemm_time(m, n, k, fp8_gpu, dtype_bytes=1, batch=batch) if i in quantised else gemm_time(m, n, k, gpu, batch=batch)
+    def one(i, m, n, k, batch):  # the GEMM at the fp8 rate (1-byte operands, bf16 output) or bf16; experts grouped
+        args = (fp8_gpu, 1, BF16) if i in quantised else (gpu, BF16, BF16)
+        if batch > 1:
+            return grouped_gemm_time(m, n, k, args[0], batch, dtype_bytes=args[1], out_bytes=args[2])
+        return gemm_time(m, n, k, args[0], dtype_bytes=args[1], out_bytes=args[2])
 
     gemm = sum(one(i, m, n, k, batch) for i, (m, n, k, batch) in enumerate(gemms))
     # backward of Y[m, n] = X[m, k] W[k, n]: dX = dY Wᵀ (m, k, n) and dW = Xᵀ dY (k, n, m), which
@@ -449,10 +483,16 @@ def _layer_forward(model, layout, train, hw: Hardware, moe: bool) -> dict[str, f
     else:
         routed = tokens / t * model.moe_router_topk * imbalance
         ffn_elements = routed * model.moe_ffn_hidden_size + tokens * (model.moe_shared_expert_intermediate_size or 0) / t
-        permute = 2 * 2 * BF16 * routed * h  # token permutation before and after the experts (read + write)
+        permute = PERMUTE_BYTES * routed * h + ROUTER_BYTES * tokens / t * model.num_experts
+        if layout.ep > 1 and model.num_experts // layout.ep > 1:  # alltoall dispatcher: sort_chunks_by_idxs after the
+            permute += PERMUTE_BYTES * routed * h  # dispatch (by local expert) and back before the combine
+    # q and k of this GPU's heads: RoPE rotates them (MLA: only the rope part), qk_layernorm normalises them
+    qk = tokens * (heads + max(1, model.groups // t)) * d if model.kv_lora_rank is None \
+        else tokens * (heads + 1) * model.qk_pos_emb_head_dim
+    qk_bytes = ROPE_BYTES * qk * ((model.position_embedding_type == "rope") + model.qk_layernorm)
     elementwise = elementwise_time(
         (2 * NORM_BYTES + 2 * BIAS_DROPOUT_ADD_BYTES) * tokens * h / sp
-        + ACTIVATION_BYTES[model.swiglu] * ffn_elements + permute, gpu)
+        + ACTIVATION_BYTES[model.swiglu] * ffn_elements + permute + qk_bytes, gpu)
     return {"gemm": gemm + cast, "gemm_backward": gemm_bwd + cast_bwd, "attention": attention,
             "elementwise": elementwise, "core_attention": 0.0 if train.flash_attention else attention,
             "fp8_cast": cast + cast_bwd, "fp8_weight_cast": weights}
@@ -565,7 +605,12 @@ def layer_comm(model, layout, train, hw: Hardware, fwd: dict[str, float]) -> dic
     if model.num_experts is not None and layout.ep > 1 and model.num_moe_layers:
         routed = BF16 * tokens // t * model.moe_router_topk * h * getattr(train, "moe_imbalance", 1.0)
         share = model.num_moe_layers / model.num_layers  # per layer, averaged like layer_forward
-        comm = 4 * collective_time("all_to_all", routed, layout.ep, _link("ep", layout, hw))
+        link = _link("ep", layout, hw)
+        comm = 4 * collective_time("all_to_all", routed, layout.ep, link)
+        # the dispatcher's preprocess all-gathers each rank's tokens per expert (int64) and copies the splits to the
+        # host before the all-to-all (token_dispatcher.py: cuda_sync_point "before_ep_alltoall"): the GPU drains and
+        # waits for the host to launch the next kernels -- a latency, once per layer forward
+        comm += collective_time("all_gather", 8 * model.num_experts * layout.ep, layout.ep, link) + 2 * hw.gpu.kernel_overhead
         if getattr(train, "overlap_moe_expert_parallel_comm", False):
             compute = fwd["gemm"] + fwd["gemm_backward"] + (1 + BACKWARD_FACTOR) * (fwd["attention"] + fwd["elementwise"])
             comm = overlapped(comm, compute, hw.gpu)
