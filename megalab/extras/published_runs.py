@@ -39,7 +39,8 @@ What the model still misses (the validation table, stated, not tuned away): the 
 runs take 2.2-3.2x the predicted step on both GPUs, Qwen3 235B-A22B on B200 1.6-1.8x (on H100, where the
 inter-node all-to-all dominates, within 3%), and LLaMA-3 8B on B200 runs 21-28% slower than predicted. The
 modelled MoE mechanisms (the permutes and the dispatcher's sort, the router, TE's per-expert GEMMs, the
-dispatcher's host sync, RoPE and q/k norms) closed about a fifth of the MoE gap. The likely causes of the rest:
+dispatcher's host sync, RoPE and q/k norms) moved the MoE families' mean error from +86% to +68% (H100) and from
++182% to +142% (B200), the dense ones by about a point. The likely causes of the rest:
 host time -- a fine-grained MoE layer launches hundreds of small kernels (routing, permutes, per-expert fp8
 quantisation and GEMMs, forward and backward), and Megatron's MoE guide (megatron/core/transformer/moe/README.md,
 "CPU Overhead Bottleneck") names exactly this and CUDA graphs of attn / moe_router / moe_preprocess as its cure;
