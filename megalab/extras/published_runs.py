@@ -210,6 +210,14 @@ _BRIDGE_ROWS = [
 # qwen3_workload_base_configs.py at 01b2977e518f0a58ec870daba2fb2c04d76a91b2: QWEN3_235B_A22B_PRETRAIN_CONFIG_H100_FP8_CS_V1,
 # tp 2, pp 8, vpp 4, ep 32 as the rows, moe_a2a_overlap=True, i.e. --overlap-moe-expert-parallel-comm)
 _RECIPE_SETTINGS = {(H100, "Qwen3_235B_a22B"): {"overlap_moe_expert_parallel_comm": True}}
+# The other MoE rows' recipes in the same file do not overlap it: QWEN3_235B_A22B_PRETRAIN_CONFIG_B200_FP8_CS_V1
+# (= _FP8_MX_V1) and QWEN3_30B_A3B_PRETRAIN_CONFIG_H100_FP8_CS_V1 set moe_a2a_overlap=False, the B200 30B-A3B
+# configs leave the default. EP's link follows the row's layout (step_time.spans_nodes): the H100 235B-A22B's
+# ep 32 spans 4 nodes (InfiniBand), every other row's ep 8 stays inside a node (NVLink). All MoE rows are modelled
+# with Megatron's alltoall dispatcher (its permutes, sort by local expert and host sync): scripts/performance/
+# configs/qwen/qwen3_llm_pretrain.py sets "alltoall" for 235B-A22B on H100 and B200 but "flex" (HybridEP, which
+# fuses the permutes into the dispatch) for 30B-A3B; the 30B-A3B rows' layouts (pp 2 on H100) are not those of
+# that file's configs, so which dispatcher they ran is not known.
 
 
 def megatron_bridge_tables() -> list[PublishedRun]:
