@@ -48,7 +48,7 @@ def flops_per_iteration(batch_size: int, seq_length: int, num_layers: int, hidde
 def activation_memory_per_layer(seq_length: int, micro_batch_size: int, hidden_size: int, num_attention_heads: int,
                                 tensor_parallel_size: int = 1, sequence_parallel: bool = False,
                                 recompute: str = "none", ffn_hidden_size: int | None = None,
-                                context_parallel_size: int = 1) -> float:
+                                context_parallel_size: int = 1, flash_attention: bool = False) -> float:
     """Bytes of activations one transformer layer keeps for backward. Korthikanti 2022, Table 2.
 
     16-bit activations, 1-byte dropout masks. Without parallelism a layer keeps
@@ -66,6 +66,8 @@ def activation_memory_per_layer(seq_length: int, micro_batch_size: int, hidden_s
     with `ffn_hidden_size` f it becomes 8 + 4 f/h (Megatron's theoretical_memory_usage writes
     the SP case as 18 + 4 f/h). Context parallelism gives each rank s/cp tokens: every s b h
     term shrinks by cp, and the scores of s/cp queries against all s keys by cp too.
+    flash_attention=True: FlashAttention / cuDNN fused attention never stores the 5as²b scores, whatever
+    the recomputation (the backward recomputes them block by block on chip).
     """
     s, b, h, a, t = seq_length / context_parallel_size, micro_batch_size, hidden_size, num_attention_heads, tensor_parallel_size
     split = 8 + 4 * (4 * h if ffn_hidden_size is None else ffn_hidden_size) / h
@@ -73,7 +75,7 @@ def activation_memory_per_layer(seq_length: int, micro_batch_size: int, hidden_s
         return 2 * s * b * h
     if recompute not in ("none", "selective"):
         raise ValueError(f'recompute must be "none", "selective" or "full", got {recompute!r}')
-    attention_scores = 5 * a * seq_length / h if recompute == "none" else 0.0  # s/cp queries x s keys
+    attention_scores = 5 * a * seq_length / h if recompute == "none" and not flash_attention else 0.0  # s/cp x s
     if sequence_parallel:
         return s * b * h / t * (10 + split + attention_scores)
     return s * b * h * (10 + split / t + attention_scores / t)
@@ -155,23 +157,50 @@ def context_parallel_attention_memory(seq_length: int, micro_batch_size: int, nu
 
 def context_parallel_communication_per_layer(seq_length: int, micro_batch_size: int, num_query_groups: int,
                                              kv_channels: int, context_parallel_size: int, variant: str = "p2p",
-                                             bytes_per_element: int = 4) -> dict[str, float]:
+                                             bytes_per_element: int = 4, num_attention_heads: int | None = None,
+                                             hierarchical_sizes: tuple[int, int] | None = None) -> dict[str, float]:
     """Bytes each rank sends for one layer's attention, forward and backward, one micro-batch.
 
     A K/V block is this rank's keys and values, 2 b (s/cp) ng hn elements. Ring ("p2p", TE's
     AttnFuncWithCPAndKVP2P): forward passes cp-1 blocks; backward passes the K/V again (cp-1) and
-    the dK/dV that travel with them back to their owner (cp hops). All-gather: an all-gather
-    forward and a reduce-scatter of dK/dV backward, (cp-1) blocks each (ring algorithms).
-    Returns {"forward", "backward", "total"}.
+    the dK/dV that travel with them back to their owner (cp hops). All-gather (TE's
+    AttnFuncWithCPAndKVAllGather keeps only its local K/V): an all-gather forward, the same all-gather
+    again backward and a reduce-scatter of dK/dV, (cp-1) blocks each. "a2a" (Ulysses, TE's
+    AttnFuncWithCPAndQKVOA2A): all-to-alls of q, k, v and the output forward, of dO, dQ, dK, dV backward, each
+    sending (cp-1)/cp of this rank's b (s/cp) (np or ng) hn elements (needs num_attention_heads).
+    "a2a+p2p" (hierarchical_sizes = (a, p), a·p = cp): a2a inside groups of a, then a ring over p ranks of
+    K/V blocks of s/p tokens and ng/a groups. Returns {"forward", "backward", "total"}.
     """
-    cp = context_parallel_size
-    block = 2 * micro_batch_size * (seq_length // cp) * num_query_groups * kv_channels * bytes_per_element
+    cp, b, s, ng, hn, e = (context_parallel_size, micro_batch_size, seq_length, num_query_groups, kv_channels,
+                           bytes_per_element)
+
+    def ring(n: int, tokens: int, groups: float) -> tuple[float, float]:
+        block = 2 * b * tokens * groups * hn * e
+        return (n - 1) * block, ((n - 1) + (n if n > 1 else 0)) * block
+
+    def ulysses(n: int, tokens: int, groups: float) -> tuple[float, float]:
+        if num_attention_heads is None:
+            raise ValueError(f'variant "{variant}" needs num_attention_heads (q and the output travel too)')
+        one = (n - 1) / n * b * tokens * (2 * num_attention_heads + 2 * groups) * hn * e
+        return one, one
+
     if variant == "p2p":
-        forward, backward = (cp - 1) * block, ((cp - 1) + (cp if cp > 1 else 0)) * block
+        forward, backward = ring(cp, s // cp, ng)
     elif variant == "all_gather":
-        forward = backward = (cp - 1) * block
+        block = 2 * b * (s // cp) * ng * hn * e
+        forward, backward = (cp - 1) * block, 2 * (cp - 1) * block
+    elif variant == "a2a":
+        forward, backward = ulysses(cp, s // cp, ng)
+    elif variant == "a2a+p2p":
+        if hierarchical_sizes is None or hierarchical_sizes[0] * hierarchical_sizes[1] != cp:
+            raise ValueError(f'variant "a2a+p2p" needs hierarchical_sizes=(a2a, p2p) with a2a·p2p = cp = {cp}, '
+                             f"got {hierarchical_sizes!r}")
+        a, p = hierarchical_sizes
+        f1, b1 = ulysses(a, s // cp, ng) if a > 1 else (0.0, 0.0)
+        f2, b2 = ring(p, s // p, max(1.0, ng / a))
+        forward, backward = f1 + f2, b1 + b2
     else:
-        raise ValueError(f'variant must be "p2p" or "all_gather", got {variant!r}')
+        raise ValueError(f'variant must be "p2p", "all_gather", "a2a" or "a2a+p2p", got {variant!r}')
     return {"forward": forward, "backward": backward, "total": forward + backward}
 
 

@@ -16,7 +16,10 @@ first pipeline stage, which holds the embedding and the most in-flight micro-bat
                                   communication on NVLink or the network (checked against published runs)
 
 and flags the layouts that do not fit. `plan(...)` returns them best first: fitting layouts, then
-the shortest estimated step.
+the shortest estimated step. Training also takes today's Megatron flags: fp8_recipe (fp8 weight copies
+in memory, fp8 GEMMs in time), cp_comm_type, overlap_moe_expert_parallel_comm, moe_imbalance; Layout
+takes uneven stages (pipeline_layout, or parse_pipeline_layout of Megatron's layout string). With
+FlashAttention (the default) no s x s attention scores are kept, with or without recomputation.
 
     model ─┐                      ┌─ Layout(tp, pp, cp, ep, dp, vpp) ── valid? ── memory, bubble, bytes, time
     GPUs  ─┴─ enumerate_layouts ──┤─ ...
@@ -25,6 +28,8 @@ the shortest estimated step.
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from dataclasses import dataclass, field
 
 from megalab.core.transformer.transformer_config import TransformerConfig
@@ -51,6 +56,8 @@ class ModelSpec:
     swiglu: bool = True
     normalization: str = "RMSNorm"
     untie_embeddings_and_output_weights: bool = True
+    position_embedding_type: str = "rope"  # "rope": rotated q and k in every layer; "learned_absolute": GPT's table
+    qk_layernorm: bool = False  # a norm over q and k of every head (Qwen3)
     # MoE (num_experts None: dense)
     num_experts: int | None = None
     moe_router_topk: int = 2
@@ -63,6 +70,7 @@ class ModelSpec:
     qk_head_dim: int = 128
     qk_pos_emb_head_dim: int = 64
     v_head_dim: int = 128
+    mtp_num_layers: int = 0  # multi-token prediction modules on the last stage (DeepSeek-V3: 1); not in the counts
 
     @classmethod
     def from_config(cls, name: str, config: TransformerConfig) -> ModelSpec:
@@ -71,6 +79,8 @@ class ModelSpec:
                    config.vocab_size, num_query_groups=config.num_query_groups, kv_channels=config.kv_channels,
                    swiglu=config.gated_linear_unit, normalization=config.normalization,
                    untie_embeddings_and_output_weights=not config.share_embeddings_and_output_weights,
+                   position_embedding_type=config.position_embedding_type,
+                   qk_layernorm=getattr(config, "qk_layernorm", False),
                    num_experts=config.num_moe_experts, moe_router_topk=config.moe_router_topk,
                    moe_ffn_hidden_size=config.moe_ffn_hidden_size,
                    moe_shared_expert_intermediate_size=config.moe_shared_expert_intermediate_size)
@@ -142,7 +152,7 @@ LLAMA3_70B = ModelSpec.from_config("LLaMA-3 70B", llama_preset("llama3-70b"))
 MIXTRAL_8X7B = ModelSpec.from_config("Mixtral 8x7B", mixtral_preset("mixtral-8x7b"))
 DEEPSEEK_V3 = ModelSpec("DeepSeek-V3", 61, 7168, 128, 18432, 129280, num_experts=256, moe_router_topk=8,
                         moe_ffn_hidden_size=2048, moe_shared_expert_intermediate_size=2048, moe_first_dense_layers=3,
-                        q_lora_rank=1536, kv_lora_rank=512)
+                        q_lora_rank=1536, kv_lora_rank=512, mtp_num_layers=1)
 MODELS = {m.name: m for m in (LLAMA3_8B, LLAMA3_70B, MIXTRAL_8X7B, DEEPSEEK_V3)}
 
 
@@ -162,7 +172,7 @@ class Training:
     param_bytes: float = BF16
     grad_bytes: float = FP32
     optimizer_bytes: float = 12
-    gpu_memory_gb: float = 80.0
+    gpu_memory_gb: float | None = None  # None: the hardware's (80 GB on H100, 141 on H200, 180 on B200)
     memory_headroom: float = 0.1  # kept free: allocator fragmentation, NCCL buffers, the CUDA context
     # for the step time (step_time.py): the cluster, and what Megatron's flags let overlap
     hardware: str | step_time.Hardware = "H100-SXM (DGX H100)"
@@ -171,6 +181,17 @@ class Training:
     overlap_param_gather: bool = True  # --overlap-param-gather (with the distributed optimizer)
     tp_comm_overlap: bool = False  # --tp-comm-overlap (Transformer Engine userbuffers)
     zero_stage: int = 0  # 3: DeepSpeed ZeRO-3 / FSDP (params gathered per micro-batch): step time only, for comparison
+    # what today's Megatron adds (issue 39)
+    fp8_recipe: str | None = None  # --fp8-recipe: None (bf16), "delayed", "tensorwise", "mxfp8", "blockwise"
+    cp_comm_type: str = "p2p"  # --cp-comm-type: "p2p" (ring), "all_gather", "a2a" (Ulysses), "a2a+p2p"
+    hierarchical_context_parallel_sizes: tuple[int, int] | None = None  # (a2a, p2p) for "a2a+p2p"
+    overlap_moe_expert_parallel_comm: bool = False  # --overlap-moe-expert-parallel-comm
+    moe_imbalance: float = 1.0  # tokens on the most loaded expert-parallel rank / the mean (1: balanced)
+
+    @property
+    def memory_gb(self) -> float:
+        """The GPU's memory: gpu_memory_gb, or the hardware's datasheet figure when it is None."""
+        return self.gpu_memory_gb if self.gpu_memory_gb is not None else step_time.hardware(self.hardware).gpu.memory_gb
 
     @property
     def gpus_per_node(self) -> int:
@@ -186,6 +207,9 @@ class Layout:
     ep: int = 1
     etp: int = 1  # expert tensor parallel (Megatron recommends 1 with EP)
     vpp: int = 1  # virtual pipeline chunks per rank (interleaved 1F1B)
+    # transformer layers on each pipeline rank (its virtual chunks together), for uneven stages; None: L/pp
+    # each. parse_pipeline_layout reads Megatron's --pipeline-model-parallel-layout string into it.
+    pipeline_layout: tuple[int, ...] | None = None
 
     @property
     def world_size(self) -> int:
@@ -194,7 +218,64 @@ class Layout:
     def __str__(self) -> str:
         parts = [f"{k}{v}" for k, v in (("tp", self.tp), ("pp", self.pp), ("cp", self.cp), ("ep", self.ep),
                                            ("dp", self.dp)) if v > 1 or k == "dp"]
-        return "·".join(parts) + (f" (vpp {self.vpp})" if self.vpp > 1 else "")
+        return "·".join(parts) + (f" (vpp {self.vpp})" if self.vpp > 1 else "") + (
+            f" [{_runs(self.pipeline_layout)}]" if self.pipeline_layout else "")
+
+
+def _runs(counts) -> str:
+    """(15, 16, 16, 16, 15) -> "15,16x3,15": layers per rank, repeats folded."""
+    out: list[list] = []
+    for c in counts:
+        if out and out[-1][0] == c:
+            out[-1][1] += 1
+        else:
+            out.append([c, 1])
+    return ",".join(f"{c}x{n}" if n > 1 else f"{c}" for c, n in out)
+
+
+def embedding_and_loss_layout(num_layers: int, pp: int, vpp: int = 1) -> tuple[int, ...] | None:
+    """Layers on each pipeline rank when the embedding and the loss each take one layer's slot of the pp·vpp
+    virtual stages (Megatron's --account-for-embedding-in-pipeline-split and --account-for-loss-in-pipeline-split;
+    e.g. LLaMA-3.1 405B: 126 + 2 = 128 slots over 8 x 8 stages). None when that does not divide either."""
+    per_stage, rest = divmod(num_layers + 2, pp * vpp)
+    if rest or per_stage < 1:
+        return None
+    stages = [per_stage] * (pp * vpp)
+    stages[0] -= 1  # E
+    stages[-1] -= 1  # L
+    return tuple(sum(stages[c * pp + r] for c in range(vpp)) for r in range(pp))
+
+
+def parse_pipeline_layout(layout: str, pp: int, num_layers: int | None = None) -> tuple[tuple[int, ...], int]:
+    """Megatron's --pipeline-model-parallel-layout (e.g. "Et|(tt|)*30,tL" or "E|t*8|...|L") read as
+    (transformer layers on each of the pp ranks, vpp). Stages are separated by "|" in virtual order
+    (stage i runs on rank i % pp, chunk i // pp); "E" embedding, "L" loss, "t" a transformer layer,
+    "m" an MTP layer (not counted); "x*n" and "(...)*n" repeat, commas are cosmetic. With `num_layers`, a
+    layout that does not place exactly that many "t" is refused. A small reading of
+    megatron/core/transformer/pipeline_parallel_layer_layout.py (parse_str_to_list) for the planner."""
+    import re
+
+    text = layout.replace(",", "")
+    for pattern in (r"\(([^)]+)\)\*(\d+)", r"(.)\*(\d+)"):
+        text = re.sub(pattern, lambda g: g.group(1) * int(g.group(2)), text)
+    stages = text.split("|")
+    bad = sorted(set(text) - set("ELtm|"))
+    if bad:
+        raise ValueError(f"pipeline layout {layout!r}: unknown characters {bad}; use E (embedding), L (loss), "
+                         "t (transformer layer), m (MTP layer), | between stages, x*n and (...)*n to repeat")
+    if len(stages) % pp:
+        raise ValueError(f"pipeline layout {layout!r} has {len(stages)} stages, not a multiple of pp={pp}: "
+                         "give pp x vpp stages separated by |")
+    if text.count("E") != 1 or not stages[0].startswith("E") or text.count("L") != 1 or not stages[-1].endswith("L"):
+        raise ValueError(f"pipeline layout {layout!r}: the first stage must start with E (embedding) and the last "
+                         "end with L (loss), each once")
+    if num_layers is not None and text.count("t") != num_layers:
+        raise ValueError(f"pipeline layout {layout!r} places {text.count('t')} transformer layers (t), the model has "
+                         f"{num_layers}: add or remove t's so that the stages cover every layer once")
+    per_rank = [0] * pp
+    for i, stage in enumerate(stages):
+        per_rank[i % pp] += stage.count("t")
+    return tuple(per_rank), len(stages) // pp
 
 
 @dataclass
@@ -232,10 +313,31 @@ def check_layout(model: ModelSpec, layout: Layout, train: Training) -> int:
         problems.append(f"tp={t} spans nodes (gpus_per_node={train.gpus_per_node}): keep tensor parallel inside a node")
     if model.num_attention_heads % t or (model.kv_lora_rank is None and model.groups % t):
         problems.append(f"tp={t} must divide the {model.num_attention_heads} heads and {model.groups} query groups")
-    if model.num_layers % (p * layout.vpp):
-        problems.append(f"pp·vpp={p * layout.vpp} must divide the {model.num_layers} layers")
+    stages = layout.pipeline_layout
+    if stages is None and model.num_layers % (p * layout.vpp):
+        problems.append(f"pp·vpp={p * layout.vpp} must divide the {model.num_layers} layers (or give uneven stages: "
+                        "Layout(pipeline_layout=...), e.g. from parse_pipeline_layout)")
+    if stages is not None and (len(stages) != p or sum(stages) != model.num_layers or min(stages) < 0):
+        problems.append(f"pipeline_layout {tuple(stages)} must give the layers of each of the pp={p} ranks and add up "
+                        f"to the model's {model.num_layers} layers (it has {len(stages)} ranks, {sum(stages)} layers)")
     if c > 1 and train.seq_length % (2 * c):
         problems.append(f"seq_length {train.seq_length} must be divisible by 2·cp={2 * c} (zigzag split)")
+    if train.cp_comm_type not in step_time.CP_COMM_TYPES:
+        problems.append(f"cp_comm_type {train.cp_comm_type!r} is unknown: use one of {', '.join(step_time.CP_COMM_TYPES)}")
+    elif c > 1 and train.cp_comm_type in ("a2a", "a2a+p2p"):
+        a = c if train.cp_comm_type == "a2a" else (train.hierarchical_context_parallel_sizes or (0, 0))[0]
+        if train.cp_comm_type == "a2a+p2p" and (train.hierarchical_context_parallel_sizes is None
+                                                or math.prod(train.hierarchical_context_parallel_sizes) != c):
+            problems.append(f"cp_comm_type a2a+p2p needs hierarchical_context_parallel_sizes=(a2a, p2p) multiplying "
+                            f"to cp={c}, got {train.hierarchical_context_parallel_sizes}")
+        elif a and (model.num_attention_heads // t % a or max(1, model.groups // t) % a):
+            problems.append(f"the a2a group of {a} must divide the {model.num_attention_heads // t} heads and "
+                            f"{max(1, model.groups // t)} key/value groups per tp rank (all-to-all scatters heads): "
+                            "choose a smaller a2a size, or p2p")
+    try:
+        step_time.fp8_recipe(train.fp8_recipe, step_time.hardware(train.hardware).gpu)
+    except ValueError as err:
+        problems.append(str(err))
     if model.num_experts is None and e > 1:
         problems.append(f"ep={e} needs a MoE model")
     if model.num_experts is not None and model.num_experts % e:
@@ -297,6 +399,10 @@ def activation_memory(model: ModelSpec, layout: Layout, train: Training, num_mic
     """Bytes of activations on the first stage's GPU at its peak (Korthikanti Table 2 per layer)."""
     s, b, h, t = train.seq_length, train.micro_batch_size, model.hidden_size, layout.tp
     sp = train.sequence_parallel and t > 1
+    if train.flash_attention and train.recompute == "none":
+        # FlashAttention (and cuDNN's fused attention) never stores the s x s scores: without recomputation a layer
+        # keeps what selective recomputation keeps (Korthikanti's Table 2 without its 5as²b term)
+        train = dataclasses.replace(train, recompute="selective")
     # tokens go through topk (+ shared) experts: the MLP's ffn-wide tensors grow by that much
     ffn = model.ffn_hidden_size
     if model.num_experts is not None:
@@ -329,8 +435,9 @@ def communication(model: ModelSpec, layout: Layout, train: Training, num_microba
 
         dp  gradient reduction (all-reduce, or reduce-scatter + param all-gather): 2 (d-1)/d x bytes
         tp  8 b s h (t-1)/t per layer and micro-batch (calc; the same with SP)
-        cp  ring attention: cp-1 K/V blocks forward, cp-1 K/V blocks and cp dK/dV blocks backward (calc)
+        cp  by cp_comm_type (calc.context_parallel_communication_per_layer): ring, all-gather, a2a, a2a+p2p
         ep  dispatch + combine all-to-all, forward and backward: 4 (ep-1)/ep x routed tokens x h
+            (x moe_imbalance on the most loaded rank)
         pp  one activation forward and one gradient backward per micro-batch
     """
     s, b, h, m = train.seq_length / layout.cp, train.micro_batch_size, model.hidden_size, num_microbatches
@@ -343,13 +450,15 @@ def communication(model: ModelSpec, layout: Layout, train: Training, num_microba
                                + ring(expert_dp) * per_layer["expert"] / (layout.ep * layout.etp)),
         "tp": calc.tensor_parallel_communication_per_layer(s, b, h, t) * layers * m,
         "cp": calc.context_parallel_communication_per_layer(
-            train.seq_length, b, model.groups / t, model.head_dim, layout.cp, bytes_per_element=BF16)["total"] * layers * m,
+            train.seq_length, b, max(1, model.groups // t), model.head_dim, layout.cp,
+            variant=train.cp_comm_type if layout.cp > 1 else "p2p", bytes_per_element=BF16, num_attention_heads=model.num_attention_heads // t,
+            hierarchical_sizes=train.hierarchical_context_parallel_sizes)["total"] * layers * m,
         "ep": 0.0,
         "pp": 2 * s * b * h * BF16 / (t if train.sequence_parallel else 1) * m if layout.pp > 1 else 0.0,
     }
     if model.num_experts is not None:
         moe_layers = model.num_moe_layers / layout.pp
-        routed = s * b / t * model.moe_router_topk  # SP: each tp rank routes its share of the tokens
+        routed = s * b / t * model.moe_router_topk * train.moe_imbalance  # SP: each tp rank routes its share
         out["ep"] = 4 * (layout.ep - 1) / layout.ep * routed * h * BF16 * moe_layers * m
     return out
 
@@ -360,14 +469,40 @@ def crosses_nodes(layout: Layout, train: Training) -> dict[str, bool]:
     return step_time.spans_nodes(layout, train.gpus_per_node)
 
 
+def fp8_weight_memory(model: ModelSpec, layout: Layout, train: Training) -> float:
+    """Bytes of the fp8 weight copies (both layouts and their scales, step_time.FP8_RECIPES) that Transformer
+    Engine keeps beside the bf16 params on the first stage's GPU: the layers' weights (the embedding, output
+    layer, norms and router stay bf16). 0 without fp8."""
+    recipe = step_time.fp8_recipe(train.fp8_recipe)
+    if recipe is None:
+        return 0.0
+    per_layer = model.layer_params()
+    layers = model.num_layers / layout.pp
+    return recipe.weight_bytes * layers * (per_layer["dense"] / layout.tp + per_layer["expert"] / (layout.ep * layout.etp))
+
+
+def first_stage_model(model: ModelSpec, layout: Layout) -> ModelSpec:
+    """The model as the first pipeline rank sees it: with uneven stages (layout.pipeline_layout) its layer count
+    made pp x the first rank's, so that the L/pp of the memory formulas is that rank's layers (a first rank with
+    only the embedding is shown with the most layers any rank holds: an upper bound)."""
+    if layout.pipeline_layout is None:
+        return model
+    first = layout.pipeline_layout[0] or max(layout.pipeline_layout)
+    dense_share = model.moe_first_dense_layers / model.num_layers
+    return dataclasses.replace(model, num_layers=first * layout.pp,
+                               moe_first_dense_layers=round(dense_share * first * layout.pp))
+
+
 def evaluate(model: ModelSpec, layout: Layout, train: Training) -> Plan:
     m = check_layout(model, layout, train)
-    memory = weight_memory(model, layout, train)
-    memory["activations"] = activation_memory(model, layout, train, m)
+    staged = first_stage_model(model, layout)
+    memory = weight_memory(staged, layout, train)
+    memory["fp8 weights"] = fp8_weight_memory(staged, layout, train)
+    memory["activations"] = activation_memory(staged, layout, train, m)
     memory["total"] = sum(memory.values())
     bubble = bubble_fraction(layout.pp, m, layout.vpp) if layout.pp > 1 else 0.0
     comm = communication(model, layout, train, m)
-    usable = train.gpu_memory_gb * GB * (1 - train.memory_headroom)
+    usable = train.memory_gb * GB * (1 - train.memory_headroom)
     return Plan(layout, m, memory, bubble, comm, fits=memory["total"] <= usable,
                 time=step_time.step_time(model, layout, train))
 
@@ -377,7 +512,8 @@ def _divisors(n: int) -> list[int]:
 
 
 def enumerate_layouts(model: ModelSpec, num_gpus: int, train: Training, max_vpp: int = 1) -> list[Plan]:
-    """Every valid layout of `num_gpus` (tp·pp·cp·dp = N; ep re-slices tp·cp·dp for expert layers)."""
+    """Every valid layout of `num_gpus` (tp·pp·cp·dp = N; ep re-slices tp·cp·dp for expert layers); where the
+    layers do not divide into pp·vpp stages, the uneven embedding_and_loss_layout when it exists."""
     plans = []
     for tp in _divisors(num_gpus):
         for pp in _divisors(num_gpus // tp):
@@ -386,8 +522,11 @@ def enumerate_layouts(model: ModelSpec, num_gpus: int, train: Training, max_vpp:
                 eps = [1] if model.num_experts is None else _divisors(model.num_experts)
                 for ep in eps:
                     for vpp in range(1, max_vpp + 1) if pp > 1 else [1]:
+                        # layers that do not divide into pp·vpp stages: the embedding and loss take a slot each
+                        stages = (None if model.num_layers % (pp * vpp) == 0
+                                  else embedding_and_loss_layout(model.num_layers, pp, vpp))
                         try:
-                            plans.append(evaluate(model, Layout(tp, pp, cp, dp, ep, vpp=vpp), train))
+                            plans.append(evaluate(model, Layout(tp, pp, cp, dp, ep, vpp=vpp, pipeline_layout=stages), train))
                         except ValueError:
                             continue
     return plans
