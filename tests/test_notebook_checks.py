@@ -29,17 +29,17 @@ SETUP_0203 = ["config = TransformerConfig(", "norm = RMSNorm(16, eps=eps)"]  # i
 
 # (notebook, cells that set up, the check cell, exercise, the mistake (a substring of its name), what the cell says)
 CASES = [
-    (NB_0103, ["ALPHA, BETA = "], "fit_verdict(", "comm.fit_alpha_beta", "fitted absolute errors",
+    (NB_0103, ["ALPHA, BETA = "], "model_times = [comm.all_reduce_time(", "comm.fit_alpha_beta", "fitted absolute errors",
      "likely mistake: fitted absolute errors"),
     (NB_0203, SETUP_0203[:1], "norm = RMSNorm(16, eps=eps)", "model.norm", "eps outside",
      "likely mistake: eps outside the square root"),
-    (NB_0203, SETUP_0203, "def sdpa(", "model.core_attention", "forgot the causal mask",
+    (NB_0203, SETUP_0203, "unfused = CoreAttention(", "model.core_attention", "forgot the causal mask",
      "likely mistake: forgot the causal mask"),
-    (NB_0203, SETUP_0203, "wrong_answers = {\"the activation after", "model.mlp", "gated: the activation on both",
+    (NB_0203, SETUP_0203, "for name, change in [(\"GeLU MLP\"", "model.mlp", "gated: the activation on both",
      "likely mistake: gated: the activation on both halves"),
     (NB_0203, SETUP_0203, "layer = TransformerLayer(config).eval()", "model.layer_forward", "input_layernorm",
      "(pre_mlp_layernorm unused)"),
-    (NB_0204, ["config = TransformerConfig("], "by_hand = F.linear(", "model.gpt_forward", "[s, b, V]",
+    (NB_0204, ["config = TransformerConfig("], "logits = model(ids)\n", "model.gpt_forward", "[s, b, V]",
      "likely mistake: returned the logits as [s, b, V]"),
 ]
 
