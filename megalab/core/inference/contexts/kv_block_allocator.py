@@ -100,8 +100,8 @@ class KVBlockAllocator:
         #         block goes back to the free list (under REF_ZERO its hash is forgotten first).
         # HINT 2: For each block: refuse a block whose count is already 0 (a double free); decrement
         #         block_ref_counts; if the count is now 0: a registered block (block_hashes[b] is not None) under
-        #         "lru" stays where it is (evictable), otherwise call self._deregister(b) if it has a hash
-        #         and append it to free_blocks.
+        #         "lru" stays where it is (evictable); otherwise forget its hash (the _deregister helper) if
+        #         it has one, and append it to free_blocks.
         # HINT 3: A block released twice in the same call (two references of one request list) drops two
         #         references; the unregistered blocks (a prompt's partial last block, generated tokens) are never
         #         kept cached, whatever the policy.
