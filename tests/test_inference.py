@@ -460,15 +460,26 @@ def test_engine_refuses_a_request_that_can_never_fit_its_kv_cache():
 
 
 # ------------------------------------------------------------------ growing, pausing, chunked prefill, prefix caching
-SHARED = [3, 9, 1, 6, 14, 2]  # each prompt: a shared 12-token "system prompt" (3 blocks of 4) + this many tokens
+SHARED = [3, 9, 1, 6, 14, 2]  # each prompt: a shared 12-token prefix (3 blocks of 4) + this many tokens
 GENERATE = [16, 9, 20, 12, 6, 18]
 
 
+@cache
+def _tiny_gpt():
+    """The course's tiny GPT (the shipped checkpoint, trained on the corpus) and its tokenizer."""
+    from megalab.extras.tiny_gpt import load_tiny_gpt
+    from megalab.training.tokenizer.tokenizer import Tokenizer
+
+    return load_tiny_gpt(), Tokenizer.from_file()
+
+
 def _shared_prefix_requests():
-    """Prompts with a common 12-token prefix; greedy and seeded-sampling requests alternate."""
-    g = torch.Generator().manual_seed(5)
-    system = torch.randint(0, 256, (12,), generator=g).tolist()
-    prompts = [system + torch.randint(0, 256, (n,), generator=g).tolist() for n in SHARED]
+    """Prompts of Shakespeare that share their first line's 12 tokens; greedy and seeded-sampling requests alternate."""
+    _, tokenizer = _tiny_gpt()
+    system = tokenizer.tokenize("HAMLET. To be, or not to be, that is the question:\n")[:12]
+    rest = tokenizer.tokenize("Whether 'tis nobler in the mind to suffer the slings and arrows of outrageous "
+                              "fortune, ROMEO. But soft, what light through yonder window breaks? It is the east.")
+    prompts = [system + rest[5 * i:5 * i + n] for i, n in enumerate(SHARED)]
     params = [SamplingParams(top_k=1, num_tokens_to_generate=m) if i % 2 == 0 else
               SamplingParams(temperature=0.8, top_k=20, seed=i, num_tokens_to_generate=m)
               for i, m in enumerate(GENERATE)]
@@ -478,7 +489,7 @@ def _shared_prefix_requests():
 @cache
 def _shared_prefix_expected() -> list[list[int]]:
     """The reference tokens of _shared_prefix_requests: recompute (no cache, no engine), each request alone."""
-    model, (prompts, params) = _model(), _shared_prefix_requests()
+    (model, _), (prompts, params) = _tiny_gpt(), _shared_prefix_requests()
     return [generate_by_recompute(model, p, sp) for p, sp in zip(prompts, params)]
 
 
@@ -490,9 +501,9 @@ def _tokens_equal(engine_requests, expected, what):
 
 
 def test_growing_engine_pauses_resumes_and_evicts_with_the_same_tokens():
-    """14 blocks for 6 requests that need up to 11 each: they start on their prompt's blocks, grow one block at a
+    """The tiny GPT, 14 blocks for 6 requests that need up to 11 each: they start on their prompt's blocks, grow one block at a
     time, pause when none is left, resume as others finish, and beyond paused_limit get evicted and recomputed."""
-    model, (prompts, params), expected = _model(), _shared_prefix_requests(), _shared_prefix_expected()
+    (model, _), (prompts, params), expected = _tiny_gpt(), _shared_prefix_requests(), _shared_prefix_expected()
     engine = InferenceEngine(model, PagedKVCache(model.config, 14, 4, paused_limit=4), max_batch_size=6, max_tokens=64)
     _tokens_equal(engine.generate(prompts, params), expected, "growing engine, 14 blocks")
     counts = dict(paused=engine.pause_count, resumed=engine.resume_count, evicted=engine.evicted_request_count)
@@ -564,7 +575,7 @@ def test_chunked_prefill_and_prefix_caching_give_the_same_tokens(policy):
     """max_tokens=10 < the prompts (13..26 tokens): chunked prefill; the shared 12-token prefix: cache hits; 16 blocks:
     under LRU the cached blocks get evicted for room. A second round of the same prompts hits the cache under LRU
     (the blocks outlived their requests), not under ref_zero (forgotten at ref count 0)."""
-    model, (prompts, params), expected = _model(), _shared_prefix_requests(), _shared_prefix_expected()
+    (model, _), (prompts, params), expected = _tiny_gpt(), _shared_prefix_requests(), _shared_prefix_expected()
     cache = PagedKVCache(model.config, 16, 4, enable_prefix_caching=True, prefix_caching_eviction_policy=policy)
     engine = InferenceEngine(model, cache, max_batch_size=4, max_tokens=10, enable_chunked_prefill=True)
     _tokens_equal(engine.generate(prompts, params), expected, f"chunked prefill + prefix caching ({policy})")
@@ -586,7 +597,9 @@ def test_chunked_prefill_and_prefix_caching_give_the_same_tokens(policy):
 
 
 def test_update_weights_replaces_in_place_and_refuses_mismatches():
-    model, (prompts, params) = _model(), _shared_prefix_requests()
+    (model, _), (prompts, params) = _tiny_gpt(), _shared_prefix_requests()
+    model = GPTModel(model.config).eval()  # a copy to refit: the shared tiny GPT stays as shipped
+    model.load_state_dict(_tiny_gpt()[0].state_dict())
     cache = PagedKVCache(model.config, 40, 4, enable_prefix_caching=True)
     engine = InferenceEngine(model, cache, max_tokens=64)
     engine.generate(prompts[:2], params[:2])
@@ -599,8 +612,8 @@ def test_update_weights_replaces_in_place_and_refuses_mismatches():
     assert cache.allocator.get_evictable_block_count() == 0, "stale prefix blocks (old weights' K/V) must be forgotten"
     fresh = generate_by_recompute(model, prompts[0], params[0])
     assert engine.generate(prompts[:1], params[:1])[0].generated_tokens == fresh != _shared_prefix_expected()[0]
-    bad = dict(other, **{"embedding.word_embeddings.weight": torch.zeros(260, 32)})  # a padded vocabulary
-    with pytest.raises(ValueError, match=r"shape mismatch.*word_embeddings.*\(260, 32\).*\(256, 32\)"):
+    bad = dict(other, **{"embedding.word_embeddings.weight": torch.zeros(8320, 64)})  # a padded vocabulary
+    with pytest.raises(ValueError, match=r"shape mismatch.*word_embeddings.*\(8320, 64\).*\(8192, 64\)"):
         engine.update_weights(bad)
     with pytest.raises(ValueError, match="missing"):
         engine.update_weights({k: v for k, v in other.items() if "layers.1." not in k})
