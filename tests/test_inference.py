@@ -444,6 +444,7 @@ def test_engine_rejects_requests_it_cannot_serve(prompt, params, message):
     engine = InferenceEngine(model, PagedKVCache(model.config, 40, 4), max_batch_size=2, max_tokens=32)
     with pytest.raises(ValueError, match=message):
         engine.add_request(prompt, params)
+    assert not engine.has_unfinished_requests() and len(engine.cache.allocator.free_blocks) == 40
     with pytest.raises(ValueError, match="mode"):
         InferenceEngine(model, engine.cache, mode="dynamic")
 

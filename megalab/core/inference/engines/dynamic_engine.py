@@ -131,7 +131,10 @@ class InferenceEngine:
         return bool(self.waiting or self.active or self.paused)
 
     def schedule(self) -> list[InferenceRequest]:
-        """Admit waiting requests (first come, first served) within the budgets; return the newcomers."""
+        """Admit waiting requests (first come, first served) within the budgets; return the newcomers.
+
+        The rule of admission="final_length": the final lengths of all admitted requests must fit the cache.
+        """
         if self.mode == "static" and self.active:
             return []  # a static batch runs to its end before anyone joins
         admitted = []
