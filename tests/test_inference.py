@@ -506,7 +506,15 @@ def test_growing_engine_pauses_resumes_and_evicts_with_the_same_tokens():
     time, pause when none is left, resume as others finish, and beyond paused_limit get evicted and recomputed."""
     (model, _), (prompts, params), expected = _tiny_gpt(), _shared_prefix_requests(), _shared_prefix_expected()
     engine = InferenceEngine(model, PagedKVCache(model.config, 14, 4, paused_limit=4), max_batch_size=6, max_tokens=64)
-    _tokens_equal(engine.generate(prompts, params), expected, "growing engine, 14 blocks")
+    requests = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
+    while engine.has_unfinished_requests():
+        before = list(engine.paused)
+        engine.step()
+        left = [r for r in before if r not in engine.paused]  # resumed or evicted in this step
+        assert left == before[len(before) - len(left):], (
+            f"paused requests {[r.request_id for r in before]}: {[r.request_id for r in left]} left the paused list; "
+            "Megatron resumes (and evicts) from the right, the most recently paused first")
+    _tokens_equal(requests, expected, "growing engine, 14 blocks")
     counts = dict(paused=engine.pause_count, resumed=engine.resume_count, evicted=engine.evicted_request_count)
     assert all(counts.values()), f"the small cache should make requests pause, resume and be evicted: {counts}"
     assert engine.cache.allocator.get_referenced_count() == 0 and len(engine.cache.allocator.free_blocks) == 14
@@ -536,6 +544,32 @@ def _allocator_story(policy):
     except RuntimeError as exc:  # checked after A's release: that is where a wrong count shows first
         return a, after_a, (f"RuntimeError: {exc}", None, None)
     return a, after_a, state()
+
+
+def test_paused_requests_resume_newest_first_and_the_overflow_is_evicted_from_the_right():
+    """Megatron's order, step by step: 8 blocks of 4, three requests of 8 prompt tokens (2 blocks each)."""
+    model = _model()
+    engine = InferenceEngine(model, PagedKVCache(model.config, 8, 4, paused_limit=7), max_batch_size=4, max_tokens=64)
+    r0, r1, r2 = (engine.add_request([i + 1] * 8, SamplingParams(top_k=1, num_tokens_to_generate=12)) for i in range(3))
+    engine.step()  # the three prefills: 6 blocks held, 2 free
+    assert engine.cache.allocator.get_referenced_count() == 6 and not engine.paused
+    engine.step()  # all three need a 3rd block, two are free: the right end of the paused list resumes first
+    require(equal([r.request_id for r in engine.paused], [r0.request_id],
+                  "the paused requests after three needed a block and two were free (Megatron resumes from the right "
+                  "of its paused list: the last to need one gets one first)"))
+    assert [r.request_id for r in engine.active] == [r2.request_id, r1.request_id]  # in the order they resumed
+    for _ in range(4):  # r2 and r1 fill their 3rd block and need a 4th: none is free
+        engine.step()
+    # they join the paused list's right end in batch order: [r0 (2 blocks), r2 (3), r1 (3)] hold 8 > paused_limit 7,
+    # so r1, the right end, is evicted (its 3 blocks released); then r2 and r0 resume, the right end first
+    require(equal(([r.request_id for r in engine.paused], [r.request_id for r in engine.waiting], r1.kv_length),
+                  ([], [r1.request_id], 0), "(paused, waiting, r1's cached tokens) once the paused requests "
+                  "outgrew paused_limit=7 (the right-most overflow is evicted, queued first, recomputed later)"))
+    assert engine.evicted_request_count == 1 and r0.status == r2.status == "active"
+    while engine.has_unfinished_requests():
+        engine.step()
+    expected = [generate_by_recompute(model, r.prompt_tokens, r.sampling_params) for r in (r0, r1, r2)]
+    require(equal([r.generated_tokens for r in (r0, r1, r2)], expected, "the tokens after pausing and eviction"))
 
 
 @pytest.mark.exercise("inference.release_blocks")
