@@ -2,7 +2,8 @@
 the model's own full forward (recompute, no cache), brute-force sorting for top-k/top-p, the
 softmax for sampled frequencies, and the single-process model for tensor-parallel inference."""
 
-from functools import cache, partial
+import functools
+from functools import partial
 
 import pytest
 import torch
@@ -465,7 +466,7 @@ SHARED = [3, 9, 1, 6, 14, 2]  # each prompt: a shared 12-token prefix (3 blocks 
 GENERATE = [16, 9, 20, 12, 6, 18]
 
 
-@cache
+@functools.cache
 def _tiny_gpt():
     """The course's tiny GPT (the shipped checkpoint, trained on the corpus) and its tokenizer."""
     from megalab.extras.tiny_gpt import load_tiny_gpt
@@ -487,7 +488,7 @@ def _shared_prefix_requests():
     return prompts, params
 
 
-@cache
+@functools.cache
 def _shared_prefix_expected() -> list[list[int]]:
     """The reference tokens of _shared_prefix_requests: recompute (no cache, no engine), each request alone."""
     (model, _), (prompts, params) = _tiny_gpt(), _shared_prefix_requests()
