@@ -27,7 +27,7 @@ from megalab.core.transformer.transformer_config import TransformerConfig
 
 CONFIG = dict(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=256, seq_length=96,
               hidden_dropout=0.0, attention_dropout=0.0)
-BLOCKS = 32  # 256 tokens: the concurrent requests below outgrow it, so the engine pauses and evicts
+BLOCKS = 32  # 256 tokens: the concurrent requests below outgrow it, so the engine pauses some (timing decides which)
 RAISES, NANS = 7, 8  # byte tokens "\a" and "\b": the model raises on the first, gives NaN for the second
 
 

@@ -26,7 +26,9 @@ class KVBlockAllocator:
     (core/inference/contexts/kv_block_allocator.py).
 
     paused_limit: how many blocks paused requests may keep (the rest of the paused requests are evicted
-    and recomputed later); Megatron derives it from paused_buffer_size_gb.
+    and recomputed later; default half the pool); Megatron derives it from paused_buffer_size_gb.
+    The prefix_caching_eviction_policy default here is "lru" (Megatron's is "ref_zero"), so a cached prefix
+    outlives its requests.
     """
 
     def __init__(self, num_blocks: int, paused_limit: int | None = None, enable_prefix_caching: bool = False,
