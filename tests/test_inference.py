@@ -2,6 +2,7 @@
 the model's own full forward (recompute, no cache), brute-force sorting for top-k/top-p, the
 softmax for sampled frequencies, and the single-process model for tensor-parallel inference."""
 
+import functools
 from functools import partial
 
 import pytest
@@ -10,6 +11,7 @@ import torch
 from megalab.core.inference import (
     ContiguousKVCache,
     InferenceEngine,
+    KVBlockAllocator,
     PagedKVCache,
     SamplingParams,
     Segment,
@@ -409,7 +411,8 @@ def test_continuous_batching_lets_requests_join_each_step_and_takes_fewer_steps(
     params = [SamplingParams(top_k=1, num_tokens_to_generate=n) for _, n in LENGTHS]
     steps, joined_late = {}, {}
     for mode in ("continuous", "static"):
-        engine = InferenceEngine(model, PagedKVCache(model.config, 40, 4), max_batch_size=2, max_tokens=64, mode=mode)
+        engine = InferenceEngine(model, PagedKVCache(model.config, 40, 4), max_batch_size=2, max_tokens=64, mode=mode,
+                                 admission="final_length")  # schedule(): the exercise's rule
         requests = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
         joined_late[mode] = False
         while engine.has_unfinished_requests():
@@ -442,8 +445,218 @@ def test_engine_rejects_requests_it_cannot_serve(prompt, params, message):
     engine = InferenceEngine(model, PagedKVCache(model.config, 40, 4), max_batch_size=2, max_tokens=32)
     with pytest.raises(ValueError, match=message):
         engine.add_request(prompt, params)
+    assert not engine.has_unfinished_requests() and len(engine.cache.allocator.free_blocks) == 40
     with pytest.raises(ValueError, match="mode"):
         InferenceEngine(model, engine.cache, mode="dynamic")
+
+
+def test_engine_refuses_a_request_that_can_never_fit_its_kv_cache():
+    model = _model()
+    for admission in ("growing", "final_length"):  # 6 blocks of 4 = 24 tokens; 10 + 20 = 30 needs 8 blocks
+        engine = InferenceEngine(model, PagedKVCache(model.config, 6, 4), admission=admission)
+        with pytest.raises(ValueError, match="can never fit in the KV cache .*6 blocks of 4 tokens"):
+            engine.add_request([1] * 10, SamplingParams(num_tokens_to_generate=20))
+        assert not engine.has_unfinished_requests() and engine.cache.allocator.get_referenced_count() == 0
+    with pytest.raises(ValueError, match="admission='growing'"):
+        InferenceEngine(model, PagedKVCache(model.config, 6, 4), admission="final_length", enable_chunked_prefill=True)
+
+
+# ------------------------------------------------------------------ growing, pausing, chunked prefill, prefix caching
+SHARED = [3, 9, 1, 6, 14, 2]  # each prompt: a shared 12-token prefix (3 blocks of 4) + this many tokens
+GENERATE = [16, 9, 20, 12, 6, 18]
+
+
+@functools.cache
+def _tiny_gpt():
+    """The course's tiny GPT (the shipped checkpoint, trained on the corpus) and its tokenizer."""
+    from megalab.extras.tiny_gpt import load_tiny_gpt
+    from megalab.training.tokenizer.tokenizer import Tokenizer
+
+    return load_tiny_gpt(), Tokenizer.from_file()
+
+
+def _shared_prefix_requests():
+    """Prompts of Shakespeare that share their first line's 12 tokens; greedy and seeded-sampling requests alternate."""
+    _, tokenizer = _tiny_gpt()
+    system = tokenizer.tokenize("HAMLET. To be, or not to be, that is the question:\n")[:12]
+    rest = tokenizer.tokenize("Whether 'tis nobler in the mind to suffer the slings and arrows of outrageous "
+                              "fortune, ROMEO. But soft, what light through yonder window breaks? It is the east.")
+    prompts = [system + rest[5 * i:5 * i + n] for i, n in enumerate(SHARED)]
+    params = [SamplingParams(top_k=1, num_tokens_to_generate=m) if i % 2 == 0 else
+              SamplingParams(temperature=0.8, top_k=20, seed=i, num_tokens_to_generate=m)
+              for i, m in enumerate(GENERATE)]
+    return prompts, params
+
+
+@functools.cache
+def _shared_prefix_expected() -> list[list[int]]:
+    """The reference tokens of _shared_prefix_requests: recompute (no cache, no engine), each request alone."""
+    (model, _), (prompts, params) = _tiny_gpt(), _shared_prefix_requests()
+    return [generate_by_recompute(model, p, sp) for p, sp in zip(prompts, params)]
+
+
+def _tokens_equal(engine_requests, expected, what):
+    for i, (r, e) in enumerate(zip(engine_requests, expected)):
+        first = next((j for j, (a, b) in enumerate(zip(r.generated_tokens, e)) if a != b), None)
+        assert r.generated_tokens == e, (f"{what}: request {i}'s tokens differ from the engine without pausing, "
+                                         f"chunks or a prefix cache (recompute) from token {first} on")
+
+
+def test_growing_engine_pauses_resumes_and_evicts_with_the_same_tokens():
+    """The tiny GPT, 14 blocks for 6 requests that need up to 11 each: they start on their prompt's blocks, grow one block at a
+    time, pause when none is left, resume as others finish, and beyond paused_limit get evicted and recomputed."""
+    (model, _), (prompts, params), expected = _tiny_gpt(), _shared_prefix_requests(), _shared_prefix_expected()
+    engine = InferenceEngine(model, PagedKVCache(model.config, 14, 4, paused_limit=4), max_batch_size=6, max_tokens=64)
+    requests = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
+    while engine.has_unfinished_requests():
+        before = list(engine.paused)
+        engine.step()
+        left = [r for r in before if r not in engine.paused]  # resumed or evicted in this step
+        assert left == before[len(before) - len(left):], (
+            f"paused requests {[r.request_id for r in before]}: {[r.request_id for r in left]} left the paused list; "
+            "Megatron resumes (and evicts) from the right, the most recently paused first")
+    _tokens_equal(requests, expected, "growing engine, 14 blocks")
+    counts = dict(paused=engine.pause_count, resumed=engine.resume_count, evicted=engine.evicted_request_count)
+    assert all(counts.values()), f"the small cache should make requests pause, resume and be evicted: {counts}"
+    assert engine.cache.allocator.get_referenced_count() == 0 and len(engine.cache.allocator.free_blocks) == 14
+    old = InferenceEngine(model, PagedKVCache(model.config, 14, 4), max_batch_size=6, max_tokens=64,
+                          admission="final_length")
+    _tokens_equal(old.generate(prompts, params), expected, "final-length admission, 14 blocks")
+    assert old.steps > engine.steps, (f"admitting by final length should run fewer requests at once and take more "
+                                      f"steps: {old.steps} vs {engine.steps} growing")
+
+
+def _allocator_story(policy):
+    """Request A takes blocks [0, 1, 2] (0 and 1 full prompt blocks, registered), B shares 0 and 1 and takes 3;
+    A finishes, then B. The allocator's (free blocks, ref counts, hash map) after each release."""
+    a = KVBlockAllocator(6, enable_prefix_caching=True, prefix_caching_eviction_policy=policy)
+    mine = a.allocate_memory_blocks(3)
+    a.register_kv_block_hashes(mine[:2], [11, 22])
+    a.retain_memory_blocks(mine[:2])
+    theirs = a.allocate_memory_blocks(1)
+
+    def state():
+        return sorted(a.free_blocks), list(a.block_ref_counts), dict(sorted(a.kv_hash_to_block_id.items()))
+
+    a.release_memory_blocks(mine)
+    after_a = state()
+    try:
+        a.release_memory_blocks(mine[:2] + theirs)
+    except RuntimeError as exc:  # checked after A's release: that is where a wrong count shows first
+        return a, after_a, (f"RuntimeError: {exc}", None, None)
+    return a, after_a, state()
+
+
+def test_paused_requests_resume_newest_first_and_the_overflow_is_evicted_from_the_right():
+    """Megatron's order, step by step: 8 blocks of 4, three requests of 8 prompt tokens (2 blocks each)."""
+    model = _model()
+    engine = InferenceEngine(model, PagedKVCache(model.config, 8, 4, paused_limit=7), max_batch_size=4, max_tokens=64)
+    r0, r1, r2 = (engine.add_request([i + 1] * 8, SamplingParams(top_k=1, num_tokens_to_generate=12)) for i in range(3))
+    engine.step()  # the three prefills: 6 blocks held, 2 free
+    assert engine.cache.allocator.get_referenced_count() == 6 and not engine.paused
+    engine.step()  # all three need a 3rd block, two are free: the right end of the paused list resumes first
+    require(equal([r.request_id for r in engine.paused], [r0.request_id],
+                  "the paused requests after three needed a block and two were free (Megatron resumes from the right "
+                  "of its paused list: the last to need one gets one first)"))
+    assert [r.request_id for r in engine.active] == [r2.request_id, r1.request_id]  # in the order they resumed
+    for _ in range(4):  # r2 and r1 fill their 3rd block and need a 4th: none is free
+        engine.step()
+    # they join the paused list's right end in batch order: [r0 (2 blocks), r2 (3), r1 (3)] hold 8 > paused_limit 7,
+    # so r1, the right end, is evicted (its 3 blocks released); then r2 and r0 resume, the right end first
+    require(equal(([r.request_id for r in engine.paused], [r.request_id for r in engine.waiting], r1.kv_length),
+                  ([], [r1.request_id], 0), "(paused, waiting, r1's cached tokens) once the paused requests "
+                  "outgrew paused_limit=7 (the right-most overflow is evicted, queued first, recomputed later)"))
+    assert engine.evicted_request_count == 1 and r0.status == r2.status == "active"
+    while engine.has_unfinished_requests():
+        engine.step()
+    expected = [generate_by_recompute(model, r.prompt_tokens, r.sampling_params) for r in (r0, r1, r2)]
+    require(equal([r.generated_tokens for r in (r0, r1, r2)], expected, "the tokens after pausing and eviction"))
+
+
+@pytest.mark.exercise("inference.release_blocks")
+def test_release_drops_one_reference_and_keeps_cached_prefixes_and_names_the_mistake():
+    for policy in ("lru", "ref_zero"):
+        allocator, (free_a, refs_a, hashes_a), (free_b, refs_b, hashes_b) = _allocator_story(policy)
+        story = (f"{policy}: A holds blocks [0, 1, 2] (0, 1 registered prompt blocks), B shares 0, 1 and holds 3; "
+                 f"release_memory_blocks(A's [0, 1, 2])")
+        if {0, 1} & set(free_a):
+            require(mistake("returned a block to the free list while another request still holds it (drop ONE "
+                            "reference; a block leaves only at ref count 0)", f"{story}: free list {free_a}"))
+        if 2 not in free_a:
+            require(mistake("kept a block without a hash cached at ref count 0: it never returns to the free list "
+                            "(a leak)", f"{story}: block 2 (unregistered, nobody holds it) is not free: {free_a}"))
+        require(equal((free_a, refs_a, hashes_a), ([2, 4, 5], [1, 1, 0, 1, 0, 0], {11: 0, 22: 1}),
+                      f"{story}: (free blocks, ref counts, hash -> block)"))
+        story += ", then B's [0, 1, 3]"
+        if policy == "lru" and ({0, 1} & set(free_b) or hashes_b != {11: 0, 22: 1}):
+            require(mistake("freed a registered block at ref count 0 under LRU: its cached prefix is lost (keep it "
+                            "cached, evictable)", f"{story}: free list {free_b}, hash map {hashes_b}"))
+        if policy == "ref_zero" and hashes_b:
+            require(mistake("kept a block's hash at ref count 0 under ref_zero (forget it, then free the block)",
+                            f"{story}: hash map {hashes_b}"))
+        expected = ([2, 3, 4, 5], {11: 0, 22: 1}) if policy == "lru" else ([0, 1, 2, 3, 4, 5], {})
+        require(equal((free_b, refs_b, hashes_b), (expected[0], [0] * 6, expected[1]),
+                      f"{story}: (free blocks, ref counts, hash -> block)"))
+        try:
+            allocator.release_memory_blocks([3])
+        except RuntimeError:
+            continue
+        require(mistake("released a block nobody holds without complaint (a double free: refuse a ref count of 0)",
+                        f"{policy}: release_memory_blocks([3]) after its only holder released it"))
+
+
+@pytest.mark.exercise("inference.release_blocks")
+@pytest.mark.parametrize("policy", ["lru", "ref_zero"])
+def test_chunked_prefill_and_prefix_caching_give_the_same_tokens(policy):
+    """max_tokens=10 < the prompts (13..26 tokens): chunked prefill; the shared 12-token prefix: cache hits; 16 blocks:
+    under LRU the cached blocks get evicted for room. A second round of the same prompts hits the cache under LRU
+    (the blocks outlived their requests), not under ref_zero (forgotten at ref count 0)."""
+    (model, _), (prompts, params), expected = _tiny_gpt(), _shared_prefix_requests(), _shared_prefix_expected()
+    cache = PagedKVCache(model.config, 16, 4, enable_prefix_caching=True, prefix_caching_eviction_policy=policy)
+    engine = InferenceEngine(model, cache, max_batch_size=4, max_tokens=10, enable_chunked_prefill=True)
+    _tokens_equal(engine.generate(prompts, params), expected, f"chunked prefill + prefix caching ({policy})")
+    assert engine.chunked_prefill_chunks > 0 and engine.prefix_cache_hit_tokens > 0, (
+        engine.chunked_prefill_chunks, engine.prefix_cache_hit_tokens)
+    allocator, hits = cache.allocator, engine.prefix_cache_hit_tokens
+    assert allocator.get_referenced_count() == 0, "blocks still held after every request finished"
+    require(equal(len(allocator.free_blocks) + allocator.get_evictable_block_count(), 16,
+                  f"{policy}: free + cached blocks after every request finished (all 16: none leaked)"))
+    _tokens_equal(engine.generate(prompts[:1], params[:1]), expected[:1], f"the first prompt again ({policy})")
+    again = engine.prefix_cache_hit_tokens - hits
+    if policy == "lru":
+        assert allocator.evicted_block_count > 0, "16 blocks should force LRU evictions of cached blocks"
+        assert again > 0, "the same prompt again should reuse its cached blocks (LRU keeps them after release)"
+    else:
+        require(equal((again, allocator.get_evictable_block_count()), (0, 0),
+                      "ref_zero: (prefix tokens reused by the same prompt again, cached blocks) (nothing outlives "
+                      "its last holder)"))
+
+
+def test_update_weights_replaces_in_place_and_refuses_mismatches():
+    (model, _), (prompts, params) = _tiny_gpt(), _shared_prefix_requests()
+    model = GPTModel(model.config).eval()  # a copy to refit: the shared tiny GPT stays as shipped
+    model.load_state_dict(_tiny_gpt()[0].state_dict())
+    cache = PagedKVCache(model.config, 40, 4, enable_prefix_caching=True)
+    engine = InferenceEngine(model, cache, max_tokens=64)
+    engine.generate(prompts[:2], params[:2])
+    assert cache.allocator.get_evictable_block_count() > 0  # cached prefix blocks of the old weights
+    torch.manual_seed(1)
+    other = GPTModel(model.config).state_dict()
+    weight = model.embedding.word_embeddings.weight
+    engine.update_weights(other)
+    assert weight is model.embedding.word_embeddings.weight and torch.equal(weight, other["embedding.word_embeddings.weight"])
+    assert cache.allocator.get_evictable_block_count() == 0, "stale prefix blocks (old weights' K/V) must be forgotten"
+    fresh = generate_by_recompute(model, prompts[0], params[0])
+    assert engine.generate(prompts[:1], params[:1])[0].generated_tokens == fresh != _shared_prefix_expected()[0]
+    bad = dict(other, **{"embedding.word_embeddings.weight": torch.zeros(8320, 64)})  # a padded vocabulary
+    with pytest.raises(ValueError, match=r"shape mismatch.*word_embeddings.*\(8320, 64\).*\(8192, 64\)"):
+        engine.update_weights(bad)
+    with pytest.raises(ValueError, match="missing"):
+        engine.update_weights({k: v for k, v in other.items() if "layers.1." not in k})
+    assert torch.equal(weight, other["embedding.word_embeddings.weight"])  # a refused update changed nothing
+    engine.add_request(prompts[0], params[0])
+    with pytest.raises(RuntimeError, match="in flight"):
+        engine.update_weights(other)
 
 
 # ------------------------------------------------------------------ tensor-parallel inference

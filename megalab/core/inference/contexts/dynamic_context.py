@@ -16,13 +16,21 @@ K/V of the earlier ones. Two layouts, one interface (reserve / write / read / fr
                  PagedAttention; Megatron's dynamic_context.py + kv_block_allocator.py)
 
 ng = key/value groups on this device (num_query_groups, divided by the TP size), hn = kv_channels.
+
+The paged cache is the memory of Megatron's dynamic engine (DynamicInferenceContext): blocks are taken one at
+a time as a request grows (reserve / try_reserve), shared between requests with the same prompt prefix
+(prefix caching: each full prompt block is named by a hash chained over the blocks before it,
+compute_block_hashes), and counted by the allocator (kv_block_allocator.py) so a shared block stays
+until its last holder lets go.
 """
 
 from __future__ import annotations
 
+import hashlib
+
 import torch
 
-from megalab.core.inference.contexts.kv_block_allocator import BlockAllocator
+from megalab.core.inference.contexts.kv_block_allocator import KVBlockAllocator
 from megalab.core.transformer.transformer_config import TransformerConfig
 
 
@@ -33,16 +41,34 @@ def local_query_groups(config: TransformerConfig, tp_size: int = 1) -> int:
     return config.num_query_groups // tp_size
 
 
+def compute_block_hashes(tokens: list[int], block_size: int) -> list[int]:
+    """One hash per FULL block of tokens, each chained over the blocks before it: equal hashes mean equal
+    prefixes (so equal K/V), not just equal blocks. SHA-256(parent digest || block's token bytes) mapped to
+    [1, 2**63 - 1], as Megatron's compute_block_hashes_batched (core/inference/inference_request.py)."""
+    hashes, parent = [], b"\x00" * 32
+    for i in range(len(tokens) // block_size):
+        block = b"".join(t.to_bytes(8, "little", signed=True) for t in tokens[i * block_size:(i + 1) * block_size])
+        parent = hashlib.sha256(parent + block).digest()
+        hashes.append(int.from_bytes(parent[:8], "little") % (2**63 - 1) + 1)
+    return hashes
+
+
 class PagedKVCache:
-    """A pool of num_blocks blocks of block_size positions, handed out as sequences grow."""
+    """A pool of num_blocks blocks of block_size positions, handed out as sequences grow.
+
+    Megatron: DynamicInferenceContext (core/inference/contexts/dynamic_context.py) holds this pool and its
+    KVBlockAllocator; paused_limit, enable_prefix_caching and prefix_caching_eviction_policy ("lru" or
+    "ref_zero") are its settings (see kv_block_allocator.py).
+    """
 
     def __init__(self, config: TransformerConfig, num_blocks: int, block_size: int = 16, tp_size: int = 1,
-                 dtype: torch.dtype = torch.float32, device=None):
+                 dtype: torch.dtype = torch.float32, device=None, paused_limit: int | None = None,
+                 enable_prefix_caching: bool = False, prefix_caching_eviction_policy: str = "lru"):
         self.block_size = block_size
         shape = (config.num_layers, num_blocks, block_size, local_query_groups(config, tp_size), config.kv_channels)
         self.key = torch.zeros(shape, dtype=dtype, device=device)  # [L, num_blocks, block_size, ng, hn]
         self.value = torch.zeros_like(self.key)
-        self.allocator = BlockAllocator(num_blocks)
+        self.allocator = KVBlockAllocator(num_blocks, paused_limit, enable_prefix_caching, prefix_caching_eviction_policy)
         self.block_tables: dict[int, list[int]] = {}  # sequence id -> its blocks, in position order
 
     def blocks_needed(self, seq_id: int, length: int) -> int:
@@ -57,6 +83,19 @@ class PagedKVCache:
         """Grow the sequence's block table until it covers positions 0..length-1."""
         table = self.block_tables.setdefault(seq_id, [])
         table.extend(self.allocator.allocate(self.blocks_needed(seq_id, length)))
+
+    def try_reserve(self, seq_id: int, length: int) -> bool:
+        """reserve, or False (and nothing taken) when the pool cannot give the blocks now."""
+        blocks = self.allocator.allocate_memory_blocks(self.blocks_needed(seq_id, length))
+        if blocks is None:
+            return False
+        self.block_tables.setdefault(seq_id, []).extend(blocks)
+        return True
+
+    def share(self, seq_id: int, blocks: list[int]) -> None:
+        """Start a sequence's block table with cached blocks of its prompt prefix (one more reference each)."""
+        self.allocator.retain_memory_blocks(blocks)
+        self.block_tables.setdefault(seq_id, []).extend(blocks)
 
     def slots(self, seq_id: int, start: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(block id, offset in block) of positions start .. start+n-1 through the block table."""
@@ -86,9 +125,12 @@ class PagedKVCache:
     def free(self, seq_id: int) -> None:
         """Give the sequence's blocks back (nothing to do for one that never got any: a failed step)."""
         if seq_id in self.block_tables:
-            self.allocator.release(self.block_tables.pop(seq_id))
+            self.allocator.release_memory_blocks(self.block_tables.pop(seq_id))
 
     def bytes_reserved(self) -> int:
         """Bytes held for the sequences now in the cache (their blocks only)."""
         per_block = 2 * self.key[:, 0].numel() * self.key.element_size()
         return per_block * sum(len(t) for t in self.block_tables.values())
+
+
+DynamicInferenceContext = PagedKVCache  # Megatron's name for the paged cache and its bookkeeping
