@@ -25,6 +25,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 CATALOG = "messages_{lang}.toml"
 MISTAKE = "likely mistake: "
+_END = r"(?=$| — |\)|\n)"  # where a diagnosis ends: its detail, the verdict's parenthesis, the line
 
 
 def lang_of(root) -> str:
@@ -38,14 +39,12 @@ def lang_of(root) -> str:
 
 @functools.cache
 def catalog(lang: str) -> dict[str, dict[str, str]]:
-    """{"frames": {English: translation}, "diagnoses": {English: translation}} for `lang` (empty for English)."""
+    """{"frames": {English: translation}, "lines": {...}, "diagnoses": {...}} for `lang` (empty for English)."""
     import tomllib
 
     path = HERE / CATALOG.format(lang=lang)
-    if lang == "en" or not path.is_file():
-        return {"frames": {}, "diagnoses": {}}
-    data = tomllib.loads(path.read_text(encoding="utf-8"))
-    return {"frames": dict(data.get("frames", {})), "diagnoses": dict(data.get("diagnoses", {}))}
+    data = tomllib.loads(path.read_text(encoding="utf-8")) if lang != "en" and path.is_file() else {}
+    return {kind: dict(data.get(kind, {})) for kind in ("frames", "lines", "diagnoses")}
 
 
 def say(template: str, lang: str = "en", **values) -> str:
@@ -63,7 +62,7 @@ def _pattern(template: str) -> re.Pattern:
         parts.append(re.escape(literal))
         if field is not None:
             parts.append("(.+?)")
-    return re.compile("".join(parts) + r"(?=$| — |\)|\n)", re.DOTALL)
+    return re.compile("".join(parts) + _END, re.DOTALL)
 
 
 @functools.cache
@@ -74,8 +73,22 @@ def _compiled(lang: str) -> list[tuple[re.Pattern, str, int]]:
 
 
 def diagnosis(text: str, lang: str = "en") -> str:
-    """`text` with each "likely mistake: NAME" said in `lang` (NAME kept when the catalog has no entry for it)."""
-    if lang == "en" or MISTAKE not in text:
+    """`text` (a verdict) with each "likely mistake: NAME" and each line the catalog knows ([lines]) said in `lang`
+    (NAME kept when the catalog has no entry for it)."""
+    if lang == "en":
+        return text
+    lines = catalog(lang)["lines"]
+    if lines:
+        said = []
+        for line in text.split("\n"):
+            for en, zh in lines.items():
+                m = re.fullmatch(_pattern(en).pattern.removesuffix(_END), line, re.DOTALL)
+                if m:
+                    line = zh.format(*m.groups())
+                    break
+            said.append(line)
+        text = "\n".join(said)
+    if MISTAKE not in text:
         return text
     label = say("likely mistake: ", lang)
     out, at = [], 0
@@ -127,3 +140,81 @@ def terminal_width(default: int = 100) -> int:
     import shutil
 
     return shutil.get_terminal_size((default, 24)).columns
+
+
+# --------------------------------------------------------------------------- what the code says (for the catalog's test)
+
+# where diagnoses are raised for a learner: the exercise tests and checks, megalab's own checks (not the tests of the
+# tools, the mutants, or the independent and blind runs, whose strings describe mistakes rather than say them)
+NOT_SAID = ("tests/mistakes/", "tests/independent/", "tests/blind/", "tests/test_checks.py", "tests/test_progress.py",
+            "tests/test_i18n.py", "tests/test_learner.py", "tests/test_independent", "tests/test_mistakes",
+            "megalab/lab/")
+
+
+def _template(node) -> str | None:
+    """The str.format template a string expression renders by (`{}` for each interpolated value), or None."""
+    import ast
+
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return node.value.replace("{", "{{").replace("}", "}}")
+    if isinstance(node, ast.JoinedStr):
+        return "".join(v.value.replace("{", "{{").replace("}", "}}") if isinstance(v, ast.Constant) else "{}"
+                       for v in node.values)
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add):
+        left, right = _template(node.left), _template(node.right)
+        return left + right if left is not None and right is not None else None
+    return None
+
+
+def english_messages(root) -> dict[str, dict[str, str]]:
+    """{"frames": {template: where}, "diagnoses": {template: where}} said by the code under `root`: the templates
+    given to `say(...)`, and the names of likely mistakes (`mistake(NAME, ...)`, `mistakes={NAME: ...}`, the keys
+    of a dict assigned to a *MISTAKES* name, "likely mistake: NAME — ..." strings)."""
+    import ast
+
+    root = Path(root)
+    found: dict[str, dict[str, str]] = {"frames": {}, "diagnoses": {}}
+
+    def add(kind, text, path, node):
+        if text is not None and text.strip(" {}"):
+            found[kind].setdefault(text, f"{path}:{node.lineno}")
+
+    for folder in ("megalab", "tests"):
+        for path in sorted((root / folder).rglob("*.py")):
+            rel = path.relative_to(root).as_posix()
+            tree = ast.parse(path.read_text(encoding="utf-8"), rel)
+            parts = {id(v) for n in ast.walk(tree) if isinstance(n, ast.JoinedStr) for v in n.values}
+            for node in ast.walk(tree):
+                if isinstance(node, ast.Call):
+                    name = getattr(node.func, "id", getattr(node.func, "attr", None))
+                    if name == "say" and node.args and isinstance(node.args[0], ast.Constant) and rel.startswith(
+                            "megalab/"):
+                        add("frames", node.args[0].value, rel, node)
+                if rel.startswith(NOT_SAID):
+                    continue
+                if isinstance(node, ast.Call):
+                    if getattr(node.func, "id", getattr(node.func, "attr", None)) == "mistake" and node.args:
+                        add("diagnoses", _template(node.args[0]), rel, node)
+                    for kw in node.keywords:
+                        if kw.arg == "mistakes" and isinstance(kw.value, ast.Dict):
+                            for key in kw.value.keys:
+                                add("diagnoses", _template(key), rel, node)
+                elif isinstance(node, ast.Assign) and isinstance(node.value, ast.Dict) and any(
+                        "mistake" in getattr(t, "id", "").lower() for t in node.targets):
+                    # {short name: diagnosis} or {diagnosis: what it computes}: the diagnoses are the prose side
+                    values = [_template(v) for v in node.value.values]
+                    for text in values if all(v and " " in v for v in values) else [_template(k) for k in
+                                                                                     node.value.keys]:
+                        add("diagnoses", text, rel, node)
+                elif isinstance(node, (ast.Constant, ast.JoinedStr)) and id(node) not in parts:
+                    text = _template(node)
+                    if text and text.startswith(MISTAKE):
+                        add("diagnoses", text[len(MISTAKE):].split(" — ")[0], rel, node)
+    return found
+
+
+def untranslated(root, lang: str) -> dict[str, dict[str, str]]:
+    """What `english_messages` finds that the catalog of `lang` does not translate: {kind: {template: where}}."""
+    have = catalog(lang)
+    return {kind: {en: where for en, where in said.items() if en not in have[kind]}
+            for kind, said in english_messages(root).items()}

@@ -61,8 +61,34 @@ class WorkspaceError(RuntimeError):
     """A workspace operation cannot go ahead; the message says what to do."""
 
 
+_BANNER = re.compile(r"megalab \d+\.\d+\.\d+ · [^\"\n]*")  # the line `%load_ext megalab` prints (sanitize.cfg's)
+
+
 def _sha(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
+    """The file's SHA-256; a notebook's with its banner line left out (the workspace writes its own banner there)."""
+    data = path.read_bytes()
+    if path.suffix == ".ipynb":
+        data = _BANNER.sub("megalab BANNER", data.decode("utf-8", "surrogateescape")).encode("utf-8", "surrogateescape")
+    return hashlib.sha256(data).hexdigest()
+
+
+def show_banner(ws_root: Path, notebooks: list[Path]) -> None:
+    """Put the workspace's banner (what `%load_ext megalab` prints here now) into the saved output of each notebook's
+    `%load_ext megalab` cell, in place of the reference's "every exercise solved"."""
+    from megalab import banner
+
+    line = banner(ws_root)
+    for path in notebooks:
+        text = path.read_text(encoding="utf-8")
+        if not _BANNER.search(text):
+            continue
+        nb = json.loads(text)
+        for cell in nb.get("cells", []):
+            if cell.get("cell_type") == "code" and "%load_ext megalab" in "".join(cell.get("source", [])):
+                for out in cell.get("outputs", []):
+                    if out.get("output_type") == "stream" and _BANNER.search("".join(out.get("text", []))):
+                        out["text"] = [_BANNER.sub(lambda m: line, "".join(out["text"]))]
+        path.write_text(json.dumps(nb, indent=1, sort_keys=True, ensure_ascii=False) + "\n", encoding="utf-8")
 
 
 def _git_commit(root: Path) -> str | None:
@@ -166,6 +192,7 @@ def create(reference: str | Path, dest: str | Path, force: bool = False, lang: s
     (dest / STATE_DIR / ".gitignore").write_text("*\n")
     (dest / STATE_DIR / "env.mk").write_text(  # read by the Makefile: `make lab` etc. use the shared environment
         f"WORKSPACE := 1\nVENV := {sys.prefix}\nREFERENCE := {reference}\n")
+    show_banner(dest, sorted((dest / COURSE_DIR).rglob("*.ipynb")))
     return written
 
 
@@ -301,6 +328,7 @@ def restore(ws: Workspace, notebook: str | Path) -> Path:
     stamp = time.strftime("%Y%m%d-%H%M%S")
     backup = _backup(ws, rel, stamp) if path.exists() else None
     shutil.copy2(pristine, path)
+    show_banner(ws.root, [path])
     return backup
 
 
@@ -387,6 +415,7 @@ def update(ws: Workspace) -> Update:
             backed = True
             (ws.root / rel).unlink()
         _snapshot(source, ws.root, translation)
+        show_banner(ws.root, [ws.root / rel for rel in replaced + merged if rel.endswith(".ipynb")])
         _keep_base(fresh, ws.root)
         shutil.copy2(fresh / HINTS, ws.root / HINTS)  # the hints as the course now words them
         # each file as the course wrote it (never your edit): what the next update compares with
