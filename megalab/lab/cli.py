@@ -195,15 +195,14 @@ def _workspace(args: argparse.Namespace) -> int:
     print()
     print(say("Next:", lang))
     steps = [(f"cd {ws.dest}", ""),
-             ("make lab", say("JupyterLab here, on {notebook}; its terminal has `megalab` on the PATH", lang,
-                              notebook=FIRST_NOTEBOOK)),
+             ("make lab", say("JupyterLab here, on {notebook}", lang, notebook=FIRST_NOTEBOOK)),
              ("make grade ID=dist.shard_bounds", say("check one exercise, from any shell (or %grade ID in a notebook)",
                                                      lang)),
              (f"export PATH={Path(sys.prefix) / 'bin'}:$PATH",
-              say("then `megalab grade ID`, `megalab hint ID`, `megalab progress` in this shell too", lang))]
-    width = max(len(cmd) for cmd, _ in steps[1:])
-    for cmd, note in steps:
-        print(f"  {cmd:<{width}}   # {note}" if note else f"  {cmd}")
+              say("then `megalab grade ID`, `megalab hint ID` ... in this shell too (JupyterLab's terminal: already)",
+                  lang))]
+    for cmd, note in steps:  # each note on its own line: nothing wraps at 80 columns
+        print(f"  # {note}\n  {cmd}" if note else f"  {cmd}")
     return 0
 
 
