@@ -75,11 +75,14 @@ def test_the_banner_of_an_english_workspace(tmp_path, monkeypatch, capsys):
 
     ref = _toy_tree(tmp_path / "ref")
     nb = ref / "course/01_x/03_banner.ipynb"
-    _notebook(nb, "Banner.", "%load_ext megalab", "megalab 0.1.0 · the reference implementation · every exercise solved\n")
+    _notebook(nb, "Banner.", "%load_ext megalab", "megalab 0.1.0 · the reference implementation · every exercise solved\n"
+              "megalab                 0.1.0 from this folder's tree: the reference (every exercise solved), 2 of 2 "
+              "exercises implemented\n")  # the banner, and `megalab doctor`'s line
     monkeypatch.chdir(ref)
     _say(capsys, "workspace", str(tmp_path / "ws"))
     text = (tmp_path / "ws/course/01_x/03_banner.ipynb").read_text()
     assert "every exercise solved" not in text and f"your workspace {tmp_path / 'ws'}/megalab · 0 of 2" in text
+    assert f"from this folder's tree: a workspace made from {ref}, 0 of 2 exercises implemented" in text
     monkeypatch.chdir(tmp_path / "ws")
     _say(capsys, "restore", "course/01_x/03_banner.ipynb")
     assert "every exercise solved" not in (tmp_path / "ws/course/01_x/03_banner.ipynb").read_text()

@@ -62,33 +62,45 @@ class WorkspaceError(RuntimeError):
 
 
 _BANNER = re.compile(r"megalab \d+\.\d+\.\d+ · [^\"\n]*")  # the line `%load_ext megalab` prints (sanitize.cfg's)
+# which tree `megalab doctor` says a notebook runs (megalab/lab/doctor.py): the reference's, in a stored output
+_DOCTOR = re.compile(r"from this folder's tree: [^\"\n]*?, \d+ of \d+ exercises implemented")
 
 
 def _sha(path: Path) -> str:
-    """The file's SHA-256; a notebook's with its banner line left out (the workspace writes its own banner there)."""
+    """The file's SHA-256; a notebook's without the lines that say which tree it runs (the workspace writes its own)."""
     data = path.read_bytes()
     if path.suffix == ".ipynb":
-        data = _BANNER.sub("megalab BANNER", data.decode("utf-8", "surrogateescape")).encode("utf-8", "surrogateescape")
+        text = data.decode("utf-8", "surrogateescape")
+        text = _DOCTOR.sub("DOCTOR", _BANNER.sub("megalab BANNER", text)).rstrip("\n")
+        data = text.encode("utf-8", "surrogateescape")
     return hashlib.sha256(data).hexdigest()
 
 
 def show_banner(ws_root: Path, notebooks: list[Path]) -> None:
-    """Put the workspace's banner (what `%load_ext megalab` prints here now) into the saved output of each notebook's
-    `%load_ext megalab` cell, in place of the reference's "every exercise solved"."""
+    """In each notebook's stored outputs, say this workspace where the reference said itself: the banner of
+    `%load_ext megalab` (what it prints here now) and `megalab doctor`'s line on which tree runs, in place of the
+    reference's "every exercise solved"."""
     from megalab import banner
 
     line = banner(ws_root)
+    done, total = progress(ws_root)
+    ws = open_workspace(ws_root)
+    tree = (f"from this folder's tree: a workspace made from {ws.source if ws else ws_root}, {done} of {total} "
+            f"exercises implemented")
     for path in notebooks:
         text = path.read_text(encoding="utf-8")
-        if not _BANNER.search(text):
+        if not _BANNER.search(text) and not _DOCTOR.search(text):
             continue
         nb = json.loads(text)
         for cell in nb.get("cells", []):
-            if cell.get("cell_type") == "code" and "%load_ext megalab" in "".join(cell.get("source", [])):
-                for out in cell.get("outputs", []):
-                    if out.get("output_type") == "stream" and _BANNER.search("".join(out.get("text", []))):
-                        out["text"] = [_BANNER.sub(lambda m: line, "".join(out["text"]))]
-        path.write_text(json.dumps(nb, indent=1, sort_keys=True, ensure_ascii=False) + "\n", encoding="utf-8")
+            for out in cell.get("outputs", []) if cell.get("cell_type") == "code" else []:
+                if out.get("output_type") == "stream":
+                    said = "".join(out.get("text", []))
+                    new = _DOCTOR.sub(lambda m: tree, _BANNER.sub(lambda m: line, said))
+                    if new != said:
+                        out["text"] = new.splitlines(keepends=True)
+        dumped = json.dumps(nb, indent=1, sort_keys=True, ensure_ascii=False)
+        path.write_text(dumped + ("\n" if text.endswith("\n") else ""), encoding="utf-8")
 
 
 def _git_commit(root: Path) -> str | None:
