@@ -155,3 +155,62 @@ def test_lang_zh_in_either_position(how, tmp_path):
 def test_make_lab_has_no_news_pop_up():
     line = re.search(r"^lab: setup\n(?:.*\n)*?(?=\n)", (REPO / "Makefile").read_text(), re.MULTILINE)[0]
     assert "--LabApp.news_url=None" in line and "NeverCheckForUpdate" in line
+
+
+# --------------------------------------------------------------------------- README and README.zh
+
+
+def _readme(lang: str) -> str:
+    return (REPO / ("README.md" if lang == "en" else "README.zh.md")).read_text(encoding="utf-8")
+
+
+def _spans(text: str) -> set[str]:
+    """Code spans outside code blocks, whitespace and <placeholders> normalised, the language flag left out."""
+    text = re.sub(r"```.*?```", "", text, flags=re.DOTALL)
+    out = set()
+    for span in re.findall(r"`([^`]+)`", text):
+        span = re.sub(r"<[^>]*>", "<>", re.sub(r"\s+", " ", span).strip())
+        out.add(span.replace(" --lang zh", "").replace(" LANG=zh", ""))
+    return out
+
+
+def _commands(text: str) -> set[str]:
+    """The commands of the code blocks (a line's part before its comment), the language flag left out."""
+    lines = [line.split("#")[0].strip() for block in re.findall(r"```\w*\n(.*?)```", text, re.DOTALL)
+             for line in block.splitlines()]
+    return {c.replace(" LANG=zh", "") for c in lines if re.match(r"(make|git|cd|megalab|pip|python|conda) ", c)}
+
+
+def test_readme_numbers_are_the_course_s():
+    """The exercise and notebook counts of both READMEs are the course's (never typed and left behind)."""
+    from megalab import __version__
+    from megalab.lab.exercises import load
+    from megalab.lab.notebooks import find_notebooks
+
+    exercises = len(load(REPO).exercises)
+    notebooks = len([p for p in find_notebooks([str(REPO / "course")]) if not p.name.startswith(".")])
+    en, zh = _readme("en"), _readme("zh")
+    said = {"en exercises": re.findall(r"\d+ of (\d+) exercises implemented", en) + re.findall(
+        r"\d+ notebooks, (\d+) exercises", en), "en notebooks": re.findall(r"(\d+) notebooks, \d+ exercises", en),
+            "zh exercises": re.findall(r"已实现 \d+ / (\d+) 个练习", zh) + re.findall(r"\d+ 个 notebook、(\d+) 个练习", zh),
+            "zh notebooks": re.findall(r"(\d+) 个 notebook、\d+ 个练习", zh)}
+    for what, counts in said.items():
+        expected = exercises if what.endswith("exercises") else notebooks
+        assert counts and all(int(c) == expected for c in counts), f"README {what}: {counts}, the course has {expected}"
+    assert f"megalab {__version__} · your workspace ~/" in en and f"megalab {__version__} · 你的工作区 ~/" in zh
+    assert "about a second" not in en and "大约一秒" not in zh  # a timing typed once and never measured again
+
+
+def test_readme_zh_has_every_fact_of_the_english():
+    """README.zh says what README says: every number (counts, timings, sizes, versions), every command and code span."""
+    en, zh = _readme("en"), _readme("zh")
+    numbers = lambda text: set(re.findall(r"(?<![\w.])\d+(?:\.\d+)?(?![\w.])", text))  # noqa: E731
+    assert sorted(numbers(en) - numbers(zh)) == []
+    assert sorted(_commands(en) - _commands(zh)) == []
+    translated = {"megalab N.N.N · your workspace ~/megalab-workspace/megalab · N of N exercises implemented":
+                  "megalab N.N.N · 你的工作区 ~/megalab-workspace/megalab · 已实现 N / N 个练习",
+                  'raise NotImplementedError("exercise <>: ... — see <>")':
+                  'raise NotImplementedError("exercise <>: <> — 见 <>")'}  # what the English says, in Chinese
+    n = lambda spans: {re.sub(r"\d+", "N", s) for s in spans}  # noqa: E731  (numbers are compared above)
+    missing = [s for s in n(_spans(en)) - n(_spans(zh)) if translated.get(s) not in n(_spans(zh))]
+    assert missing == []
