@@ -287,17 +287,87 @@ class Term:
         return re.compile(rf"(?<!\w)(?:{words})(?:s|es|ism|isms)?(?!\w)", re.IGNORECASE)
 
 
-def glossary(root: Path, lang: str) -> list[Term]:
-    """The glossary's terms: the table rows `| English / alternative | translation | note |`."""
+def _tables(root: Path, lang: str) -> dict[str, list[tuple[str, str]]]:
+    """The glossary's table rows (first two columns) by section: "" for the terms at the top, then each `## `
+    section's title up to its first space (e.g. "AVOID", "LABELS", "FIRST")."""
     path = root / GLOSSARY.format(lang=lang)
     if not path.is_file():
         raise TranslationError(f"{path.relative_to(root)} is missing; the translation's terms are fixed there")
-    terms = []
+    tables: dict[str, list[tuple[str, str]]] = {"": []}
+    section = ""
     for line in path.read_text(encoding="utf-8").splitlines():
+        if line.startswith("## "):
+            section = line[3:].split()[0]
+            tables.setdefault(section, [])
         m = _ROW.match(line)
-        if m and not set(m["en"]) <= set("-: ") and m["en"] != "English":
-            terms.append(Term([alt.strip() for alt in m["en"].split(" / ")], m["tr"]))
-    return terms
+        if m and not set(m["en"]) <= set("-: ") and not set(m["tr"]) <= set("-: ") and m["en"] not in (
+                "English", "用", "English heading", "English sentence", "中文"):
+            tables[section].append((m["en"].replace("\\|", "|"), m["tr"].replace("\\|", "|")))
+    return tables
+
+
+def glossary(root: Path, lang: str) -> list[Term]:
+    """The glossary's terms: the rows `| English / alternative | translation | note |` of its first table."""
+    return [Term([alt.strip() for alt in en.split(" / ")], tr) for en, tr in _tables(root, lang)[""]]
+
+
+def avoided(root: Path, lang: str) -> list[tuple[str, str]]:
+    """(the rendering to avoid, the one to use) of the glossary's AVOID section: one idea, one word."""
+    return [(bad.strip(), use) for use, bads in _tables(root, lang).get("AVOID", []) for bad in bads.split(" / ")]
+
+
+def first_use(root: Path, lang: str) -> list[tuple[str, str]]:
+    """(translation, English) of the glossary's FIRST section: at its first use in a notebook the translation is
+    followed by the English term in brackets, e.g. 数据并行（data parallelism）."""
+    return _tables(root, lang).get("FIRST", [])
+
+
+def labels(root: Path, lang: str) -> list[tuple[str, str]]:
+    """(English, translation) of the glossary's LABELS section: the fixed headings and sentences, said one way.
+    A heading is `## Label` (it may go on: `## Run: ...`, `## Build 1`); a sentence's `{name}` is a list of code
+    spans (", " between them in English, "、" in the translation)."""
+    return _tables(root, lang).get("LABELS", [])
+
+
+def _label_problems(pairs: list[tuple[str, str]], english: str, translation: str) -> list[str]:
+    """How `translation` says a fixed label or sentence of `english` other than the glossary's way."""
+    out = []
+    en_lines, tr_lines = english.splitlines(), translation.splitlines()
+    for en, tr in pairs:
+        if en.startswith("#"):
+            for line in en_lines:
+                m = re.match(rf"{re.escape(en)}(?P<rest>$|[: ]\s*\S.*)", line)
+                if m:
+                    rest = m["rest"].strip(": ")
+                    ok = [t for t in tr_lines if t.startswith(tr) and (not rest or t[len(tr):][:1] in ("：", " "))]
+                    if not ok:
+                        out.append(f"{line!r} -> {tr}{'：…' if m['rest'].startswith(':') else ' …' if rest else ''}")
+            continue
+        spans = r"`[^`]+`(?:, `[^`]+`)*"
+        parts = re.split(r"(\{\w+\})", en)
+        pattern = "".join(f"(?P<{part[1:-1]}>{spans})" if part.startswith("{") else re.escape(part) for part in parts)
+        for m in re.finditer(pattern, english):
+            said = tr.format(**{k: v.replace(", ", "、") for k, v in m.groupdict().items()})
+            if said not in translation:
+                out.append(f"{m[0][:40]!r}… -> {said}")
+    return out
+
+
+def _first_use_problems(pairs: list[tuple[str, str]], english: str, sections: list[str]) -> list[str]:
+    """Each FIRST term the notebook's English uses whose first translation in prose (cell order, headings and
+    code left out) is not followed by the English in brackets."""
+    out = []
+    prose = [_NOT_PROSE.sub(" ", "\n".join(line for line in text.splitlines() if not line.startswith("#")))
+             for text in sections]
+    for tr, en in pairs:
+        if not Term([en], tr).pattern.search(_NOT_PROSE.sub(" ", english)):
+            continue
+        text = next((t for t in prose if tr in t), None)
+        if text is not None:
+            after = text[text.index(tr) + len(tr):].lstrip()
+            if not re.match(rf"[（(]{re.escape(en)}", after, re.IGNORECASE):
+                out.append(f"first {tr!r} -> {tr}（{en}）")
+    return out
 
 
 def _squash(text: str) -> str:
@@ -312,17 +382,29 @@ def glossary_misses(terms: list[Term], english: str, translation: str) -> list[s
 
 
 def glossary_problems(root: Path, lang: str, notebooks: list[str] | None = None) -> list[str]:
-    """Every current translation that leaves a glossary term out: `notebook: cell ID: 'term' -> 译法`."""
+    """Every current translation that leaves a glossary term out (`notebook: cell ID: 'term' -> 译法`), uses a
+    rendering the glossary avoids, says a fixed label or sentence another way, or gives a FIRST term without its
+    English at its first use in the notebook."""
     terms, problems = glossary(root, lang), []
+    avoid, fixed, first = avoided(root, lang), labels(root, lang), first_use(root, lang)
     by_notebook = _exercises_by_notebook(root)
     for rel in notebooks or english_notebooks(root):
         sections = read_sections(source_of(root, rel, lang))
+        current, whole = [], []
         for key, kind, english in _units(root, rel, by_notebook):
             if _state(sections.get(key), english, lang) != "current":
                 continue  # missing or stale: `status` says so
+            text = sections[key].text
+            where = f"{rel}: {'cell ' if kind == 'cell' else ''}{key}"
             prose = _EXERCISE_KEYWORD.sub("", english) if kind == "exercise" else english  # not `hint 1:`
-            problems += [f"{rel}: {'cell ' if kind == 'cell' else ''}{key}: {miss}"
-                         for miss in glossary_misses(terms, prose, sections[key].text)]
+            problems += [f"{where}: {miss}" for miss in glossary_misses(terms, prose, text)]
+            said = _NOT_PROSE.sub(" ", text)
+            problems += [f"{where}: {bad!r} -> {use}" for bad, use in avoid if bad in said]
+            problems += [f"{where}: {miss}" for miss in _label_problems(fixed, english, text)]
+            if kind == "cell":
+                current.append(text)
+                whole.append(english)
+        problems += [f"{rel}: {miss}" for miss in _first_use_problems(first, "\n".join(whole), current)]
     return problems
 
 
