@@ -214,3 +214,29 @@ def test_readme_zh_has_every_fact_of_the_english():
     n = lambda spans: {re.sub(r"\d+", "N", s) for s in spans}  # noqa: E731  (numbers are compared above)
     missing = [s for s in n(_spans(en)) - n(_spans(zh)) if translated.get(s) not in n(_spans(zh))]
     assert missing == []
+
+
+# --------------------------------------------------------------------------- the glossary: one word, fixed labels, first use
+
+
+def test_the_glossary_says_one_idea_one_way():
+    """AVOID renderings, LABELS (headings and the Stuck sentence) and FIRST (English on first use) are checked."""
+    from megalab.lab.translate import Term, _first_use_problems, _label_problems, avoided, first_use, labels
+
+    assert ("规约", "归约") in avoided(REPO, "zh") and ("query 头", "查询头") in avoided(REPO, "zh")
+    fixed = labels(REPO, "zh")
+    english = ("## Build: the buckets\n\nText.\n\n*Stuck?* `%hint a.b`, `%hint a.c` gives the idea, then the approach "
+               "(never the code); `%grade a.b` names the likely mistake.")
+    good = ("## 动手实现：桶\n\n正文。\n\n*卡住了？* `%hint a.b`、`%hint a.c` 先给出思路，再给出做法（从不给出代码）；"
+            "`%grade a.b` 会指出最可能的错误。")
+    assert _label_problems(fixed, english, good) == []
+    bad = good.replace("## 动手实现：", "## 构建：").replace("先给出思路，再给出做法（从不给出代码）", "先给思路，再给做法（从不给代码）")
+    assert len(_label_problems(fixed, english, bad)) == 2
+    assert _label_problems(fixed, "## Build\n", "## 动手实现\n") == [] and _label_problems(fixed, "## Build 1\n", "## 搭建 1")
+
+    first, terms = first_use(REPO, "zh"), [Term(["expert data parallel"], "专家数据并行")]
+    english = "Data parallelism, then expert data parallel groups."
+    assert _first_use_problems(first, english, ["数据并行（data parallelism）复制模型。", "数据并行。"], terms) == []
+    assert _first_use_problems(first, english, ["数据并行复制模型。", "数据并行（data parallelism）。"], terms) == [
+        "first '数据并行' -> 数据并行（data parallel）"]
+    assert _first_use_problems(first, english, ["专家数据并行组；数据并行（data parallelism）。"], terms) == []

@@ -353,20 +353,33 @@ def _label_problems(pairs: list[tuple[str, str]], english: str, translation: str
     return out
 
 
-def _first_use_problems(pairs: list[tuple[str, str]], english: str, sections: list[str]) -> list[str]:
+def first_at(text: str, term: str, longer: list[str]) -> int:
+    """Where `term` first stands on its own in `text` (not inside one of the `longer` terms that hold it), or -1."""
+    for m in re.finditer(re.escape(term), text):
+        if not any(text.find(big, max(0, m.start() - len(big)), m.end() + len(big)) >= 0 and any(
+                text[i : i + len(big)] == big and i <= m.start() and m.end() <= i + len(big)
+                for i in range(max(0, m.start() - len(big)), m.start() + 1)) for big in longer):
+            return m.start()
+    return -1
+
+
+def _first_use_problems(pairs: list[tuple[str, str]], english: str, sections: list[str],
+                        terms: list[Term]) -> list[str]:
     """Each FIRST term the notebook's English uses whose first translation in prose (cell order, headings and
-    code left out) is not followed by the English in brackets."""
+    code left out; not inside a longer glossary term, e.g. 专家数据并行) is not followed by the English in brackets."""
     out = []
     prose = [_NOT_PROSE.sub(" ", "\n".join(line for line in text.splitlines() if not line.startswith("#")))
              for text in sections]
     for tr, en in pairs:
         if not Term([en], tr).pattern.search(_NOT_PROSE.sub(" ", english)):
             continue
-        text = next((t for t in prose if tr in t), None)
-        if text is not None:
-            after = text[text.index(tr) + len(tr):].lstrip()
-            if not re.match(rf"[（(]{re.escape(en)}", after, re.IGNORECASE):
-                out.append(f"first {tr!r} -> {tr}（{en}）")
+        longer = [t.translation for t in terms if tr in t.translation and t.translation != tr]
+        for text in prose:
+            at = first_at(text, tr, longer)
+            if at >= 0:
+                if not re.match(rf"[（(]{re.escape(en)}", text[at + len(tr):].lstrip(), re.IGNORECASE):
+                    out.append(f"first {tr!r} -> {tr}（{en}）")
+                break
     return out
 
 
@@ -404,7 +417,7 @@ def glossary_problems(root: Path, lang: str, notebooks: list[str] | None = None)
             if kind == "cell":
                 current.append(text)
                 whole.append(english)
-        problems += [f"{rel}: {miss}" for miss in _first_use_problems(first, "\n".join(whole), current)]
+        problems += [f"{rel}: {miss}" for miss in _first_use_problems(first, "\n".join(whole), current, terms)]
     return problems
 
 
