@@ -240,3 +240,18 @@ def test_the_glossary_says_one_idea_one_way():
     assert _first_use_problems(first, english, ["数据并行复制模型。", "数据并行（data parallelism）。"], terms) == [
         "first '数据并行' -> 数据并行（data parallel）"]
     assert _first_use_problems(first, english, ["专家数据并行组；数据并行（data parallelism）。"], terms) == []
+
+
+def test_a_diagram_whose_labels_stay_english_gets_a_gloss():
+    from megalab.lab.translate import GLOSS, diagram_words, translated, with_glosses
+
+    words = diagram_words(REPO, "zh")
+    text = "图如下：\n\n```\nforward ──> backward   grads\n```\n\n正文。"
+    assert with_glosses(text, words) == text.replace("```\n\n正文", f"```\n\n*{GLOSS}forward 前向 · backward 反向 · grads 梯度*"
+                                                                    "\n\n正文")
+    code = "```python\nloss.backward()\n```"
+    assert with_glosses(code, words) == code  # code is not a diagram
+    glossed = f"```\nforward\n```\n\n{GLOSS}forward 前向"
+    assert with_glosses(glossed, words) == glossed  # the translation's own gloss is kept, never doubled
+    nb = translated(REPO, "course/03_parallelism/01_data_parallel.ipynb", "zh")
+    assert any(f"*{GLOSS}" in c.source and "bucket 桶" in c.source for c in nb.cells if c.cell_type == "markdown")

@@ -25,6 +25,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -264,9 +265,52 @@ def translated(root: Path, notebook: str, lang: str, allow_missing: bool = False
                 continue
             raise TranslationError(f"{notebook}: cell {c.id} {_why(state)}; run `megalab translate stub {notebook}` "
                                    f"and translate it in {source_of(root, notebook, lang).relative_to(root)}")
-        c.source = join_lines(s.text)
+        c.source = with_glosses(join_lines(s.text), diagram_words(root, lang))
     nb.metadata.setdefault("megalab", {}).update(lang=lang, translated_from=notebook)
     return nb
+
+
+_CODE_LANGS = {"python", "py", "bash", "sh", "shell", "console", "json", "yaml", "toml", "text"}
+_DIAGRAM = re.compile(r"^```(?P<lang>[\w-]*)[ \t]*\n(?P<body>.*?)^```[ \t]*$", re.MULTILINE | re.DOTALL)
+GLOSS = "图中英文："  # the line a built notebook adds under a diagram whose labels stay English
+
+
+def diagram_words(root: Path, lang: str) -> list[tuple[str, str]]:
+    """(English word, translation) for a diagram's labels: the glossary's DIAGRAM section, then its terms whose
+    translation is not the English itself."""
+    if not (root / GLOSSARY.format(lang=lang)).is_file():
+        return []
+    words = [(alt.strip(), tr) for en, tr in _tables(root, lang).get("DIAGRAM", []) for alt in en.split(" / ")]
+    for term in glossary(root, lang):
+        words += [(alt, term.translation) for alt in term.english if alt.lower() != term.translation.lower()]
+    return words
+
+
+def diagram_gloss(diagram: str, words: list[tuple[str, str]]) -> str | None:
+    """`图中英文：forward 前向 · bucket 桶 · ...`: the translation of each label word of `diagram` that `words`
+    knows (in the diagram's order, once each), or None when it has none."""
+    found: list[tuple[int, int, str, str]] = []  # (start, end, the label as written, its translation)
+    for en, tr in words:
+        m = Term([en], tr).pattern.search(diagram)
+        if m and en.lower() != tr.lower() and all(tr != t for _, _, _, t in found) and all(
+                not (a <= m.start() < b) for a, b, _, _ in found):
+            found.append((m.start(), m.end(), m[0], tr))
+    return GLOSS + " · ".join(f"{en} {tr}" for _, _, en, tr in sorted(found)) if found else None
+
+
+def with_glosses(markdown: str, words: list[tuple[str, str]]) -> str:
+    """`markdown` with a gloss line (*图中英文：...*) under each diagram (a fenced block that is not code) whose
+    English labels the glossary translates, unless the translation already glosses it."""
+    out, at = [], 0
+    for m in _DIAGRAM.finditer(markdown):
+        out.append(markdown[at : m.end()])
+        at = m.end()
+        if m["lang"].lower() in _CODE_LANGS or markdown[at:].lstrip("\n").startswith(("*" + GLOSS, GLOSS, "图中")):
+            continue
+        gloss = diagram_gloss(m["body"], words)
+        if gloss:
+            out.append(f"\n\n*{gloss}*")
+    return "".join(out) + markdown[at:]
 
 
 # --------------------------------------------------------------------------- the glossary
@@ -445,6 +489,9 @@ def build(root: Path, lang: str, out: Path | None = None, allow_missing: bool = 
         path.parent.mkdir(parents=True, exist_ok=True)
         nbformat.write(nb, path)
         written.append(path)
+    if (root / GLOSSARY.format(lang=lang)).is_file():  # the notebooks link to it (../<lang>/GLOSSARY.md)
+        (out / GLOSSARY.format(lang=lang)).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(root / GLOSSARY.format(lang=lang), out / GLOSSARY.format(lang=lang))
     return written
 
 
