@@ -52,6 +52,7 @@ def test_a_chinese_workspace_says_everything_in_chinese(zh_ref, tmp_path, monkey
         "unknown hint": _say(capsys, "hint", "twice.doubel"),
         "grade (wrong)": _say(capsys, "grade", "twice.double", "--timeout", "60"),
         "grade (chapter)": _say(capsys, "grade", "01", "--no-notebooks", "--timeout", "60"),
+        "grade (unknown)": _say(capsys, "grade", "twice.doubel"),
         "progress": _say(capsys, "progress"),
         "restore": _say(capsys, "restore", TWICE_NB),
         "update": _say(capsys, "update"),

@@ -137,10 +137,16 @@ def _translate(args: argparse.Namespace) -> int:
                 print(f"    {key}: {state}")
     for line in problems:
         print(f"glossary: {line}")
+    from megalab.lab.i18n import MESSAGES, untranslated
+
+    unsaid = [(kind, en, where) for kind, said in untranslated(root, args.lang).items() for en, where in said.items()]
+    for kind, en, where in unsaid:
+        print(f"message ({kind}, {where}): no translation in {MESSAGES.format(lang=args.lang)}: {en!r}")
     print(f"\n{sum(r.done for r in rows)} of {sum(r.cells for r in rows)} markdown cells and "
           f"{sum(r.exercises_done for r in rows)} of {sum(r.exercises for r in rows)} exercises (task and hints) "
-          f"translated and current ({args.lang}); glossary: {len(terms)} terms, {len(problems)} miss(es)")
-    return 0 if all(r.ok for r in rows) and not problems else 1
+          f"translated and current ({args.lang}); glossary: {len(terms)} terms, {len(problems)} miss(es); "
+          f"tools' messages: {len(unsaid)} untranslated")
+    return 0 if all(r.ok for r in rows) and not problems and not unsaid else 1
 
 
 def _hint(args: argparse.Namespace) -> int:

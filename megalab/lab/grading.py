@@ -363,9 +363,12 @@ def choose(registry, target: str | None, root: Path) -> tuple[str | None, list[E
         return rel, [ex for ex in registry.select(None) if ex.notebook == rel], [rel]
     if target and "." in target:
         if target not in registry.exercises:
-            close = difflib.get_close_matches(target, list(registry.exercises), n=3)
-            hint = f"; did you mean {' or '.join(close)}?" if close else "; `megalab exercises` lists them"
-            raise ValueError(f"no exercise {target!r}{hint}")
+            from megalab.lab.i18n import lang_of, say
+
+            close, lang = difflib.get_close_matches(target, list(registry.exercises), n=3), lang_of(root)
+            hint = say("; did you mean {near}?", lang, near=" or ".join(close)) if close else say(
+                "; `megalab exercises` lists them", lang)
+            raise ValueError(say("no exercise {id!r}", lang, id=target) + hint)
         return target, [registry.exercises[target]], []
     folder = chapter_folder(root, target)
     return folder, registry.select(folder), None

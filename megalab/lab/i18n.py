@@ -24,6 +24,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 CATALOG = "messages_{lang}.toml"
+MESSAGES = "megalab/lab/" + CATALOG  # where the catalog lives in the repository
 MISTAKE = "likely mistake: "
 _END = r"(?=$| — |\)|\n)"  # where a diagnosis ends: its detail, the verdict's parenthesis, the line
 
