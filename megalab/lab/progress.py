@@ -320,7 +320,6 @@ def show(chapter: str | None = None, root: str | Path | None = None) -> None:
     import matplotlib.pyplot as plt
 
     from megalab.lab.exercises import find_root
-
     from megalab.lab.i18n import lang_of
 
     tree = find_root(root or ".")
