@@ -399,12 +399,8 @@ def _label_problems(pairs: list[tuple[str, str]], english: str, translation: str
 
 def first_at(text: str, term: str, longer: list[str]) -> int:
     """Where `term` first stands on its own in `text` (not inside one of the `longer` terms that hold it), or -1."""
-    for m in re.finditer(re.escape(term), text):
-        if not any(text.find(big, max(0, m.start() - len(big)), m.end() + len(big)) >= 0 and any(
-                text[i : i + len(big)] == big and i <= m.start() and m.end() <= i + len(big)
-                for i in range(max(0, m.start() - len(big)), m.start() + 1)) for big in longer):
-            return m.start()
-    return -1
+    covered = {i for big in longer for m in re.finditer(re.escape(big), text) for i in range(m.start(), m.end())}
+    return next((m.start() for m in re.finditer(re.escape(term), text) if m.start() not in covered), -1)
 
 
 def _first_use_problems(pairs: list[tuple[str, str]], english: str, sections: list[str],
