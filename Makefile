@@ -13,7 +13,13 @@ FIRST_NOTEBOOK := course/01_foundations/01_setup_and_torchrun.ipynb
 WORKSPACE_DIR ?= $(HOME)/megalab-workspace
 # The course's language: `make lab LANG=zh` (or COURSE_LANG=zh) for 简体中文. LANG given on the command line is
 # taken for the course and not passed on as the locale (the recipes run with C.UTF-8 then).
+# `LANG=zh make workspace` too: a LANG of two lowercase letters is a course language, never a locale (those read
+# like en_US.UTF-8 or C.UTF-8).
 ifeq ($(origin LANG),command line)
+COURSE_LANG := $(LANG)
+override LANG := C.UTF-8
+export LANG
+else ifneq ($(shell echo '$(LANG)' | grep -Ex '[a-z]{2}'),)
 COURSE_LANG := $(LANG)
 override LANG := C.UTF-8
 export LANG
@@ -55,13 +61,15 @@ flash-attn: setup
 	$(PY) -m pip install --no-build-isolation "flash-attn>=2.6"
 
 # JupyterLab at the root of this tree (course/ and megalab/ side by side), on the first notebook; the kernel
-# and every rank import this tree's megalab (PYTHONPATH), `megalab` is on the terminal's PATH.
+# and every rank import this tree's megalab (PYTHONPATH), `megalab` is on the terminal's PATH. No news pop-up and
+# no update check (news_url=None): nothing covers the first notebook.
 lab: setup
 ifneq ($(LAB_DIR),)
 	$(VENV)/bin/megalab translate build --lang $(COURSE_LANG)
 endif
 	PYTHONPATH=$(CURDIR) PATH=$(abspath $(VENV))/bin:$$PATH $(VENV)/bin/jupyter lab --ServerApp.root_dir=. \
-		--LabApp.default_url=/lab/tree/$(LAB_DIR)$(FIRST_NOTEBOOK) --ip=127.0.0.1 --port=$(PORT) $(ROOT_FLAG)
+		--LabApp.default_url=/lab/tree/$(LAB_DIR)$(FIRST_NOTEBOOK) --LabApp.news_url=None \
+		--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate --ip=127.0.0.1 --port=$(PORT) $(ROOT_FLAG)
 
 # Learners start here: your own copy of the course with every exercise blank, in seconds (DIR=... to choose).
 workspace: setup

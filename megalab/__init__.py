@@ -99,12 +99,15 @@ def hint_magic(line: str) -> None:
     if not args or len(args) > 2 or (len(args) == 2 and not args[1].isdigit()):
         print("usage: %hint EXERCISE_ID [LEVEL] (e.g. %hint dist.shard_bounds, or %hint dist.shard_bounds 2)")
         return
+    from megalab.lab.i18n import lang_of
+
     try:
-        level, levels, text = hint(_course_root(), args[0], int(args[1]) if len(args) == 2 else None)
+        root = _course_root()
+        level, levels, text = hint(root, args[0], int(args[1]) if len(args) == 2 else None)
     except (HintError, ValueError) as exc:
         print(f"%hint: {exc}")
         return
-    print(format_hint(args[0], level, levels, text))
+    print(format_hint(args[0], level, levels, text, lang_of(root)))
 
 
 def progress_magic(line: str) -> None:

@@ -11,6 +11,15 @@ from pathlib import Path
 from megalab.lab.translate import LANGS
 
 
+def course_lang(value: str) -> str:
+    """--lang: a language the course is written in; any other is refused with the list."""
+    if value == "en" or value in LANGS:
+        return value
+    known = ", ".join(f"{code} ({name})" for code, name in {"en": "English", **LANGS}.items())
+    raise argparse.ArgumentTypeError(f"no course language {value!r}; the course has: {known} "
+                                     f"(e.g. `make workspace LANG=zh` or `megalab workspace DIR --lang zh`)")
+
+
 def _doctor(args: argparse.Namespace) -> int:
     if args.slurm:
         from megalab.lab.doctor import slurm_report
@@ -128,22 +137,30 @@ def _translate(args: argparse.Namespace) -> int:
                 print(f"    {key}: {state}")
     for line in problems:
         print(f"glossary: {line}")
+    from megalab.lab.i18n import MESSAGES, untranslated
+
+    unsaid = [(kind, en, where) for kind, said in untranslated(root, args.lang).items() for en, where in said.items()]
+    for kind, en, where in unsaid:
+        print(f"message ({kind}, {where}): no translation in {MESSAGES.format(lang=args.lang)}: {en!r}")
     print(f"\n{sum(r.done for r in rows)} of {sum(r.cells for r in rows)} markdown cells and "
           f"{sum(r.exercises_done for r in rows)} of {sum(r.exercises for r in rows)} exercises (task and hints) "
-          f"translated and current ({args.lang}); glossary: {len(terms)} terms, {len(problems)} miss(es)")
-    return 0 if all(r.ok for r in rows) and not problems else 1
+          f"translated and current ({args.lang}); glossary: {len(terms)} terms, {len(problems)} miss(es); "
+          f"tools' messages: {len(unsaid)} untranslated")
+    return 0 if all(r.ok for r in rows) and not problems and not unsaid else 1
 
 
 def _hint(args: argparse.Namespace) -> int:
     from megalab.lab.exercises import find_root
+    from megalab.lab.i18n import lang_of
     from megalab.lab.progress import HintError, format_hint, hint
 
     try:
-        level, levels, text = hint(find_root(), args.id, args.level)
+        root = find_root()
+        level, levels, text = hint(root, args.id, args.level)
     except (HintError, ValueError) as exc:
         print(f"megalab hint: {exc}", file=sys.stderr)
         return 2
-    print(format_hint(args.id, level, levels, text))
+    print(format_hint(args.id, level, levels, text, lang_of(root)))
     return 0
 
 
@@ -152,19 +169,22 @@ def _progress(args: argparse.Namespace) -> int:
     from dataclasses import asdict
 
     from megalab.lab.exercises import find_root
+    from megalab.lab.i18n import lang_of
     from megalab.lab.progress import summary, table
 
     try:
-        rows = summary(find_root())
+        root = find_root()
+        rows = summary(root)
     except ValueError as exc:  # a ProgressError too: an unreadable or damaged progress file, left as it is
         print(f"megalab progress: {exc}", file=sys.stderr)
         return 2
-    print(json.dumps([asdict(r) for r in rows], indent=1) if args.json else table(rows))
+    print(json.dumps([asdict(r) for r in rows], indent=1) if args.json else table(rows, lang_of(root)))
     return 0
 
 
 def _workspace(args: argparse.Namespace) -> int:
     from megalab.lab.exercises import ExerciseError, find_root
+    from megalab.lab.i18n import say
     from megalab.lab.workspace import FIRST_NOTEBOOK, WorkspaceError, create
 
     start = time.perf_counter()
@@ -175,19 +195,26 @@ def _workspace(args: argparse.Namespace) -> int:
         return 1
     for warning in ws.warnings:
         print(f"warning: {warning}", file=sys.stderr)
-    if args.lang == "zh":
-        print(f"你的工作区已就绪：{ws.dest}（{time.perf_counter() - start:.1f} 秒），megalab/ 中有 {len(ws.blanked)} 个练习"
-              f"待实现。\n\n下一步：\n  cd {ws.dest}\n  make lab          # 在这里打开 JupyterLab，从 {FIRST_NOTEBOOK} 开始"
-              f"\n  megalab grade dist.shard_bounds   # 检查一个练习（或在 notebook 中用 %grade ID）")
-        return 0
-    print(f"Your workspace is ready in {ws.dest} ({time.perf_counter() - start:.1f} s): {len(ws.blanked)} exercises "
-          f"to implement, in megalab/.\n\nNext:\n  cd {ws.dest}\n  make lab          # JupyterLab here, on "
-          f"{FIRST_NOTEBOOK}\n  megalab grade dist.shard_bounds   # check one exercise (or %grade ID in a notebook)")
+    lang = args.lang
+    print(say("Your workspace is ready in {dest} ({seconds:.1f} s): {n} exercises to implement, in megalab/.", lang,
+              dest=ws.dest, seconds=time.perf_counter() - start, n=len(ws.blanked)))
+    print()
+    print(say("Next:", lang))
+    steps = [(f"cd {ws.dest}", ""),
+             ("make lab", say("JupyterLab here, on {notebook}", lang, notebook=FIRST_NOTEBOOK)),
+             ("make grade ID=dist.shard_bounds", say("check one exercise, from any shell (or %grade ID in a notebook)",
+                                                     lang)),
+             (f"export PATH={Path(sys.prefix) / 'bin'}:$PATH",
+              say("then `megalab grade ID`, `megalab hint ID` ... in this shell too (JupyterLab's terminal: already)",
+                  lang))]
+    for cmd, note in steps:  # each note on its own line: nothing wraps at 80 columns
+        print(f"  # {note}\n  {cmd}" if note else f"  {cmd}")
     return 0
 
 
 def _restore(args: argparse.Namespace) -> int:
     from megalab.lab.exercises import find_root
+    from megalab.lab.i18n import say
     from megalab.lab.workspace import WorkspaceError, open_workspace, restore
 
     ws = open_workspace(find_root())
@@ -195,11 +222,12 @@ def _restore(args: argparse.Namespace) -> int:
         print("megalab restore: this is not a workspace (no .megalab/workspace.json); in the reference repository "
               "use `git checkout -- NOTEBOOK`", file=sys.stderr)
         return 2
+    lang = ws.config.get("lang", "en")
     try:
         for notebook in args.notebooks:
             backup = restore(ws, notebook)
-            saved = f" (your copy is in {backup.relative_to(ws.root)})" if backup else ""
-            print(f"restored {notebook} with its expected outputs{saved}")
+            saved = say(" (your copy is in {backup})", lang, backup=backup.relative_to(ws.root)) if backup else ""
+            print(say("restored {notebook} with its expected outputs{saved}", lang, notebook=notebook, saved=saved))
     except WorkspaceError as exc:
         print(f"megalab restore: {exc}", file=sys.stderr)
         return 2
@@ -208,6 +236,7 @@ def _restore(args: argparse.Namespace) -> int:
 
 def _update(args: argparse.Namespace) -> int:
     from megalab.lab.exercises import ExerciseError, find_root
+    from megalab.lab.i18n import say
     from megalab.lab.workspace import WorkspaceError, open_workspace, update
 
     ws = open_workspace(find_root())
@@ -219,23 +248,27 @@ def _update(args: argparse.Namespace) -> int:
     except (ExerciseError, WorkspaceError) as exc:
         print(f"megalab update: {exc}", file=sys.stderr)
         return 2
+    lang = ws.config.get("lang", "en")
     for rel in result.merged:
         if rel in result.conflicts:
             lines = ", ".join(map(str, result.conflicts[rel]))
-            print(f"  CONFLICT {rel} (line {lines}): you and the course changed the same lines; both versions are "
-                  f"between <<<<<<< and >>>>>>> markers (yours first): keep what is right, delete the markers")
+            print(say("  CONFLICT {rel} (line {lines}): you and the course changed the same lines; both versions are "
+                      "between <<<<<<< and >>>>>>> markers (yours first): keep what is right, delete the markers",
+                      lang, rel=rel, lines=lines))
         else:
-            print(f"  merged   {rel}: the course's changes, with your edits and solutions kept")
+            print(say("  merged   {rel}: the course's changes, with your edits and solutions kept", lang, rel=rel))
     for rel in result.replaced:
-        print(f"  updated  {rel}")
+        print(say("  updated  {rel}", lang, rel=rel))
     for rel in result.kept:
-        print(f"  kept     {rel} (your edit; the course did not change it)")
+        print(say("  kept     {rel} (your edit; the course did not change it)", lang, rel=rel))
     for rel in result.removed:
-        print(f"  removed  {rel} (the course no longer has it)")
+        print(say("  removed  {rel} (the course no longer has it)", lang, rel=rel))
     if result.backups:
-        print(f"your previous copies of changed files are in {result.backups.relative_to(ws.root)}")
-    print(f"workspace up to date with {ws.source}: {len(result.replaced) + len(result.merged)} file(s) changed"
-          + (f", {len(result.conflicts)} with conflicts to resolve" if result.conflicts else ""))
+        print(say("your previous copies of changed files are in {folder}", lang,
+                  folder=result.backups.relative_to(ws.root)))
+    conflicts = say(", {n} with conflicts to resolve", lang, n=len(result.conflicts)) if result.conflicts else ""
+    print(say("workspace up to date with {source}: {n} file(s) changed{conflicts}", lang, source=ws.source,
+              n=len(result.replaced) + len(result.merged), conflicts=conflicts))
     return 1 if result.conflicts else 0
 
 
@@ -301,14 +334,14 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("student", help="instructors: a plain blank copy of this repository (learners: `workspace`)")
     p.add_argument("dir", help="an empty folder to create the workspace in")
     p.add_argument("--force", action="store_true", help="write into a non-empty folder (overwrites its files)")
-    p.add_argument("--lang", choices=["en", *LANGS], default="en",
+    p.add_argument("--lang", type=course_lang, default="en",
                    help="the course's language: zh = 简体中文 (notebooks, exercise tasks and hints; code stays English)")
     p.set_defaults(func=_student)
 
     p = sub.add_parser("workspace", help="learners start here: write your workspace (every exercise blank) in DIR")
     p.add_argument("dir", help="an empty folder for the workspace, e.g. ~/megalab-work")
     p.add_argument("--force", action="store_true", help="write into a non-empty folder (overwrites its files)")
-    p.add_argument("--lang", choices=["en", *LANGS], default="en",
+    p.add_argument("--lang", type=course_lang, default="en",
                    help="the course's language: zh = 简体中文 (notebooks, exercise tasks and hints; code stays English)")
     p.set_defaults(func=_workspace)
 
@@ -330,7 +363,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("translate", help="translations: status (missing/stale cells), build the notebooks, stub new cells")
     p.add_argument("action", choices=["status", "build", "stub"])
     p.add_argument("notebooks", nargs="*", help="English notebooks (default: all)")
-    p.add_argument("--lang", default="zh")
+    p.add_argument("--lang", type=course_lang, default="zh")
     p.add_argument("--out", help="build: the folder to write the translated course into (default build/LANG)")
     p.add_argument("--allow-missing", action="store_true", help="build: keep the English where no translation is current")
     p.set_defaults(func=_translate)

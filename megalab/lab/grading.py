@@ -363,9 +363,12 @@ def choose(registry, target: str | None, root: Path) -> tuple[str | None, list[E
         return rel, [ex for ex in registry.select(None) if ex.notebook == rel], [rel]
     if target and "." in target:
         if target not in registry.exercises:
-            close = difflib.get_close_matches(target, list(registry.exercises), n=3)
-            hint = f"; did you mean {' or '.join(close)}?" if close else "; `megalab exercises` lists them"
-            raise ValueError(f"no exercise {target!r}{hint}")
+            from megalab.lab.i18n import lang_of, say
+
+            close, lang = difflib.get_close_matches(target, list(registry.exercises), n=3), lang_of(root)
+            hint = say("; did you mean {near}?", lang, near=" or ".join(close)) if close else say(
+                "; `megalab exercises` lists them", lang)
+            raise ValueError(say("no exercise {id!r}", lang, id=target) + hint)
         return target, [registry.exercises[target]], []
     folder = chapter_folder(root, target)
     return folder, registry.select(folder), None
@@ -401,38 +404,53 @@ class Report:
         say = VERDICT_WORDS.get(self.lang, VERDICT_WORDS["en"])
         lines = [f"{r.name}: {say.get(r.status, r.status)}"]
         if r.status != "passed":
-            lines += [f"  {line}" for line in r.detail.splitlines()]
+            from megalab.lab.i18n import diagnosis
+
+            lines += [f"  {line}" for line in diagnosis(r.detail, self.lang).splitlines()]
         else:
-            lines += [f"  {r.detail}"]
+            from megalab.lab.i18n import diagnosis
+
+            lines += [f"  {diagnosis(r.detail, self.lang)}"]
         hints = say["hints used"].format(n=r.hints) if r.hints else (
             "" if r.status == "passed" else say["stuck"].format(id=r.name))
         lines.append("  " + say["where"].format(where=r.where, notebook=r.notebook) + f"{hints}  ({self.seconds:.1f} s)")
         return "\n".join(lines)
 
-    def table(self, width: int = 150) -> str:
+    def table(self, width: int | None = None) -> str:
+        """Per exercise and notebook: status and the first line of the failure, in the workspace's language, cut to
+        the terminal's width (CJK characters count two columns)."""
         if len(self.exercises) == 1 and not self.notebooks and self.exercises[0].where:
             return self.verdict()
-        rows = [(r.name, r.status, r.detail) for r in self.exercises]
-        nb_rows = [(r.name, r.status, r.detail) for r in self.notebooks]
-        w0 = max([len("exercise")] + [len(r[0]) for r in rows + nb_rows])
-        w1 = len("not implemented")
-        out = [f"{'exercise':<{w0}}  {'status':<{w1}}  first line of the failure"]
+        from megalab.lab.i18n import clip, cols, diagnosis, pad, say, terminal_width
+
+        width, lang = width or terminal_width(), self.lang
+        say_status = VERDICT_WORDS.get(lang, VERDICT_WORDS["en"])
+        rows = [(r.name, say_status.get(r.status, r.status), diagnosis(r.detail, lang)) for r in self.exercises]
+        nb_rows = [(r.name, say_status.get(r.status, r.status), diagnosis(r.detail, lang)) for r in self.notebooks]
+        w0 = max([cols(say("exercise", lang)), cols(say("notebook", lang))] + [cols(r[0]) for r in rows + nb_rows])
+        w1 = max([cols(say_status.get(s, s)) for s in ("passed", "failed", "not implemented", "not graded")])
+        out = [clip(f"{pad(say('exercise', lang), w0)}  {pad(say('status', lang), w1)}  "
+                    f"{say('first line of the failure', lang)}", width)]
 
         def fmt(name, status, detail):
-            line = f"{name:<{w0}}  {status:<{w1}}  {detail}"
-            return line if len(line) <= width else line[: width - 1] + "…"
+            return clip(f"{pad(name, w0)}  {pad(status, w1)}  {detail}", width)
 
-        out += [fmt(*r) for r in rows] or ["(no exercises)"]
+        out += [fmt(*r) for r in rows] or [say("(no exercises)", lang)]
         if nb_rows:
-            out += ["", f"{'notebook':<{w0}}  status"]
+            out += ["", f"{pad(say('notebook', lang), w0)}  {say('status', lang)}"]
             out += [fmt(*r) for r in nb_rows]
 
         def count(rs):
-            return ", ".join(f"{sum(r.status == s for r in rs)} {s}" for s in ("passed", "failed", "not implemented", "not graded")
-                             if any(r.status == s for r in rs)) or "none"
+            return say(", ", lang).join(f"{sum(r.status == s for r in rs)} {say_status.get(s, s)}"
+                                        for s in ("passed", "failed", "not implemented", "not graded")
+                                        if any(r.status == s for r in rs)) or say("none", lang)
 
-        out += ["", f"{_n(len(rows), 'exercise')}: {count(self.exercises)}; {_n(len(nb_rows), 'notebook')}: "
-                f"{count(self.notebooks)}  ({self.seconds:.1f} s)"]
+        if lang == "en":
+            total = f"{_n(len(rows), 'exercise')}: {count(self.exercises)}; {_n(len(nb_rows), 'notebook')}: "
+        else:
+            total = say("{n} exercise(s): ", lang, n=len(rows)) + count(self.exercises) + say(
+                "; {n} notebook(s): ", lang, n=len(nb_rows))
+        out += ["", f"{total}{count(self.notebooks)}  ({self.seconds:.1f} s)"]
         return "\n".join(out)
 
     def to_json(self) -> dict:

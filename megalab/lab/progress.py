@@ -178,31 +178,40 @@ def all_hints(root: Path) -> dict[str, list[str]]:
 
 def hint(root: Path, exercise_id: str, level: int | None = None) -> tuple[int, int, str]:
     """(level, levels, text) of a hint: `level`, or the next one not seen yet; recorded as used."""
-    hints = all_hints(root)
+    from megalab.lab.i18n import lang_of, say
+
+    hints, lang = all_hints(root), lang_of(root)
     if exercise_id not in hints:
         near = difflib.get_close_matches(exercise_id, list(hints), n=3)
-        raise HintError(f"no exercise {exercise_id!r}" + (f"; did you mean {', '.join(near)}?" if near else
-                        "; `megalab exercises` lists them"))
+        raise HintError(say("no exercise {id!r}", lang, id=exercise_id) + (
+            say("; did you mean {near}?", lang, near=", ".join(near)) if near else
+            say("; `megalab exercises` lists them", lang)))
     levels = hints[exercise_id]
     if not levels:
-        raise HintError(f"exercise {exercise_id} has no hints yet")
+        raise HintError(say("exercise {id} has no hints yet", lang, id=exercise_id))
     state = load_state(root)
     seen = int(state["hints"].get(exercise_id, 0))
     if level is None:
         level = min(seen + 1, len(levels))
     if not 1 <= level <= len(levels):
-        raise HintError(f"exercise {exercise_id} has hints 1 to {len(levels)}, not {level}")
+        raise HintError(say("exercise {id} has hints 1 to {n}, not {level}", lang, id=exercise_id, n=len(levels),
+                            level=level))
     state["hints"][exercise_id] = max(seen, level)
     _attempt(state, exercise_id)
     _save(root, state)
     return level, len(levels), levels[level - 1]
 
 
-def format_hint(exercise_id: str, level: int, levels: int, text: str) -> str:
-    kind = {1: "the idea", 2: "the approach"}.get(level, "a pitfall")
-    more = (f"\n(more: `megalab hint {exercise_id}` again, or %hint {exercise_id})" if level < levels
-            else "\n(that was the last hint; `megalab grade " + exercise_id + "` names the likely mistake)")
-    return f"Hint {level} of {levels} for {exercise_id} ({kind}):\n  {text}{more}"
+def format_hint(exercise_id: str, level: int, levels: int, text: str, lang: str = "en") -> str:
+    """The hint as `megalab hint` and %hint print it, framed in the workspace's language."""
+    from megalab.lab.i18n import say
+
+    kind = say("the idea", lang) if level == 1 else say("the approach", lang) if level == 2 else say("a pitfall", lang)
+    more = (say("(more: `megalab hint {id}` again, or %hint {id})", lang, id=exercise_id) if level < levels
+            else say("(that was the last hint; `megalab grade {id}` names the likely mistake)", lang, id=exercise_id))
+    head = say("Hint {level} of {levels} for {id} ({kind}):", lang, level=level, levels=levels, id=exercise_id,
+               kind=kind)
+    return f"{head}\n  {text}\n{more}"
 
 
 # --------------------------------------------------------------------------- progress
@@ -218,15 +227,39 @@ class ChapterProgress:
     todo: list[str]  # exercises not done yet, in course order
 
 
+def reading_order(root: Path, exercises) -> dict[str, tuple]:
+    """{id: sort key}: the course's reading order, i.e. each exercise's notebook, then where its markdown
+    announces it (**Exercise `id`**: cell, then place in the cell; else where it first names it), then the code."""
+    import re
+
+    first: dict[str, tuple[int, int]] = {}
+    for notebook in sorted({ex.notebook for ex in exercises if ex.notebook}):
+        path = Path(root) / notebook
+        if not path.is_file():
+            continue
+        cells = [(c["cell_type"], "".join(c["source"])) for c in json.loads(path.read_text(encoding="utf-8"))["cells"]]
+        for ex in (e for e in exercises if e.notebook == notebook):
+            named = f"`{ex.id}`"
+            found = [(i, m.start()) for i, (kind, text) in enumerate(cells) if kind == "markdown"
+                     for m in re.finditer(rf"Exercise\W{{0,4}}{re.escape(named)}", text, flags=re.IGNORECASE)]
+            found = found or [(i, text.index(named)) for i, (kind, text) in enumerate(cells)
+                              if kind == "markdown" and named in text]
+            first[ex.id] = found[0] if found else (len(cells), 0)
+    return {ex.id: (ex.notebook or "~", *first.get(ex.id, (0, 0)), ex.path, ex.cell or 0, ex.line) for ex in exercises}
+
+
 def summary(root: Path) -> list[ChapterProgress]:
-    """Per chapter, from the local grading results (.megalab/progress.json)."""
+    """Per chapter, from the local grading results (.megalab/progress.json); `todo` in reading order."""
     from megalab.lab.workspace import open_workspace
 
     ws = open_workspace(root)
-    registry = load(ws.reference if ws is not None and ws.reference.is_dir() else root)
+    source = ws.reference if ws is not None and ws.reference.is_dir() else Path(root)
+    registry = load(source)
     state = load_state(root)
+    exercises = registry.select(None)
+    order = reading_order(source, exercises)
     chapters: dict[str, list] = {}
-    for ex in registry.select(None):
+    for ex in sorted(exercises, key=lambda ex: order[ex.id]):
         chapters.setdefault(ex.chapter or "(no chapter)", []).append(ex)
     out = []
     for chapter, exs in sorted(chapters.items()):
@@ -239,30 +272,39 @@ def summary(root: Path) -> list[ChapterProgress]:
 
 
 def _bar(done: int, total: int, width: int = 20) -> str:
-    full = round(width * done / total) if total else 0
-    return "█" * full + "░" * (width - full)
+    """Done in solid blocks, to do in dots: an empty bar reads empty, a bar is full only when all is done."""
+    full = done * width // total if total else 0
+    if done and not full:
+        full = 1
+    if done < total and full == width:
+        full = width - 1
+    return "█" * full + "·" * (width - full)
 
 
-def table(rows: list[ChapterProgress]) -> str:
-    w = max([len("chapter")] + [len(r.chapter) for r in rows])
-    out = [f"{'chapter':<{w}}  {'done':>7}  {'':20}  {'hints':>5}  last attempt      next"]
+def table(rows: list[ChapterProgress], lang: str = "en") -> str:
+    from megalab.lab.i18n import cols, pad, say
+
+    head = [say("chapter", lang), say("done", lang), say("hints", lang), say("last attempt", lang), say("next", lang)]
+    w = max([cols(head[0]), cols(say("all", lang))] + [cols(r.chapter) for r in rows])
+    line = f"{pad(head[0], w)}  {pad(head[1], 7, right=True)}  {'':20}  {pad(head[2], 5, right=True)}  "
+    out = [f"{line}{pad(head[3], 16)}  {head[4]}"]
     for r in rows:
-        nxt = r.todo[0] if r.todo else "all done"
-        out.append(f"{r.chapter:<{w}}  {r.done:>3} / {r.total:<2}  {_bar(r.done, r.total)}  {r.hints:>5}  "
-                   f"{r.last:<16}  {nxt}")
+        nxt = r.todo[0] if r.todo else say("all done", lang)
+        out.append(f"{pad(r.chapter, w)}  {r.done:>3} / {r.total:<2}  {_bar(r.done, r.total)}  {r.hints:>5}  "
+                   f"{pad(r.last, 16)}  {nxt}")
     done, total = sum(r.done for r in rows), sum(r.total for r in rows)
-    out.append(f"{'all':<{w}}  {done:>3} / {total:<2}  {_bar(done, total)}  {sum(r.hints for r in rows):>5}")
+    out.append(f"{pad(say('all', lang), w)}  {done:>3} / {total:<2}  {_bar(done, total)}  {sum(r.hints for r in rows):>5}")
     return "\n".join(out)
 
 
 def chart(rows: list[ChapterProgress], ax=None):
-    """Horizontal bars: exercises done out of each chapter's total."""
+    """Horizontal bars: exercises done out of each chapter's total (to do: an outline only, never a filled bar)."""
     import matplotlib.pyplot as plt
 
     if ax is None:
         _, ax = plt.subplots(figsize=(6, 0.35 * len(rows) + 0.8))
     names = [r.chapter for r in rows][::-1]
-    ax.barh(names, [r.total for r in rows][::-1], color="#e6e6e6", label="to do")
+    ax.barh(names, [r.total for r in rows][::-1], color="none", edgecolor="#b0b0b0", label="to do")
     ax.barh(names, [r.done for r in rows][::-1], color="#4c9a2a", label="done")
     for y, r in enumerate(rows[::-1]):
         ax.text(r.total + 0.2, y, f"{r.done}/{r.total}" + (f"  ({r.hints} hints)" if r.hints else ""), va="center",
@@ -278,10 +320,12 @@ def show(chapter: str | None = None, root: str | Path | None = None) -> None:
     import matplotlib.pyplot as plt
 
     from megalab.lab.exercises import find_root
+    from megalab.lab.i18n import lang_of
 
-    rows = summary(find_root(root or "."))
+    tree = find_root(root or ".")
+    rows = summary(tree)
     if chapter:
         rows = [r for r in rows if r.chapter.startswith(chapter)] or rows
-    print(table(rows))
+    print(table(rows, lang_of(tree)))
     chart(rows)
     plt.show()

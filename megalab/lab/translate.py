@@ -25,6 +25,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -264,9 +265,52 @@ def translated(root: Path, notebook: str, lang: str, allow_missing: bool = False
                 continue
             raise TranslationError(f"{notebook}: cell {c.id} {_why(state)}; run `megalab translate stub {notebook}` "
                                    f"and translate it in {source_of(root, notebook, lang).relative_to(root)}")
-        c.source = join_lines(s.text)
+        c.source = with_glosses(join_lines(s.text), diagram_words(root, lang))
     nb.metadata.setdefault("megalab", {}).update(lang=lang, translated_from=notebook)
     return nb
+
+
+_CODE_LANGS = {"python", "py", "bash", "sh", "shell", "console", "json", "yaml", "toml", "text"}
+_DIAGRAM = re.compile(r"^```(?P<lang>[\w-]*)[ \t]*\n(?P<body>.*?)^```[ \t]*$", re.MULTILINE | re.DOTALL)
+GLOSS = "图中英文："  # the line a built notebook adds under a diagram whose labels stay English
+
+
+def diagram_words(root: Path, lang: str) -> list[tuple[str, str]]:
+    """(English word, translation) for a diagram's labels: the glossary's DIAGRAM section, then its terms whose
+    translation is not the English itself."""
+    if not (root / GLOSSARY.format(lang=lang)).is_file():
+        return []
+    words = [(alt.strip(), tr) for en, tr in _tables(root, lang).get("DIAGRAM", []) for alt in en.split(" / ")]
+    for term in glossary(root, lang):
+        words += [(alt, term.translation) for alt in term.english if alt.lower() != term.translation.lower()]
+    return words
+
+
+def diagram_gloss(diagram: str, words: list[tuple[str, str]]) -> str | None:
+    """`图中英文：forward 前向 · bucket 桶 · ...`: the translation of each label word of `diagram` that `words`
+    knows (in the diagram's order, once each), or None when it has none."""
+    found: list[tuple[int, int, str, str]] = []  # (start, end, the label as written, its translation)
+    for en, tr in words:
+        m = Term([en], tr).pattern.search(diagram)
+        if m and en.lower() != tr.lower() and all(tr != t for _, _, _, t in found) and all(
+                not (a <= m.start() < b) for a, b, _, _ in found):
+            found.append((m.start(), m.end(), m[0], tr))
+    return GLOSS + " · ".join(f"{en} {tr}" for _, _, en, tr in sorted(found)) if found else None
+
+
+def with_glosses(markdown: str, words: list[tuple[str, str]]) -> str:
+    """`markdown` with a gloss line (*图中英文：...*) under each diagram (a fenced block that is not code) whose
+    English labels the glossary translates, unless the translation already glosses it."""
+    out, at = [], 0
+    for m in _DIAGRAM.finditer(markdown):
+        out.append(markdown[at : m.end()])
+        at = m.end()
+        if m["lang"].lower() in _CODE_LANGS or markdown[at:].lstrip("\n").startswith(("*" + GLOSS, GLOSS, "图中")):
+            continue
+        gloss = diagram_gloss(m["body"], words)
+        if gloss:
+            out.append(f"\n\n*{gloss}*")
+    return "".join(out) + markdown[at:]
 
 
 # --------------------------------------------------------------------------- the glossary
@@ -287,17 +331,96 @@ class Term:
         return re.compile(rf"(?<!\w)(?:{words})(?:s|es|ism|isms)?(?!\w)", re.IGNORECASE)
 
 
-def glossary(root: Path, lang: str) -> list[Term]:
-    """The glossary's terms: the table rows `| English / alternative | translation | note |`."""
+def _tables(root: Path, lang: str) -> dict[str, list[tuple[str, str]]]:
+    """The glossary's table rows (first two columns) by section: "" for the terms at the top, then each `## `
+    section's title up to its first space (e.g. "AVOID", "LABELS", "FIRST")."""
     path = root / GLOSSARY.format(lang=lang)
     if not path.is_file():
         raise TranslationError(f"{path.relative_to(root)} is missing; the translation's terms are fixed there")
-    terms = []
+    tables: dict[str, list[tuple[str, str]]] = {"": []}
+    section = ""
     for line in path.read_text(encoding="utf-8").splitlines():
+        if line.startswith("## "):
+            section = line[3:].split()[0]
+            tables.setdefault(section, [])
         m = _ROW.match(line)
-        if m and not set(m["en"]) <= set("-: ") and m["en"] != "English":
-            terms.append(Term([alt.strip() for alt in m["en"].split(" / ")], m["tr"]))
-    return terms
+        if m and not set(m["en"]) <= set("-: ") and not set(m["tr"]) <= set("-: ") and m["en"] not in (
+                "English", "用", "English heading", "English sentence", "中文"):
+            tables[section].append((m["en"].replace("\\|", "|"), m["tr"].replace("\\|", "|")))
+    return tables
+
+
+def glossary(root: Path, lang: str) -> list[Term]:
+    """The glossary's terms: the rows `| English / alternative | translation | note |` of its first table."""
+    return [Term([alt.strip() for alt in en.split(" / ")], tr) for en, tr in _tables(root, lang)[""]]
+
+
+def avoided(root: Path, lang: str) -> list[tuple[str, str]]:
+    """(the rendering to avoid, the one to use) of the glossary's AVOID section: one idea, one word."""
+    return [(bad.strip(), use) for use, bads in _tables(root, lang).get("AVOID", []) for bad in bads.split(" / ")]
+
+
+def first_use(root: Path, lang: str) -> list[tuple[str, str]]:
+    """(translation, English) of the glossary's FIRST section: at its first use in a notebook the translation is
+    followed by the English term in brackets, e.g. 数据并行（data parallelism）."""
+    return _tables(root, lang).get("FIRST", [])
+
+
+def labels(root: Path, lang: str) -> list[tuple[str, str]]:
+    """(English, translation) of the glossary's LABELS section: the fixed headings and sentences, said one way.
+    A heading is `## Label` (it may go on: `## Run: ...`, `## Build 1`); a sentence's `{name}` is a list of code
+    spans (", " between them in English, "、" in the translation)."""
+    return _tables(root, lang).get("LABELS", [])
+
+
+def _label_problems(pairs: list[tuple[str, str]], english: str, translation: str) -> list[str]:
+    """How `translation` says a fixed label or sentence of `english` other than the glossary's way."""
+    out = []
+    en_lines, tr_lines = english.splitlines(), translation.splitlines()
+    for en, tr in pairs:
+        if en.startswith("#"):
+            for line in en_lines:
+                m = re.match(rf"{re.escape(en)}(?P<rest>$|[: ]\s*\S.*)", line)
+                if m:
+                    rest = m["rest"].strip(": ")
+                    ok = [t for t in tr_lines if t.startswith(tr) and (not rest or t[len(tr):][:1] in ("：", " "))]
+                    if not ok:
+                        out.append(f"{line!r} -> {tr}{'：…' if m['rest'].startswith(':') else ' …' if rest else ''}")
+            continue
+        spans = r"`[^`]+`(?:, `[^`]+`)*"
+        parts = re.split(r"(\{\w+\})", en)
+        pattern = "".join(f"(?P<{part[1:-1]}>{spans})" if part.startswith("{") else re.escape(part) for part in parts)
+        for m in re.finditer(pattern, english):
+            said = tr.format(**{k: v.replace(", ", "、") for k, v in m.groupdict().items()})
+            if said not in translation:
+                out.append(f"{m[0][:40]!r}… -> {said}")
+    return out
+
+
+def first_at(text: str, term: str, longer: list[str]) -> int:
+    """Where `term` first stands on its own in `text` (not inside one of the `longer` terms that hold it), or -1."""
+    covered = {i for big in longer for m in re.finditer(re.escape(big), text) for i in range(m.start(), m.end())}
+    return next((m.start() for m in re.finditer(re.escape(term), text) if m.start() not in covered), -1)
+
+
+def _first_use_problems(pairs: list[tuple[str, str]], english: str, sections: list[str],
+                        terms: list[Term]) -> list[str]:
+    """Each FIRST term the notebook's English uses whose first translation in prose (cell order, headings and
+    code left out; not inside a longer glossary term, e.g. 专家数据并行) is not followed by the English in brackets."""
+    out = []
+    prose = [_NOT_PROSE.sub(" ", "\n".join(line for line in text.splitlines() if not line.startswith("#")))
+             for text in sections]
+    for tr, en in pairs:
+        if not Term([en], tr).pattern.search(_NOT_PROSE.sub(" ", english)):
+            continue
+        longer = [t.translation for t in terms if tr in t.translation and t.translation != tr]
+        for text in prose:
+            at = first_at(text, tr, longer)
+            if at >= 0:
+                if not re.match(rf"[（(]{re.escape(en)}", text[at + len(tr):].lstrip(), re.IGNORECASE):
+                    out.append(f"first {tr!r} -> {tr}（{en}）")
+                break
+    return out
 
 
 def _squash(text: str) -> str:
@@ -312,17 +435,29 @@ def glossary_misses(terms: list[Term], english: str, translation: str) -> list[s
 
 
 def glossary_problems(root: Path, lang: str, notebooks: list[str] | None = None) -> list[str]:
-    """Every current translation that leaves a glossary term out: `notebook: cell ID: 'term' -> 译法`."""
+    """Every current translation that leaves a glossary term out (`notebook: cell ID: 'term' -> 译法`), uses a
+    rendering the glossary avoids, says a fixed label or sentence another way, or gives a FIRST term without its
+    English at its first use in the notebook."""
     terms, problems = glossary(root, lang), []
+    avoid, fixed, first = avoided(root, lang), labels(root, lang), first_use(root, lang)
     by_notebook = _exercises_by_notebook(root)
     for rel in notebooks or english_notebooks(root):
         sections = read_sections(source_of(root, rel, lang))
+        current, whole = [], []
         for key, kind, english in _units(root, rel, by_notebook):
             if _state(sections.get(key), english, lang) != "current":
                 continue  # missing or stale: `status` says so
+            text = sections[key].text
+            where = f"{rel}: {'cell ' if kind == 'cell' else ''}{key}"
             prose = _EXERCISE_KEYWORD.sub("", english) if kind == "exercise" else english  # not `hint 1:`
-            problems += [f"{rel}: {'cell ' if kind == 'cell' else ''}{key}: {miss}"
-                         for miss in glossary_misses(terms, prose, sections[key].text)]
+            problems += [f"{where}: {miss}" for miss in glossary_misses(terms, prose, text)]
+            said = _NOT_PROSE.sub(" ", text)
+            problems += [f"{where}: {bad!r} -> {use}" for bad, use in avoid if bad in said]
+            problems += [f"{where}: {miss}" for miss in _label_problems(fixed, english, text)]
+            if kind == "cell":
+                current.append(text)
+                whole.append(english)
+        problems += [f"{rel}: {miss}" for miss in _first_use_problems(first, "\n".join(whole), current, terms)]
     return problems
 
 
@@ -350,6 +485,9 @@ def build(root: Path, lang: str, out: Path | None = None, allow_missing: bool = 
         path.parent.mkdir(parents=True, exist_ok=True)
         nbformat.write(nb, path)
         written.append(path)
+    if (root / GLOSSARY.format(lang=lang)).is_file():  # the notebooks link to it (../<lang>/GLOSSARY.md)
+        (out / GLOSSARY.format(lang=lang)).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(root / GLOSSARY.format(lang=lang), out / GLOSSARY.format(lang=lang))
     return written
 
 

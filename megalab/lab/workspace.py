@@ -61,8 +61,46 @@ class WorkspaceError(RuntimeError):
     """A workspace operation cannot go ahead; the message says what to do."""
 
 
+_BANNER = re.compile(r"megalab \d+\.\d+\.\d+ · [^\"\n]*")  # the line `%load_ext megalab` prints (sanitize.cfg's)
+# which tree `megalab doctor` says a notebook runs (megalab/lab/doctor.py): the reference's, in a stored output
+_DOCTOR = re.compile(r"from this folder's tree: [^\"\n]*?, \d+ of \d+ exercises implemented")
+
+
 def _sha(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
+    """The file's SHA-256; a notebook's without the lines that say which tree it runs (the workspace writes its own)."""
+    data = path.read_bytes()
+    if path.suffix == ".ipynb":
+        text = data.decode("utf-8", "surrogateescape")
+        text = _DOCTOR.sub("DOCTOR", _BANNER.sub("megalab BANNER", text)).rstrip("\n")
+        data = text.encode("utf-8", "surrogateescape")
+    return hashlib.sha256(data).hexdigest()
+
+
+def show_banner(ws_root: Path, notebooks: list[Path]) -> None:
+    """In each notebook's stored outputs, say this workspace where the reference said itself: the banner of
+    `%load_ext megalab` (what it prints here now) and `megalab doctor`'s line on which tree runs, in place of the
+    reference's "every exercise solved"."""
+    from megalab import banner
+
+    line = banner(ws_root)
+    done, total = progress(ws_root)
+    ws = open_workspace(ws_root)
+    tree = (f"from this folder's tree: a workspace made from {ws.source if ws else ws_root}, {done} of {total} "
+            f"exercises implemented")
+    for path in notebooks:
+        text = path.read_text(encoding="utf-8")
+        if not _BANNER.search(text) and not _DOCTOR.search(text):
+            continue
+        nb = json.loads(text)
+        for cell in nb.get("cells", []):
+            for out in cell.get("outputs", []) if cell.get("cell_type") == "code" else []:
+                if out.get("output_type") == "stream":
+                    said = "".join(out.get("text", []))
+                    new = _DOCTOR.sub(lambda m: tree, _BANNER.sub(lambda m: line, said))
+                    if new != said:
+                        out["text"] = new.splitlines(keepends=True)
+        dumped = json.dumps(nb, indent=1, sort_keys=True, ensure_ascii=False)
+        path.write_text(dumped + ("\n" if text.endswith("\n") else ""), encoding="utf-8")
 
 
 def _git_commit(root: Path) -> str | None:
@@ -166,6 +204,7 @@ def create(reference: str | Path, dest: str | Path, force: bool = False, lang: s
     (dest / STATE_DIR / ".gitignore").write_text("*\n")
     (dest / STATE_DIR / "env.mk").write_text(  # read by the Makefile: `make lab` etc. use the shared environment
         f"WORKSPACE := 1\nVENV := {sys.prefix}\nREFERENCE := {reference}\n")
+    show_banner(dest, sorted((dest / COURSE_DIR).rglob("*.ipynb")))
     return written
 
 
@@ -301,6 +340,7 @@ def restore(ws: Workspace, notebook: str | Path) -> Path:
     stamp = time.strftime("%Y%m%d-%H%M%S")
     backup = _backup(ws, rel, stamp) if path.exists() else None
     shutil.copy2(pristine, path)
+    show_banner(ws.root, [path])
     return backup
 
 
@@ -387,6 +427,7 @@ def update(ws: Workspace) -> Update:
             backed = True
             (ws.root / rel).unlink()
         _snapshot(source, ws.root, translation)
+        show_banner(ws.root, [ws.root / rel for rel in replaced + merged if rel.endswith(".ipynb")])
         _keep_base(fresh, ws.root)
         shutil.copy2(fresh / HINTS, ws.root / HINTS)  # the hints as the course now words them
         # each file as the course wrote it (never your edit): what the next update compares with
