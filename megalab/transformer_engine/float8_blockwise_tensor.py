@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 from torch.nn import functional as F
 
-from megalab.transformer_engine.fp8 import compute_current_scale
+from megalab.transformer_engine.recipe_common import compute_current_scale
 
 BLOCK_LEN = 128  # TE's Float8BlockQuantizer.block_len (kTileDim in the kernels)
 

@@ -49,6 +49,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from megalab.transformer_engine.float8_blockwise_tensor import Float8BlockQuantizer
+from megalab.transformer_engine.mxfp8_tensor import MXFP8Quantizer
+
 FP8_DTYPES = {"E4M3": torch.float8_e4m3fn, "E5M2": torch.float8_e5m2}
 RECIPE_FORMATS = {"E4M3": ("E4M3", "E4M3"), "HYBRID": ("E4M3", "E5M2")}  # (forward, backward)
 MATMUL_ALIGNMENT = 16  # FP8 tensor cores need every matmul dimension to be a multiple of 16
@@ -177,7 +180,7 @@ def _check_format(fp8_format: str) -> None:
         raise ValueError(f'fp8_format must be "HYBRID" (E4M3 forward, E5M2 backward) or "E4M3", got {fp8_format!r}')
 
 
-FP32_MAX = torch.finfo(torch.float32).max
+from megalab.transformer_engine.recipe_common import FP32_MAX, compute_current_scale  # noqa: E402  (re-exported)
 
 
 def compute_scale(amax: torch.Tensor, scale: torch.Tensor, fp8_max: float, margin: int) -> torch.Tensor:
@@ -198,22 +201,6 @@ def compute_scale(amax: torch.Tensor, scale: torch.Tensor, fp8_max: float, margi
     new = torch.where(torch.isfinite(amax), new, scale)
     return torch.where(torch.isinf(new), torch.full_like(new, FP32_MAX), new)
     ### END SOLUTION
-
-
-def compute_current_scale(amax: torch.Tensor, fp8_max: float, use_power_2_scales: bool = False,
-                          amax_epsilon: float = 0.0, value_for_inf: float = FP32_MAX) -> torch.Tensor:
-    """Current scaling's scale from this tensor's amax (TE's compute_scale_from_amax,
-    transformer_engine/common/recipe/recipe_common.cuh): amax raised to amax_epsilon; 1 where amax is 0,
-    inf or NaN (there is no previous scale); `value_for_inf` (FP32 max; the blockwise kernels pass the input
-    dtype's max) on overflow; optionally the power of two below."""
-    amax = amax.float()
-    amax = torch.where(amax < amax_epsilon, torch.full_like(amax, amax_epsilon), amax)
-    scale = torch.full_like(amax, fp8_max) / amax
-    scale = torch.where(torch.isinf(scale), torch.full_like(scale, value_for_inf), scale)
-    scale = torch.where(torch.isinf(amax) | (amax == 0) | torch.isnan(scale), torch.ones_like(scale), scale)
-    if use_power_2_scales:  # keep sign and exponent bits: the largest power of two <= scale
-        scale = (scale.view(torch.int32) & 0x7F800000).view(torch.float32)
-    return scale
 
 
 def quantize(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -355,8 +342,6 @@ class Fp8Linear(nn.Linear):
             raise ValueError(f"FP8 tensor cores need in/out features divisible by {MATMUL_ALIGNMENT}, "
                              f"got {self.in_features} x {self.out_features}: pad the layer")
         if isinstance(self.recipe, (MXFP8BlockScaling, Float8BlockScaling)):  # per-block scales, no ScalingMeta
-            from megalab.transformer_engine.fp8_recipes import block_linear
-
             return block_linear(x, self.weight, self.bias, self.recipe)
         m = self.fp8_meta
         return _Fp8LinearFunction.apply(x, self.weight, self.bias, m["input"], m["weight"], m["grad_output"])
@@ -396,3 +381,58 @@ def gemm_seconds(m: int, k: int, n: int, device: torch.device | str = "cpu", rep
             times.append(time.perf_counter() - start)
         out[name] = statistics.median(times)
     return out
+
+
+# ------------------------------------------------------------------ Linear under the block recipes
+
+
+def fp8_dtype(recipe, role: str) -> torch.dtype:
+    """E4M3 for inputs and weights; the recipe's backward format (E5M2 under HYBRID) for output gradients."""
+    forward, backward = RECIPE_FORMATS[recipe.fp8_format]
+    return FP8_DTYPES[backward if role == "grad_output" else forward]
+
+
+def quantizer(recipe, role: str):
+    """The TE quantizer a block recipe uses for `role`, with both usages (rowwise, columnwise)."""
+    dtype = fp8_dtype(recipe, role)
+    if isinstance(recipe, MXFP8BlockScaling):
+        return MXFP8Quantizer(dtype)
+    dim = {"input": recipe.x_block_scaling_dim, "weight": recipe.w_block_scaling_dim,
+           "grad_output": recipe.grad_block_scaling_dim}[role]
+    return Float8BlockQuantizer(dtype, amax_epsilon=recipe.amax_epsilon, force_pow_2_scales=recipe.power_2_scale,
+                                block_scaling_dim=dim)
+
+
+class _BlockFp8LinearFunction(torch.autograd.Function):
+    """y = x W^T + b with block-scaled operands, each GEMM contracting over its operands' blocks:
+
+        fprop  y  [M, N] = x [M, K] W^T       x rowwise, W rowwise        (blocks along K)
+        dgrad  dx [M, K] = g [M, N] W         g rowwise, W columnwise     (blocks along N)
+        wgrad  dW [N, K] = g^T x              g columnwise, x columnwise  (blocks along M)
+
+    The GEMMs are emulated as fp32 matmuls of the dequantized operands (block_scaled_mm gives the same)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, recipe):
+        qx = quantizer(recipe, "input")(x.reshape(-1, x.shape[-1]))                  # [M, K]
+        qw = quantizer(recipe, "weight")(weight)                                      # [N, K]
+        y = (qx.dequantize() @ qw.dequantize().t()).to(x.dtype)                      # [M, N]
+        if bias is not None:
+            y = y + bias.to(y.dtype)
+        ctx.qx, ctx.qw, ctx.recipe, ctx.x_shape, ctx.has_bias, ctx.w_dtype = qx, qw, recipe, x.shape, \
+            bias is not None, weight.dtype
+        return y.reshape(*x.shape[:-1], -1)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        g = grad_output.reshape(-1, grad_output.shape[-1])                            # [M, N]
+        qg = quantizer(ctx.recipe, "grad_output")(g)
+        grad_x = (qg.dequantize() @ ctx.qw.dequantize(columnwise=True)).to(grad_output.dtype)       # [M, K]
+        grad_w = qg.dequantize(columnwise=True).t() @ ctx.qx.dequantize(columnwise=True)             # [N, K]
+        grad_b = g.float().sum(0).to(ctx.w_dtype) if ctx.has_bias else None
+        return grad_x.reshape(ctx.x_shape), grad_w.to(ctx.w_dtype), grad_b, None
+
+
+def block_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, recipe) -> torch.Tensor:
+    """Fp8Linear's forward under MXFP8BlockScaling or Float8BlockScaling."""
+    return _BlockFp8LinearFunction.apply(x, weight, bias, recipe)

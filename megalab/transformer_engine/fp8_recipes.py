@@ -17,14 +17,13 @@ import torch
 
 from megalab.transformer_engine.float8_blockwise_tensor import Float8BlockQuantizer
 from megalab.transformer_engine.fp8 import (
-    FP8_DTYPES,
-    RECIPE_FORMATS,
     CurrentScaling,
     DelayedScaling,
     Float8BlockScaling,
     MXFP8BlockScaling,
     compute_current_scale,
     compute_scale,
+    fp8_dtype,
     quantize,
 )
 from megalab.transformer_engine.mxfp8_tensor import MXFP8Quantizer
@@ -67,12 +66,6 @@ def get_fp8_recipe(config):
     if name == "mxfp8":
         return MXFP8BlockScaling(fp8_format=fmt)
     raise ValueError(f"fp8_recipe (--fp8-recipe) must be one of {', '.join(FP8_RECIPES)} here, got {name!r}")
-
-
-def fp8_dtype(recipe, role: str) -> torch.dtype:
-    """E4M3 for inputs and weights; the recipe's backward format (E5M2 under HYBRID) for output gradients."""
-    forward, backward = RECIPE_FORMATS[recipe.fp8_format]
-    return FP8_DTYPES[backward if role == "grad_output" else forward]
 
 
 @torch.no_grad()
@@ -195,49 +188,3 @@ def block_scaled_mm(a_data: torch.Tensor, a_scale_inv: torch.Tensor, b_data: tor
         out += torch._scaled_mm(a, b, scale_a=a_scale_inv[:, t:t + 1].float().contiguous(),
                                 scale_b=b_scale_inv[:, t:t + 1].float().t().contiguous(), out_dtype=torch.float32)
     return out.to(out_dtype)
-
-
-def quantizer(recipe, role: str):
-    """The TE quantizer a block recipe uses for `role`, with both usages (rowwise, columnwise)."""
-    dtype = fp8_dtype(recipe, role)
-    if isinstance(recipe, MXFP8BlockScaling):
-        return MXFP8Quantizer(dtype)
-    dim = {"input": recipe.x_block_scaling_dim, "weight": recipe.w_block_scaling_dim,
-           "grad_output": recipe.grad_block_scaling_dim}[role]
-    return Float8BlockQuantizer(dtype, amax_epsilon=recipe.amax_epsilon, force_pow_2_scales=recipe.power_2_scale,
-                                block_scaling_dim=dim)
-
-
-class _BlockFp8LinearFunction(torch.autograd.Function):
-    """y = x W^T + b with block-scaled operands, each GEMM contracting over its operands' blocks:
-
-        fprop  y  [M, N] = x [M, K] W^T       x rowwise, W rowwise        (blocks along K)
-        dgrad  dx [M, K] = g [M, N] W         g rowwise, W columnwise     (blocks along N)
-        wgrad  dW [N, K] = g^T x              g columnwise, x columnwise  (blocks along M)
-
-    The GEMMs are emulated as fp32 matmuls of the dequantized operands (block_scaled_mm gives the same)."""
-
-    @staticmethod
-    def forward(ctx, x, weight, bias, recipe):
-        qx = quantizer(recipe, "input")(x.reshape(-1, x.shape[-1]))                  # [M, K]
-        qw = quantizer(recipe, "weight")(weight)                                      # [N, K]
-        y = (qx.dequantize() @ qw.dequantize().t()).to(x.dtype)                      # [M, N]
-        if bias is not None:
-            y = y + bias.to(y.dtype)
-        ctx.qx, ctx.qw, ctx.recipe, ctx.x_shape, ctx.has_bias, ctx.w_dtype = qx, qw, recipe, x.shape, \
-            bias is not None, weight.dtype
-        return y.reshape(*x.shape[:-1], -1)
-
-    @staticmethod
-    def backward(ctx, grad_output):
-        g = grad_output.reshape(-1, grad_output.shape[-1])                            # [M, N]
-        qg = quantizer(ctx.recipe, "grad_output")(g)
-        grad_x = (qg.dequantize() @ ctx.qw.dequantize(columnwise=True)).to(grad_output.dtype)       # [M, K]
-        grad_w = qg.dequantize(columnwise=True).t() @ ctx.qx.dequantize(columnwise=True)             # [N, K]
-        grad_b = g.float().sum(0).to(ctx.w_dtype) if ctx.has_bias else None
-        return grad_x.reshape(ctx.x_shape), grad_w.to(ctx.w_dtype), grad_b, None
-
-
-def block_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, recipe) -> torch.Tensor:
-    """Fp8Linear's forward under MXFP8BlockScaling or Float8BlockScaling."""
-    return _BlockFp8LinearFunction.apply(x, weight, bias, recipe)
