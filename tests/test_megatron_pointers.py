@@ -51,7 +51,7 @@ FLAG = re.compile(r"(?<![\w-])(--[a-z0-9][a-z0-9-]*[a-z0-9])(?![\w-])")
 HISTORICAL = re.compile(r"older release|historical|formerly|used to|removed|renamed|deprecated|until megatron|"
                         r"no longer|before megatron|earlier release|later release|newer release|later megatron|"
                         r"旧版|早期版本|已移除|已删除|已弃用|改名|更名|曾经|以前|更新的版本|后来的版本", re.I)
-OURS = re.compile(r"\bour\b|megalab|我们|\bTE's|Transformer Engine's|torch's|PyTorch's", re.I)  # "plays the role of our
+OURS = re.compile(r"\bour\b|megalab|我们|\bTE's|TE 的|Transformer Engine's|torch's|PyTorch's", re.I)  # "plays the role of our
 # `EngineLoop`", "TE's `attn_forward_func_with_cp`": not a Megatron name
 MEGATRON_FLAG = re.compile(r"megatron(?:-lm)?(?:'s|’s| 的)?\s+(?:flag|option|argument|参数)?\s*`?$", re.I)
 FILE_NAME = re.compile(r"\.(py|cpp|cu|h|pt|json|yaml|yml|idx|bin|md|rst|sh|txt)$")

@@ -31,7 +31,7 @@ communication overlap with tp > 1, FlashAttention without recomputation, the rin
 ("we force-balance the token distribution among experts", the table's note: moe_imbalance 1), no EP overlap
 (but for the H100 Qwen3 235B-A22B rows, whose recipe overlaps it: _RECIPE_SETTINGS),
 FSDP > 0 as ZeRO-3, and uneven stages where the layers do not divide: the embedding and the loss each take
-one layer's slot (Megatron's account_for_embedding/loss_in_pipeline_split), e.g. LLaMA-3.1 405B's 126
+one layer's slot (Megatron's account_for_embedding_in_pipeline_split / account_for_loss_in_pipeline_split), e.g. LLaMA-3.1 405B's 126
 layers over pp 8 x vpp 8 as 15, 16 x 6, 15 per rank. "FP8" (26.02, H100) is read as FP8-CS, the name the
 25.11 table gives the same H100 runs.
 
