@@ -619,6 +619,7 @@ def test_quick_zero3_gather_rebuilds_full_parameters(quick):
             require(close(got, exp, f"rank {rank}, ZeRO-3: parameter {name} gathered after one SGD step"))
 
 
+@pytest.mark.integration
 @pytest.mark.exercise("data_parallel.build_buckets")
 def test_bucket_count_follows_bucket_size(dp_report):
     world, cases = _part(dp_report, "buckets")
@@ -635,6 +636,7 @@ def test_bucket_count_follows_bucket_size(dp_report):
             f"the {world} ranks")
 
 
+@pytest.mark.integration
 @pytest.mark.exercise("data_parallel.build_buckets")
 @pytest.mark.exercise("data_parallel.grad_hook")
 @pytest.mark.exercise("data_parallel.finish_grad_sync")
@@ -656,6 +658,7 @@ def test_ddp_matches_torch_ddp_and_single_process(dp_report):
                   f"{after}", "single-process float64 training's")
 
 
+@pytest.mark.integration
 @pytest.mark.exercise("data_parallel.grad_hook")
 @pytest.mark.exercise("data_parallel.finish_grad_sync")
 def test_hooks_launch_buckets_before_backward_ends(dp_report):
@@ -669,6 +672,7 @@ def test_hooks_launch_buckets_before_backward_ends(dp_report):
         "bucket as soon as its gradients are all in, overlapping communication with the rest of backward")
 
 
+@pytest.mark.integration
 @pytest.mark.exercise("data_parallel.grad_hook")
 @pytest.mark.exercise("data_parallel.reduce_scatter")
 @pytest.mark.exercise("data_parallel.zero_step")
@@ -680,6 +684,7 @@ def test_zero_1_2_match_unsharded_training(dp_report):
                           f"parameters after {STEPS} steps", "unsharded single-process training's")
 
 
+@pytest.mark.integration
 @pytest.mark.exercise("data_parallel.reduce_scatter")
 @pytest.mark.exercise("data_parallel.zero_step")
 @pytest.mark.exercise("data_parallel.zero3_gather")
@@ -691,6 +696,7 @@ def test_zero_3_matches_unsharded_training(dp_report):
                           f"parameters after {STEPS} steps", "unsharded single-process training's")
 
 
+@pytest.mark.integration
 @pytest.mark.exercise("data_parallel.finish_grad_sync")
 @pytest.mark.exercise("data_parallel.zero_step")
 @pytest.mark.exercise("data_parallel.zero3_gather")
