@@ -20,6 +20,7 @@ CPU seconds when the machine was loaded (1-minute load above 2 at the start or e
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import subprocess
@@ -32,7 +33,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import median, report  # noqa: E402
+from _common import RESULTS, median, report  # noqa: E402
 
 from megalab.lab.workspace import _shipped_bugs  # noqa: E402
 
@@ -120,6 +121,8 @@ def main() -> None:
     p.add_argument("--jobs", type=int, default=1, help="exercises graded at a time (each in its own workspace)")
     p.add_argument("--kinds", nargs="+", choices=["wrong", "right"], default=["wrong", "right"],
                    help="which verdicts to time (the wrong answer's, the right answer's)")
+    p.add_argument("--resume", action="store_true", help="keep the exercises a stopped run already measured "
+                   "(grading_latency.partial.json, written after each exercise)")
     args = p.parse_args()
     if args.quick:
         args.exercises, args.repeats, args.jobs = QUICK, 1, 1
@@ -135,8 +138,14 @@ def main() -> None:
         mistakes.setdefault(m.exercise, m)
     load_start, started = os.getloadavg(), time.perf_counter()
     results, lock = {}, threading.Lock()
+    partial = RESULTS / "grading_latency.partial.json"
+    if args.resume and partial.exists():
+        kept = json.loads(partial.read_text())
+        load_start, results = kept["load_start"], {e: r for e, r in kept["results"].items() if e in args.exercises}
+        print(f"resumed: {len(results)} exercise(s) measured before", flush=True)
+    todo = [e for e in args.exercises if e not in results]
     with tempfile.TemporaryDirectory(prefix="megalab-bench-grading-") as tmp:
-        free = [create(REPO, Path(tmp) / f"ws{j}").dest for j in range(max(1, args.jobs))]
+        free = [create(REPO, Path(tmp) / f"ws{j}").dest for j in range(min(max(1, args.jobs), len(todo)))]
 
         def one(ex_id):
             with lock:
@@ -149,10 +158,13 @@ def main() -> None:
             said = ", ".join(f"{kind} {r['wall']:.1f} s ({r['cpu']:.1f} s CPU) {r['status']}"
                              + ("" if r["as_expected"] else " UNEXPECTED") for kind, r in res.items())
             print(f"{ex_id}: {said}; load {_load()}", flush=True)
-            results[ex_id] = res
+            with lock:
+                results[ex_id] = res
+                RESULTS.mkdir(parents=True, exist_ok=True)
+                partial.write_text(json.dumps({"load_start": load_start, "results": results}))
 
         with ThreadPoolExecutor(max(1, args.jobs)) as pool:
-            list(pool.map(one, args.exercises))
+            list(pool.map(one, todo))
     load_end = os.getloadavg()
     loaded = max(load_start[0], load_end[0]) > QUIET
     rows, slow, wrong_verdicts = [], [], []
@@ -190,6 +202,7 @@ def main() -> None:
     report("grading_latency", header, rows, {
         "target_s": TARGET, "judged_by": judge, "load_start": load_start, "load_end": load_end, "jobs": args.jobs,
         "summary": summary, "slowest": worst, "slower": slow, "verdicts_not_as_expected": wrong_verdicts})
+    partial.unlink(missing_ok=True)
     if wrong_verdicts:
         sys.exit(1)
 
