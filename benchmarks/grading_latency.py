@@ -7,7 +7,7 @@ same way. Each verdict is checked too: the wrong answer must fail and name its m
 
     python benchmarks/grading_latency.py                 three multi-rank exercises, twice each
     python benchmarks/grading_latency.py --all --jobs 2  every exercise once, right and wrong (the issue's table)
-    python benchmarks/grading_latency.py --quick         CI smoke: one single-process exercise, wrong then right
+    python benchmarks/grading_latency.py --quick         CI smoke: one single-process exercise's wrong answer
 
 Wall seconds depend on the machine's load (several sessions share 2 cores here), CPU seconds hardly: the CPU
 seconds of the grade command and everything it waited for (its pytest, the ranks they launch). A verdict is
@@ -119,7 +119,7 @@ def main() -> None:
     p.add_argument("--exercises", nargs="+", default=EXERCISES)
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--all", action="store_true", help="every exercise of the course, once each")
-    p.add_argument("--quick", action="store_true", help="CI smoke: one single-process exercise, once")
+    p.add_argument("--quick", action="store_true", help="CI smoke: one single-process exercise's wrong answer")
     p.add_argument("--jobs", type=int, default=1, help="exercises graded at a time (each in its own workspace)")
     p.add_argument("--kinds", nargs="+", choices=["wrong", "right"], default=["wrong", "right"],
                    help="which verdicts to time (the wrong answer's, the right answer's)")
@@ -127,8 +127,8 @@ def main() -> None:
                    "(grading_latency.partial.json, written after each verdict)")
     p.add_argument("--table-only", action="store_true", help="measure nothing: the table of a stopped run (--resume)")
     args = p.parse_args()
-    if args.quick:
-        args.exercises, args.repeats, args.jobs = QUICK, 1, 1
+    if args.quick:  # one verdict (a workspace costs ~2 s of CPU, a verdict ~4 s: pytest and torch's import)
+        args.exercises, args.repeats, args.jobs, args.kinds = QUICK, 1, 1, ["wrong"]
     from megalab.lab.exercises import load
     from megalab.lab.mutants import load_mistakes
     from megalab.lab.workspace import create
