@@ -149,7 +149,7 @@ def main() -> None:
         print(f"resumed: {sum(map(len, results.values()))} verdict(s) measured before", flush=True)
     # the right answers first (issue 34's gap), those of exercises with end-to-end launches first among them
     todo = sorted(((e, k) for k in args.kinds for e in args.exercises if k not in results[e] and not args.table_only),
-                  key=lambda job: (args.kinds.index(job[1]), not registry.exercises[job[0]].integration))
+                  key=lambda job: (job[1] == "wrong", not registry.exercises[job[0]].integration))
     with tempfile.TemporaryDirectory(prefix="megalab-bench-grading-") as tmp:
         free = [create(REPO, Path(tmp) / f"ws{j}").dest for j in range(min(max(1, args.jobs), len(todo)))]
 
