@@ -140,17 +140,17 @@ def run_checks(root: Path, exercises: list[Exercise], notebooks: list[str] = (),
     focused: only each exercise's verdict_tests (`megalab grade ID`: not the end-to-end launches marked
     integration, which a chapter's grade and `make test` still run).
     """
-    if focused:
-        files = list(dict.fromkeys(node for ex in exercises for node in ex.verdict_tests))
-    else:
-        files = sorted({node.split("::")[0] for ex in exercises for node in ex.tests})
-    if not files and not notebooks:
+    if focused:  # node ids: pytest collects only those tests
+        paths = list(dict.fromkeys(node for ex in exercises for node in ex.verdict_tests))
+    else:  # whole files: the plugin below keeps the marked tests
+        paths = sorted({node.split("::")[0] for ex in exercises for node in ex.tests})
+    if not paths and not notebooks:
         return {}
     if importlib.util.find_spec("pytest_timeout") is None:
         raise RuntimeError("grading needs pytest-timeout (a hanging test must fail, not hang): pip install -e '.[dev]'")
     # the last resort against a hang outside any launch; a launch itself stops at its own (hard) timeout
     backstop = timeout * (HARD_TIMEOUT_FACTOR + 1)
-    args = [f"--timeout={backstop:g}", *files, *notebooks] + (["-x"] if first_failure else [])
+    args = [f"--timeout={backstop:g}", *paths, *notebooks] + (["-x"] if first_failure else [])
     if notebooks:
         args += ["--nbval", "--nbval-current-env", f"--nbval-cell-timeout={backstop:g}"]
     else:  # no notebooks: skip loading nbval (and the addopts that configure it); saves seconds
