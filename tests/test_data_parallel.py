@@ -461,11 +461,26 @@ def _quick_zero_step(rank, world, group):
     return out
 
 
+UNBACKED = "storage was never refilled"
+
+
+def _gathered_views_backed(ddp):
+    """Gather every bucket (stage 3), then check that each parameter's storage holds its view: reading a view of a
+    freed (0-byte) storage crashes the whole process, every rank thread with it, instead of raising."""
+    for b in ddp.buckets:
+        ddp._gather_params(b)
+    for name, p in ddp.module.named_parameters():
+        need, has = (p.storage_offset() + p.numel()) * p.element_size(), p.untyped_storage().nbytes()
+        if has < need:
+            raise RuntimeError(f"parameter {name} is a view of {need} bytes of a storage of {has}: its {UNBACKED}")
+
+
 def _quick_zero3_gather(rank, world, group):
     def shards_changed():  # every rank adds 1 to its shards: the gathered parameters must all be 1 larger
         ddp = DistributedDataParallel(_tiny(), group=group, bucket_size=10, zero_stage=3)
         for b in ddp.buckets:
             b.param_shard.add_(1.0)
+        _gathered_views_backed(ddp)
         got = ddp.full_parameters()
         return {"params": [got[n] for n, _ in ddp.module.named_parameters()],
                 "expected": [p.detach() + 1.0 for p in _tiny().parameters()],
@@ -476,6 +491,7 @@ def _quick_zero3_gather(rank, world, group):
         optimizer = DistributedOptimizer(ddp, torch.optim.SGD, lr=0.1)
         _step_grads(ddp, rank, world)
         optimizer.step()
+        _gathered_views_backed(ddp)
         got = ddp.full_parameters()
         return {"params": [got[n] for n, _ in ddp.module.named_parameters()], "expected": _sgd_expected(),
                 "shard elements": sum(b.param_shard.numel() for b in ddp.buckets)}
@@ -602,7 +618,10 @@ def test_quick_zero3_gather_rebuilds_full_parameters(quick):
     known = {"storage of size 0": "all-gathered into param_data without re-allocating its storage first "
                                   "(untyped_storage().resize_)",
              "are out of bounds for storage of size": "param_data's storage re-allocated too small: resize_ takes "
-                                                      "BYTES, numel * element_size()"}
+                                                      "BYTES, numel * element_size()",
+             UNBACKED: "the parameters' storage stays freed: they are views of param_data's own storage, so gathering "
+                       "into a new tensor (or a new param_data) leaves them empty; resize that storage, then all-gather "
+                       "into param_data"}
     results = quick_results(quick, "data_parallel.zero3_gather", "shards changed", known)
     for rank, r in results.items():
         c = r["shards changed"]
