@@ -140,11 +140,11 @@ def main() -> None:
     for m in load_mistakes(REPO):
         mistakes.setdefault(m.exercise, m)
     load_start, started = os.getloadavg(), time.perf_counter()
-    results, lock = {e: {} for e in args.exercises}, threading.Lock()
+    results, lock, last_load = {e: {} for e in args.exercises}, threading.Lock(), None
     partial = RESULTS / "grading_latency.partial.json"
     if (args.resume or args.table_only) and partial.exists():
         kept = json.loads(partial.read_text())
-        load_start = kept["load_start"]
+        load_start, last_load = kept["load_start"], kept.get("load_end")
         results.update({e: r for e, r in kept["results"].items() if e in results})
         print(f"resumed: {sum(map(len, results.values()))} verdict(s) measured before", flush=True)
     # the right answers first (issue 34's gap), those of exercises with end-to-end launches first among them
@@ -167,11 +167,12 @@ def main() -> None:
             with lock:
                 results[ex_id][kind] = r
                 RESULTS.mkdir(parents=True, exist_ok=True)
-                partial.write_text(json.dumps({"load_start": load_start, "results": results}))
+                partial.write_text(json.dumps({"load_start": load_start, "load_end": os.getloadavg(),
+                                               "results": results}))
 
         with ThreadPoolExecutor(max(1, args.jobs)) as pool:
             list(pool.map(one, todo))
-    load_end = os.getloadavg()
+    load_end = last_load if args.table_only and last_load else os.getloadavg()  # (the last measurement's)
     loaded = max(load_start[0], load_end[0]) > QUIET
     rows, slow, wrong_verdicts = [], [], []
     for ex_id in args.exercises:
