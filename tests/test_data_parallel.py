@@ -458,6 +458,16 @@ def _quick_zero_step(rank, world, group):
                 "expected": [_flat(ddp, b, new).bfloat16().float() for b in ddp.buckets],
                 "not copied back": [b.float() for b in before]}
     out["bf16"] = _attempt(bf16_step)
+
+    def stage3_step():  # stage 3 gathers on demand: the step updates the shards and gathers nothing
+        ddp = DistributedDataParallel(_tiny(), group=group, bucket_size=10, zero_stage=3)
+        optimizer = DistributedOptimizer(ddp, torch.optim.SGD, lr=0.1)
+        _step_grads(ddp, rank, world)
+        optimizer.step()
+        _gathered_views_backed(ddp)
+        got = ddp.full_parameters()
+        return {"params": [got[n] for n, _ in ddp.module.named_parameters()], "expected": _sgd_expected()}
+    out[3] = _attempt(stage3_step)
     return out
 
 
@@ -605,6 +615,12 @@ def test_quick_zero_step_updates_and_gathers(quick):
                 require(close(got, exp, f"rank {rank}, ZeRO-{stage}, bucket {k}: the parameters after one SGD step",
                               mistakes={"forgot the all-gather after the step (only this rank's shard is updated)":
                                         stale}))
+    stage3 = {"out of bounds for storage of size 0": "all-gathered at stage 3 too: stage 3 frees the parameters "
+                                                     "between steps and gathers them on demand, before forward (the "
+                                                     "step all-gathers below stage 3 only)"}
+    for rank, r in quick_results(quick, "data_parallel.zero_step", 3, stage3).items():
+        for name, got, exp in zip(NAMES, r[3]["params"], r[3]["expected"]):
+            require(close(got, exp, f"rank {rank}, ZeRO-3: parameter {name} after one SGD step (gathered after it)"))
     for rank, r in quick_results(quick, "data_parallel.zero_step", "bf16").items():
         for k, (got, exp, old) in enumerate(zip(r["bf16"]["params"], r["bf16"]["expected"], r["bf16"]["not copied back"])):
             require(close(got, exp, f"rank {rank}, a bf16 model, ZeRO-1, bucket {k}: the bf16 parameters after one SGD "
