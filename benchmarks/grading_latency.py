@@ -17,6 +17,7 @@ CPU seconds when the machine was loaded (1-minute load above 2 at the start or e
 --jobs N grades N exercises at a time, each in its own workspace (its CPU seconds are its own: os.wait4). The right
 answers go first (those of exercises with end-to-end launches first); every verdict is kept as it comes in
 results/grading_latency.partial.json, so a stopped run goes on with --resume (--table-only: its table as it is).
+The issue's table, every exercise, is kept in benchmarks/grading_latency.json (its "note" says how it was measured).
 """
 
 from __future__ import annotations
