@@ -173,6 +173,7 @@ def _curve_verdict(name, run, ref, buggy):
                  mistakes={f"still the shipped bug ({name})": buggy})
 
 
+@pytest.mark.integration
 @pytest.mark.exercise("bugs.vocab_padding")
 def test_tp_trainer_with_padded_vocab_equals_one_process(tp_runs):
     out = tp_runs[0]
@@ -181,6 +182,7 @@ def test_tp_trainer_with_padded_vocab_equals_one_process(tp_runs):
                   "the shipped bug's curve equals one process's (the bug would be invisible)"))
 
 
+@pytest.mark.integration
 @pytest.mark.exercise("bugs.output_layer")
 def test_tp_trainer_output_layer_equals_one_process_and_keeps_replicas_equal(tp_runs):
     out = tp_runs[0]
@@ -193,6 +195,7 @@ def test_tp_trainer_output_layer_equals_one_process_and_keeps_replicas_equal(tp_
                          "all-reduces in backward (fix, bug)")))
 
 
+@pytest.mark.integration
 @pytest.mark.exercise("bugs.tp_dropout_seed")
 def test_tp_trainer_dropout_masks_are_independent_like_one_process(tp_runs):
     single = tp_runs[0]["dropout_single"]
@@ -219,6 +222,7 @@ def _pp_dp_runs():
     return {"fixed": fixed, "buggy": buggy, "reference": ref}
 
 
+@pytest.mark.integration
 @pytest.mark.exercise("bugs.pp_grad_sync")
 def test_pp_dp_trainer_equals_one_process_only_when_fixed():
     res = launch.run_function(_pp_dp_runs, 4, launch=dict(timeout=240)).returns
@@ -250,6 +254,7 @@ def _cp_runs():
     return {"fixed": fixed, "buggy": buggy}
 
 
+@pytest.mark.integration
 @pytest.mark.exercise("bugs.cp_packed")
 def test_cp_trainer_equals_one_process_document_by_document_only_when_fixed():
     out = launch.run_function(_cp_runs, 2, launch=dict(timeout=240)).returns[0]

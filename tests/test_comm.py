@@ -677,21 +677,25 @@ def _assert_ok(report, exercise):
         for rank, p in problems.items())
 
 
+@pytest.mark.integration
 @pytest.mark.exercise("comm.broadcast")
 def test_broadcast_matches_dist(collectives_report):
     _assert_ok(collectives_report, "comm.broadcast")
 
 
+@pytest.mark.integration
 @pytest.mark.exercise("comm.all_gather")
 def test_all_gather_matches_dist(collectives_report):
     _assert_ok(collectives_report, "comm.all_gather")
 
 
+@pytest.mark.integration
 @pytest.mark.exercise("comm.reduce_scatter")
 def test_reduce_scatter_matches_dist(collectives_report):
     _assert_ok(collectives_report, "comm.reduce_scatter")
 
 
+@pytest.mark.integration
 @pytest.mark.exercise("comm.ring_all_reduce")
 def test_ring_all_reduce_matches_dist(collectives_report):
     _assert_ok(collectives_report, "comm.ring_all_reduce")

@@ -487,6 +487,7 @@ def _attention_words(key):
     return f"cp_comm_type {variant!r}, {'zigzag' if zigzag else 'plain'} split"
 
 
+@pytest.mark.integration
 @pytest.mark.exercise("cp.ring_step")
 def test_ring_step_receives_from_the_previous_rank(runs):
     for layout, rank, result in _results(runs, "ring"):
@@ -504,6 +505,7 @@ def test_initialize_model_parallel_builds_the_hierarchical_groups(runs):
     assert all(r is None for r in runs[(2, 1)]["hierarchical"].values()), "hierarchical groups without the sizes"
 
 
+@pytest.mark.integration
 @pytest.mark.exercise("cp.zigzag_split")
 @pytest.mark.exercise("cp.lse_merge")
 @pytest.mark.exercise("cp.causal_block_mask")
@@ -517,6 +519,7 @@ def test_ring_and_all_gather_attention_equal_sdpa_forward_and_backward(runs):
             require_within(r["errors"], TOL, where=where, against="SDPA's on the full sequence")
 
 
+@pytest.mark.integration
 @pytest.mark.exercise("cp.zigzag_split")
 @pytest.mark.exercise("cp.causal_block_mask")
 @pytest.mark.exercise("cp.lse_merge")
@@ -536,6 +539,7 @@ def test_zigzag_balances_counted_work_plain_split_does_not(runs):
                                            "the plain one; the total work should be the same")
 
 
+@pytest.mark.integration
 @pytest.mark.exercise("cp.ring_step")
 @pytest.mark.exercise("cp.backward_ring")
 def test_bytes_moved_equal_the_formula(runs):
@@ -549,6 +553,7 @@ def test_bytes_moved_equal_the_formula(runs):
                           f"{where}: the bytes sent in the backward (calc.context_parallel_communication_per_layer)"))
 
 
+@pytest.mark.integration
 @pytest.mark.exercise("cp.ring_step")
 def test_saved_activation_bytes_equal_the_formula(runs):
     for layout, rank, result in _results(runs, "attention"):
@@ -565,6 +570,7 @@ def test_saved_activation_bytes_equal_the_formula(runs):
                             "per-token activations only should halve it")
 
 
+@pytest.mark.integration
 @pytest.mark.exercise("cp.backward_ring")
 def test_context_parallel_gpt_equals_single_process(runs):
     for layout, rank, result in _results(runs, "gpt"):

@@ -458,7 +458,31 @@ def _quick_zero_step(rank, world, group):
                 "expected": [_flat(ddp, b, new).bfloat16().float() for b in ddp.buckets],
                 "not copied back": [b.float() for b in before]}
     out["bf16"] = _attempt(bf16_step)
+
+    def stage3_step():  # stage 3 gathers on demand: the step updates the shards and gathers nothing
+        ddp = DistributedDataParallel(_tiny(), group=group, bucket_size=10, zero_stage=3)
+        optimizer = DistributedOptimizer(ddp, torch.optim.SGD, lr=0.1)
+        _step_grads(ddp, rank, world)
+        optimizer.step()
+        _gathered_views_backed(ddp)
+        got = ddp.full_parameters()
+        return {"params": [got[n] for n, _ in ddp.module.named_parameters()], "expected": _sgd_expected()}
+    out[3] = _attempt(stage3_step)
     return out
+
+
+UNBACKED = "storage was never refilled"
+
+
+def _gathered_views_backed(ddp):
+    """Gather every bucket (stage 3), then check that each parameter's storage holds its view: reading a view of a
+    freed (0-byte) storage crashes the whole process, every rank thread with it, instead of raising."""
+    for b in ddp.buckets:
+        ddp._gather_params(b)
+    for name, p in ddp.module.named_parameters():
+        need, has = (p.storage_offset() + p.numel()) * p.element_size(), p.untyped_storage().nbytes()
+        if has < need:
+            raise RuntimeError(f"parameter {name} is a view of {need} bytes of a storage of {has}: its {UNBACKED}")
 
 
 def _quick_zero3_gather(rank, world, group):
@@ -466,6 +490,7 @@ def _quick_zero3_gather(rank, world, group):
         ddp = DistributedDataParallel(_tiny(), group=group, bucket_size=10, zero_stage=3)
         for b in ddp.buckets:
             b.param_shard.add_(1.0)
+        _gathered_views_backed(ddp)
         got = ddp.full_parameters()
         return {"params": [got[n] for n, _ in ddp.module.named_parameters()],
                 "expected": [p.detach() + 1.0 for p in _tiny().parameters()],
@@ -476,6 +501,7 @@ def _quick_zero3_gather(rank, world, group):
         optimizer = DistributedOptimizer(ddp, torch.optim.SGD, lr=0.1)
         _step_grads(ddp, rank, world)
         optimizer.step()
+        _gathered_views_backed(ddp)
         got = ddp.full_parameters()
         return {"params": [got[n] for n, _ in ddp.module.named_parameters()], "expected": _sgd_expected(),
                 "shard elements": sum(b.param_shard.numel() for b in ddp.buckets)}
@@ -589,6 +615,12 @@ def test_quick_zero_step_updates_and_gathers(quick):
                 require(close(got, exp, f"rank {rank}, ZeRO-{stage}, bucket {k}: the parameters after one SGD step",
                               mistakes={"forgot the all-gather after the step (only this rank's shard is updated)":
                                         stale}))
+    stage3 = {"out of bounds for storage of size 0": "all-gathered at stage 3 too: stage 3 frees the parameters "
+                                                     "between steps and gathers them on demand, before forward (the "
+                                                     "step all-gathers below stage 3 only)"}
+    for rank, r in quick_results(quick, "data_parallel.zero_step", 3, stage3).items():
+        for name, got, exp in zip(NAMES, r[3]["params"], r[3]["expected"]):
+            require(close(got, exp, f"rank {rank}, ZeRO-3: parameter {name} after one SGD step (gathered after it)"))
     for rank, r in quick_results(quick, "data_parallel.zero_step", "bf16").items():
         for k, (got, exp, old) in enumerate(zip(r["bf16"]["params"], r["bf16"]["expected"], r["bf16"]["not copied back"])):
             require(close(got, exp, f"rank {rank}, a bf16 model, ZeRO-1, bucket {k}: the bf16 parameters after one SGD "
@@ -602,7 +634,10 @@ def test_quick_zero3_gather_rebuilds_full_parameters(quick):
     known = {"storage of size 0": "all-gathered into param_data without re-allocating its storage first "
                                   "(untyped_storage().resize_)",
              "are out of bounds for storage of size": "param_data's storage re-allocated too small: resize_ takes "
-                                                      "BYTES, numel * element_size()"}
+                                                      "BYTES, numel * element_size()",
+             UNBACKED: "the parameters' storage stays freed: they are views of param_data's own storage, so gathering "
+                       "into a new tensor (or a new param_data) leaves them empty; resize that storage, then all-gather "
+                       "into param_data"}
     results = quick_results(quick, "data_parallel.zero3_gather", "shards changed", known)
     for rank, r in results.items():
         c = r["shards changed"]
@@ -619,6 +654,7 @@ def test_quick_zero3_gather_rebuilds_full_parameters(quick):
             require(close(got, exp, f"rank {rank}, ZeRO-3: parameter {name} gathered after one SGD step"))
 
 
+@pytest.mark.integration
 @pytest.mark.exercise("data_parallel.build_buckets")
 def test_bucket_count_follows_bucket_size(dp_report):
     world, cases = _part(dp_report, "buckets")
@@ -635,6 +671,7 @@ def test_bucket_count_follows_bucket_size(dp_report):
             f"the {world} ranks")
 
 
+@pytest.mark.integration
 @pytest.mark.exercise("data_parallel.build_buckets")
 @pytest.mark.exercise("data_parallel.grad_hook")
 @pytest.mark.exercise("data_parallel.finish_grad_sync")
@@ -656,6 +693,7 @@ def test_ddp_matches_torch_ddp_and_single_process(dp_report):
                   f"{after}", "single-process float64 training's")
 
 
+@pytest.mark.integration
 @pytest.mark.exercise("data_parallel.grad_hook")
 @pytest.mark.exercise("data_parallel.finish_grad_sync")
 def test_hooks_launch_buckets_before_backward_ends(dp_report):
@@ -669,6 +707,7 @@ def test_hooks_launch_buckets_before_backward_ends(dp_report):
         "bucket as soon as its gradients are all in, overlapping communication with the rest of backward")
 
 
+@pytest.mark.integration
 @pytest.mark.exercise("data_parallel.grad_hook")
 @pytest.mark.exercise("data_parallel.reduce_scatter")
 @pytest.mark.exercise("data_parallel.zero_step")
@@ -680,6 +719,7 @@ def test_zero_1_2_match_unsharded_training(dp_report):
                           f"parameters after {STEPS} steps", "unsharded single-process training's")
 
 
+@pytest.mark.integration
 @pytest.mark.exercise("data_parallel.reduce_scatter")
 @pytest.mark.exercise("data_parallel.zero_step")
 @pytest.mark.exercise("data_parallel.zero3_gather")
@@ -691,6 +731,7 @@ def test_zero_3_matches_unsharded_training(dp_report):
                           f"parameters after {STEPS} steps", "unsharded single-process training's")
 
 
+@pytest.mark.integration
 @pytest.mark.exercise("data_parallel.finish_grad_sync")
 @pytest.mark.exercise("data_parallel.zero_step")
 @pytest.mark.exercise("data_parallel.zero3_gather")

@@ -99,6 +99,7 @@ def _sum_of_shards(lengths):
     return out
 
 
+@pytest.mark.integration
 @pytest.mark.exercise("dist.shard_bounds")
 def test_shard_sums_all_reduce_to_full_sum():
     res = launch.run_function(_sum_of_shards, 3, LENGTHS, launch=dict(timeout=60, hard_timeout=360))

@@ -69,26 +69,39 @@ def test_fuse_qkv_groups_queries_with_their_key_and_value():
                   }))
 
 
-@pytest.mark.exercise("model.hf_qkv")
-@pytest.mark.parametrize("interleaved", [False, True])
-def test_llama_logits_and_greedy_generation_match_hf(interleaved):
+def _llama_from_hf(interleaved):
+    """(transformers' small LLaMA, ours loaded from its state dict, where)."""
     hf = hf_llama()
     config = replace(config_from_hf(hf.config), rotary_interleaved=interleaved, attention_backend="unfused")
     ours = GPTModel(config).eval()
     ours.load_state_dict(from_hf_state_dict(hf.state_dict(), config))
+    return hf, ours, f"LLaMA from HF weights (rotary_interleaved={interleaved})"
+
+
+@pytest.mark.exercise("model.hf_qkv")
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_llama_logits_match_hf_and_convert_back(interleaved):
+    hf, ours, where = _llama_from_hf(interleaved)
     x = ids()
-    where = f"LLaMA from HF weights (rotary_interleaved={interleaved})"
     with torch.no_grad():
         require(close(ours(x), hf(x).logits, f"{where}: our logits vs transformers'", atol=1e-5, rtol=0))
-    prompt = x[:, :4]
-    require(equal(greedy_generate(ours, prompt, 12).tolist(), hf_greedy(hf, prompt, 12).tolist(),
-                  f"{where}: our greedy generation of 12 tokens vs transformers'"))
     back = to_hf_state_dict(ours)  # and back: bit for bit
     require(equal(sorted(back.keys()), sorted(hf.state_dict().keys()), f"{where}: the keys of to_hf_state_dict, sorted"))
     for name, t in hf.state_dict().items():
         require(close(back[name], t, f"{where}: to_hf_state_dict's {name} vs the original (bit for bit)", rtol=0, atol=0))
 
 
+@pytest.mark.integration  # whole models through transformers: `megalab grade model.hf_qkv` has the logits above
+@pytest.mark.exercise("model.hf_qkv")
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_llama_greedy_generation_matches_hf(interleaved):
+    hf, ours, where = _llama_from_hf(interleaved)
+    prompt = ids()[:, :4]
+    require(equal(greedy_generate(ours, prompt, 12).tolist(), hf_greedy(hf, prompt, 12).tolist(),
+                  f"{where}: our greedy generation of 12 tokens vs transformers'"))
+
+
+@pytest.mark.integration
 @pytest.mark.exercise("model.hf_qkv")
 def test_safetensors_round_trip_with_transformers(tmp_path):
     """Our model saved in the HF layout loads in transformers; HF's save_pretrained loads in ours."""
@@ -107,6 +120,7 @@ def test_safetensors_round_trip_with_transformers(tmp_path):
                       atol=1e-5, rtol=0))
 
 
+@pytest.mark.integration
 @pytest.mark.exercise("model.hf_qkv")
 def test_mixtral_matches_hf_through_safetensors(tmp_path):
     hf = hf_mixtral()

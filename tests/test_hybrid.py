@@ -131,6 +131,7 @@ def steps():
     return launch.run_function(_steps, 8, LAYOUTS, launch=dict(timeout=600)).returns
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 @pytest.mark.exercise("hybrid.train_step")
 @pytest.mark.parametrize("layout", list(LAYOUTS))

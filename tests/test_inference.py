@@ -176,6 +176,7 @@ def test_cached_forward_equals_the_full_forward(variant):
                                   "then the rest) vs the full forward without a cache", atol=1e-5, rtol=1e-5))
 
 
+@pytest.mark.integration
 @pytest.mark.exercise("inference.cached_attention")
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_greedy_with_cache_equals_recompute_token_for_token(variant):

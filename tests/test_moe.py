@@ -599,12 +599,14 @@ def ep_results():
     return launch.run_function(run_ep_cases, 4, launch=dict(backend="gloo", timeout=240)).returns
 
 
+@pytest.mark.integration
 @pytest.mark.exercise("moe.alltoall_dispatch")
 @pytest.mark.parametrize("case", [c for c in EP_CASES if "alltoall" in c])
 def test_expert_parallel_alltoall_matches_single_process(ep_results, case):
     _assert_matches(ep_results, case)
 
 
+@pytest.mark.integration
 @pytest.mark.exercise("moe.alltoall_dispatch")
 def test_alltoall_bytes_match_formula_when_padded_to_capacity(ep_results):
     """Padded to capacity, every rank sends exactly capacity rows to each remote expert: 2 T k h (ep-1)/ep."""

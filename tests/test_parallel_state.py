@@ -384,6 +384,7 @@ def test_create_groups_calls_new_group_for_every_group_on_every_rank(monkeypatch
     require(equal(result, (None, None), f"{where} on rank 8, in none of the groups"))
 
 
+@pytest.mark.integration
 @pytest.mark.exercise("parallel_state.create_groups")
 def test_groups_on_eight_ranks():
     try:  # a deadlock is called after 60 s of every rank waiting; ranks still computing get 540 s

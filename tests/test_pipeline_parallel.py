@@ -280,6 +280,7 @@ def _matches_unpipelined_worker(num_microbatches):
     return out
 
 
+@pytest.mark.integration
 @pytest.mark.exercise("pp.communicate")
 @pytest.mark.exercise("pp.stage_split")
 @pytest.mark.exercise("pp.one_f_one_b")
@@ -347,6 +348,7 @@ def _torch_pipelining_worker(num_microbatches):
     return out
 
 
+@pytest.mark.integration
 @pytest.mark.exercise("pp.stage_split")
 def test_torch_pipelining_gives_the_same_loss():
     res = launch.run_function(_torch_pipelining_worker, 4, 4, launch=dict(timeout=180))

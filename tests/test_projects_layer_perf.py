@@ -288,6 +288,7 @@ def _tp_worker(window):
     return out
 
 
+@pytest.mark.integration
 @pytest.mark.exercise("sliding_window.blocked")
 def test_sliding_window_spec_under_tensor_parallelism_equals_one_device():
     returns = launch.run_function(_tp_worker, 2, 4, launch=dict(timeout=300)).returns

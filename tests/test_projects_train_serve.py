@@ -190,6 +190,7 @@ def test_load_inference_model_loads_every_parameter_and_names_the_mistake(tmp_pa
     }))
 
 
+@pytest.mark.integration
 @pytest.mark.exercise("projects.load_inference_model")
 def test_a_tp2_pp2_checkpoint_becomes_one_model_with_the_trained_logits():
     tokens = torch.randint(0, 8192, (2, 16), generator=torch.Generator().manual_seed(0))

@@ -815,6 +815,7 @@ def test_quick_vocab_parallel_cross_entropy_backward(quick):
 
 
 # ------------------------------------------------------------------ multi-rank
+@pytest.mark.integration
 @pytest.mark.exercise("tp.copy_to_region")
 @pytest.mark.exercise("tp.reduce_from_region")
 @pytest.mark.exercise("tp.gather_last_dim")
@@ -822,12 +823,14 @@ def test_tensor_parallel_mappings(runs):
     _assert_close(runs, "mappings", ("copy_to", "reduce_from", "scatter_to", "gather_from"))
 
 
+@pytest.mark.integration
 @pytest.mark.exercise("tp.sp_gather")
 @pytest.mark.exercise("tp.sp_reduce_scatter")
 def test_sequence_parallel_mappings(runs):
     _assert_close(runs, "mappings", ("sp ",))
 
 
+@pytest.mark.integration
 @pytest.mark.exercise("tp.copy_to_region")
 @pytest.mark.exercise("tp.reduce_from_region")
 @pytest.mark.exercise("tp.sp_gather")
@@ -840,18 +843,21 @@ def test_parallel_mlp_equals_single_device(runs):
     require(equal(sorted(runs), [1, 2, 4], "the tensor-parallel sizes that ran"))
 
 
+@pytest.mark.integration
 @pytest.mark.exercise("tp.reduce_from_region")
 @pytest.mark.exercise("tp.vocab_embedding")
 def test_vocab_parallel_embedding(runs):
     _assert_close(runs, "embedding")
 
 
+@pytest.mark.integration
 @pytest.mark.exercise("tp.vocab_cross_entropy")
 @pytest.mark.exercise("tp.vocab_cross_entropy_backward")
 def test_vocab_parallel_cross_entropy_equals_f_cross_entropy(runs):
     _assert_close(runs, "cross_entropy")
 
 
+@pytest.mark.integration
 @pytest.mark.exercise("tp.copy_to_region")
 @pytest.mark.exercise("tp.reduce_from_region")
 @pytest.mark.exercise("tp.sp_gather")
@@ -867,6 +873,7 @@ def test_tensor_parallel_gpt_equals_single_device(runs):
     require(equal(len(runs[4]["gpt"][0]), 2 * len(GPT_VARIANTS), "the number of GPT cases run at tp=4 (variants x sp)"))
 
 
+@pytest.mark.integration
 @pytest.mark.exercise("tp.vocab_cross_entropy_backward")
 def test_vocab_parallel_cross_entropy_backward_communicates_nothing(runs):
     for t, cases in runs.items():
@@ -879,6 +886,7 @@ def test_vocab_parallel_cross_entropy_backward_communicates_nothing(runs):
                                           "local: it needs none)"))
 
 
+@pytest.mark.integration
 @pytest.mark.exercise("tp.copy_to_region")
 @pytest.mark.exercise("tp.reduce_from_region")
 @pytest.mark.exercise("tp.column_forward")
@@ -902,6 +910,7 @@ def _kinds(counts):
     return out
 
 
+@pytest.mark.integration
 @pytest.mark.exercise("tp.copy_to_region")
 @pytest.mark.exercise("tp.reduce_from_region")
 @pytest.mark.exercise("tp.sp_gather")

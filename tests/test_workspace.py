@@ -13,7 +13,7 @@ import nbformat
 import pytest
 
 from megalab.lab import cli
-from megalab.lab.exercises import ExerciseError
+from megalab.lab.exercises import ExerciseError, load
 from megalab.lab.grading import grade
 from megalab.lab.workspace import BACKUP, create, enclosing_function, open_workspace, progress, swap_functions
 from tests.test_exercises import _notebook, _toy_tree
@@ -121,6 +121,25 @@ def test_one_exercise_is_graded_alone(ws):
     assert {r.name: r.status for r in report.exercises} == {
         "toy.double": "not implemented", "chain.double": "failed", "chain.quadruple": "passed",
         "chain.first": "passed", "chain.second": "not implemented"}
+
+
+def test_one_exercise_leaves_out_its_integration_tests_a_chapter_runs_them(ws):
+    """`megalab grade ID` runs the exercise's focused tests only: one marked integration (an end-to-end launch of a
+    whole feature) is left out, and the chapter's grade runs it too. Every exercise needs a focused test."""
+    (ws.reference / "tests" / "test_chain_end_to_end.py").write_text(
+        "import pytest\nfrom megalab.chain import double\n\n\n@pytest.mark.integration\n"
+        "@pytest.mark.exercise('chain.double')\ndef test_double_end_to_end():\n"
+        "    assert double(0.5) == 1.0, f'double(0.5) is {double(0.5)}, expected 1.0'\n")
+    ex = load(ws.reference).exercises["chain.double"]
+    assert ex.integration == ["tests/test_chain_end_to_end.py::test_double_end_to_end"]
+    assert ex.verdict_tests == ["tests/test_chain.py::test_double"]
+    _write(ws, "chain.double", "return 2 * int(x)")  # right on whole numbers (its focused test), wrong on 0.5
+    assert _verdict("chain.double") == ("passed", "1 test passed")
+    [row] = [r for r in grade(".", "01", timeout=60, notebooks=False).exercises if r.name == "chain.double"]
+    assert (row.status, row.detail) == ("failed", "AssertionError: double(0.5) is 0, expected 1.0")
+    (ws.reference / "tests" / "test_chain.py").write_text(CHAIN_TESTS.replace(
+        '@pytest.mark.exercise("chain.double")', '@pytest.mark.integration\n@pytest.mark.exercise("chain.double")'))
+    assert any("every test of exercise chain.double is marked integration" in p for p in load(ws.reference).problems())
 
 
 def test_a_syntax_error_is_named_with_its_type_and_place(ws):

@@ -220,6 +220,12 @@ class World:
 
         def all_gather_single(output, input, group=None, async_op=False):
             world.log.append((world.rank, "all_gather_single", dict(numel=input.numel())))
+            n = len(world._group(group).ranks)
+            if tuple(output.shape) not in ((n * input.shape[0], *input.shape[1:]), (n, *input.shape)):
+                chunk = tuple(output.chunk(n)[0].shape) if output.dim() and output.shape[0] >= n else tuple(output.shape)
+                raise RuntimeError(f"ProcessGroupGloo::allgather: invalid tensor size at index 0 (expected "
+                                   f"{tuple(input.shape)}, got {chunk})")  # as gloo says it: the ranks' inputs, stacked
+                # or one after the other along dim 0, are the only output shapes
             got = world._exchange(world._group(group), input.detach().clone(), "all_gather_single")
             with torch.no_grad():
                 output.copy_(torch.cat([got[i].reshape(-1, *input.shape[1:]) for i in sorted(got)]).view_as(output))

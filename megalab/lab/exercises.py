@@ -35,7 +35,8 @@ The registry is derived from the source every time, in either workspace:
     hints                  the `# HINT n:` lines that open the region
     notebook               the notebook under course/ whose markdown names the id in backticks
                            (**Exercise `dist.shard_bounds`** preferred over a passing mention)
-    tests                  tests/ functions marked @pytest.mark.exercise("<id>") (read with ast)
+    tests                  tests/ functions marked @pytest.mark.exercise("<id>") (read with ast); those also
+                           marked @pytest.mark.integration are left out of `megalab grade <id>` (verdict_tests)
 """
 
 from __future__ import annotations
@@ -85,11 +86,18 @@ class Exercise:
     buggy: list[str] | None = None  # a bug hunt: the code the learner starts from (uncommented), else None
     notebook: str | None = None
     tests: list[str] = field(default_factory=list)
+    integration: list[str] = field(default_factory=list)  # those of `tests` marked @pytest.mark.integration
     lang: str = "en"  # the language of `task` and `hints` (a translated student copy: megalab/lab/translate.py)
 
     @property
     def where(self) -> str:
         return f"{self.path}:{self.line}" if self.cell is None else f"{self.path} cell {self.cell} line {self.line}"
+
+    @property
+    def verdict_tests(self) -> list[str]:
+        """What `megalab grade ID` runs: its tests but the integration ones (end-to-end launches that check
+        the same behaviour again, inside a whole feature; `make test` and a chapter's grade run those too)."""
+        return [t for t in self.tests if t not in self.integration]
 
     @property
     def chapter(self) -> str | None:
@@ -224,14 +232,21 @@ def _files(root: Path, folder: str, suffix: str) -> list[Path]:
                   and not p.name.startswith("."))  # e.g. the grader's hidden notebook copies
 
 
-def _code_cells(nb) -> list[tuple[int, str]]:
-    return [(i, c.source) for i, c in enumerate(nb.cells) if c.cell_type == "code"]
+def notebook_cells(path: Path) -> list[tuple[str, str]]:
+    """A notebook's cells as (cell type, source), read as plain JSON: nbformat's import and schema check cost
+    seconds of CPU, and `megalab grade ID` reads every notebook to find the exercises (nbformat 4; older ones
+    are converted by nbformat)."""
+    data = json.loads(path.read_text(encoding="utf-8"))
+    if data.get("nbformat") != 4:
+        import nbformat
+
+        data = {"cells": [dict(c) for c in nbformat.read(path, as_version=4).cells]}
+    return [(c["cell_type"], c["source"] if isinstance(c["source"], str) else "".join(c["source"]))
+            for c in data["cells"]]
 
 
 def scan_sources(root: Path) -> tuple[list[Exercise], list[str]]:
     """Every exercise in megalab/**/*.py and in course notebooks' code cells, with the problems found."""
-    import nbformat
-
     exercises, problems = [], []
     for path in _files(root, SOURCE_DIR, ".py"):
         rel = path.relative_to(root).as_posix()
@@ -240,7 +255,9 @@ def scan_sources(root: Path) -> tuple[list[Exercise], list[str]]:
         problems += bad
     for path in _files(root, COURSE_DIR, ".ipynb"):
         rel = path.relative_to(root).as_posix()
-        for i, source in _code_cells(nbformat.read(path, as_version=4)):
+        for i, (kind, source) in enumerate(notebook_cells(path)):
+            if kind != "code":
+                continue
             found, bad = parse_regions(source, rel, cell=i)
             exercises += found
             problems += bad
@@ -257,12 +274,9 @@ def scan_sources(root: Path) -> tuple[list[Exercise], list[str]]:
 
 def notebook_mentions(root: Path) -> dict[str, tuple[set[str], set[str]]]:
     """notebook path -> (ids named as "Exercise `id`", ids named in backticks anywhere) in its markdown."""
-    import nbformat
-
     mentions = {}
     for path in _files(root, COURSE_DIR, ".ipynb"):
-        nb = nbformat.read(path, as_version=4)
-        text = "\n".join(c.source for c in nb.cells if c.cell_type == "markdown")
+        text = "\n".join(source for kind, source in notebook_cells(path) if kind == "markdown")
         strong = set(re.findall(r"Exercise\W{0,4}`([\w.]+)`", text, flags=re.IGNORECASE))
         mentions[path.relative_to(root).as_posix()] = (strong, set(re.findall(r"`([\w.]+)`", text)))
     return mentions
@@ -290,27 +304,47 @@ def _exercise_marks(decorators: list[ast.expr]) -> list[str]:
     return ids
 
 
-def find_tests(root: Path) -> dict[str, list[str]]:
-    """exercise id -> pytest node ids of the tests marked with it (tests/**/*.py, read with ast)."""
+def _integration_mark(decorators: list[ast.expr]) -> bool:
+    """Whether `@pytest.mark.integration` is among the decorators (or a pytestmark list)."""
+    for node in decorators:
+        node = node.func if isinstance(node, ast.Call) else node
+        if (isinstance(node, ast.Attribute) and node.attr == "integration"
+                and getattr(node.value, "attr", getattr(node.value, "id", None)) == "mark"):
+            return True
+    return False
+
+
+def find_tests(root: Path) -> tuple[dict[str, list[str]], set[str]]:
+    """(exercise id -> pytest node ids of the tests marked with it, the node ids marked integration)
+    in tests/**/*.py, read with ast."""
     tests: dict[str, list[str]] = {}
+    integration: set[str] = set()
     for path in _files(root, TESTS_DIR, ".py"):
+        text = path.read_text(encoding="utf-8")
+        if "mark.exercise" not in text:  # (most test files: parsing them all costs a grade ~0.3 s of CPU)
+            continue
         rel = path.relative_to(root).as_posix()
-        tree = ast.parse(path.read_text(encoding="utf-8"), rel)
-        module_marks = []
+        tree = ast.parse(text, rel)
+        module_marks, module_integration = [], False
         for node in tree.body:  # pytestmark = pytest.mark.exercise(...) or [ ... ]
             if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "pytestmark" for t in node.targets):
-                module_marks += _exercise_marks(node.value.elts if isinstance(node.value, ast.List) else [node.value])
+                marks = node.value.elts if isinstance(node.value, ast.List) else [node.value]
+                module_marks += _exercise_marks(marks)
+                module_integration |= _integration_mark(marks)
 
-        def visit(body, prefix, marks):
+        def visit(body, prefix, marks, whole):
             for node in body:
                 if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name.startswith("test"):
                     for ex_id in dict.fromkeys(marks + _exercise_marks(node.decorator_list)):
                         tests.setdefault(ex_id, []).append(f"{prefix}::{node.name}")
+                    if whole or _integration_mark(node.decorator_list):
+                        integration.add(f"{prefix}::{node.name}")
                 elif isinstance(node, ast.ClassDef) and node.name.startswith("Test"):
-                    visit(node.body, f"{prefix}::{node.name}", marks + _exercise_marks(node.decorator_list))
+                    visit(node.body, f"{prefix}::{node.name}", marks + _exercise_marks(node.decorator_list),
+                          whole or _integration_mark(node.decorator_list))
 
-        visit(tree.body, rel, module_marks)
-    return tests
+        visit(tree.body, rel, module_marks, module_integration)
+    return tests, integration
 
 
 # --------------------------------------------------------------------------- registry
@@ -330,6 +364,9 @@ class Registry:
             if not ex.tests:
                 out.append(f"{ex.where}: exercise {ex.id} has no test; mark one in tests/ with "
                            f'@pytest.mark.exercise("{ex.id}")')
+            elif not ex.verdict_tests:
+                out.append(f"{ex.where}: every test of exercise {ex.id} is marked integration, so `megalab grade "
+                           f"{ex.id}` would run none; give it a focused test (threaded world or one process)")
             if not ex.notebook:
                 out.append(f"{ex.where}: no notebook under {COURSE_DIR}/ names exercise {ex.id}; write "
                            f"**Exercise `{ex.id}`** in the markdown of the notebook that teaches it")
@@ -361,10 +398,11 @@ def load(root: str | Path = ".") -> Registry:
     for ex in exercises:
         by_id.setdefault(ex.id, ex)
     mentions = notebook_mentions(root)
-    tests = find_tests(root)
+    tests, integration = find_tests(root)
     for ex in by_id.values():
         ex.notebook = find_notebook(ex.id, mentions) or (ex.path if ex.cell is not None else None)
         ex.tests = tests.get(ex.id, [])
+        ex.integration = [t for t in ex.tests if t in integration]
     unknown = {ex_id: nodes for ex_id, nodes in tests.items() if ex_id not in by_id}
     return Registry(root, by_id, errors, unknown)
 

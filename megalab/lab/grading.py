@@ -1,6 +1,6 @@
 """`megalab grade`: one exercise in seconds and in isolation, or a chapter's table with its notebooks.
 
-    megalab grade dist.shard_bounds     one exercise: its tests, nothing else
+    megalab grade dist.shard_bounds     one exercise: its focused tests (not those marked integration)
     megalab grade 03                    every exercise of chapter 03, then its notebooks
     megalab grade                       the whole course
 
@@ -129,22 +129,28 @@ def unimplemented(text: str) -> str | None:
 
 
 def run_checks(root: Path, exercises: list[Exercise], notebooks: list[str] = (),
-               timeout: float = DEFAULT_TIMEOUT, first_failure: bool = False) -> dict[str, Outcome]:
+               timeout: float = DEFAULT_TIMEOUT, first_failure: bool = False, focused: bool = False
+               ) -> dict[str, Outcome]:
     """ONE pytest run in `root`: the tests marked with `exercises`, then `notebooks` under strict nbval.
 
     Returns {nodeid: Outcome}; notebook cells have node ids "<notebook>::Cell N". Outcomes are
     written as they come, so a crash of pytest itself leaves the rest "not run" (a failure).
     first_failure: stop at the first failing test (one exercise: its first, focused test names the
     likely mistake in seconds; the heavy tests after it only run when it passes).
+    focused: only each exercise's verdict_tests (`megalab grade ID`: not the end-to-end launches marked
+    integration, which a chapter's grade and `make test` still run).
     """
-    files = sorted({node.split("::")[0] for ex in exercises for node in ex.tests})
-    if not files and not notebooks:
+    if focused:  # node ids: pytest collects only those tests
+        paths = list(dict.fromkeys(node for ex in exercises for node in ex.verdict_tests))
+    else:  # whole files: the plugin below keeps the marked tests
+        paths = sorted({node.split("::")[0] for ex in exercises for node in ex.tests})
+    if not paths and not notebooks:
         return {}
     if importlib.util.find_spec("pytest_timeout") is None:
         raise RuntimeError("grading needs pytest-timeout (a hanging test must fail, not hang): pip install -e '.[dev]'")
     # the last resort against a hang outside any launch; a launch itself stops at its own (hard) timeout
     backstop = timeout * (HARD_TIMEOUT_FACTOR + 1)
-    args = [f"--timeout={backstop:g}", *files, *notebooks] + (["-x"] if first_failure else [])
+    args = [f"--timeout={backstop:g}", *paths, *notebooks] + (["-x"] if first_failure else [])
     if notebooks:
         args += ["--nbval", "--nbval-current-env", f"--nbval-cell-timeout={backstop:g}"]
     else:  # no notebooks: skip loading nbval (and the addopts that configure it); saves seconds
@@ -191,10 +197,11 @@ def exercise_row(ex: Exercise, tests: dict[str, Outcome], cells: dict[str, Outco
 
 
 def grade_in_workspace(root: Path, ws, selected: list[Exercise], reference: dict[str, Exercise],
-                       timeout: float) -> list[Row]:
+                       timeout: float, focused: bool = False) -> list[Row]:
     """Exercises (of the reference's registry) in the workspace at root, each judged on its own: every
     exercise not being graded runs the reference. The implemented ones run together first; those that
-    fail there are re-run alone, so a failure is only ever blamed on the exercise that causes it."""
+    fail there are re-run alone, so a failure is only ever blamed on the exercise that causes it.
+    focused: one exercise's verdict (run_checks)."""
     rows: dict[str, Row] = {}
     for ex in selected:
         message = blank_message(root, ex)
@@ -210,20 +217,20 @@ def grade_in_workspace(root: Path, ws, selected: list[Exercise], reference: dict
                     rows[ex.id] = row
     for ex in todo:
         if ex.id not in rows:
-            alone = _run_in_overlay(root, ws, [ex], reference, timeout)
+            alone = _run_in_overlay(root, ws, [ex], reference, timeout, focused)
             rows[ex.id] = alone if isinstance(alone, Row) else exercise_row(ex, alone, {})
     return [rows[ex.id] for ex in selected]
 
 
 def _run_in_overlay(root: Path, ws, yours: list[Exercise], reference: dict[str, Exercise],
-                    timeout: float) -> dict[str, Outcome] | Row:
+                    timeout: float, focused: bool = False) -> dict[str, Outcome] | Row:
     """The tests of `yours` with only them taken from the workspace; a Row when the code cannot even be read."""
     try:
         tree = overlay(root, ws.reference, yours, list(reference.values()))
     except ExerciseError as exc:  # a syntax error in your module, or a function of an exercise is gone
         return Row(yours[0].id, "failed", exc.problems[0])
     try:
-        return run_checks(tree, yours, timeout=timeout, first_failure=len(yours) == 1)
+        return run_checks(tree, yours, timeout=timeout, first_failure=len(yours) == 1, focused=focused)
     finally:
         shutil.rmtree(tree, ignore_errors=True)
 
@@ -498,12 +505,13 @@ def grade(root: str | Path = ".", target: str | None = None, timeout: float = DE
         nb_paths = [p.relative_to(root).as_posix() for p in find_notebooks([str(course)]) if not p.name.startswith(".")]
     if not notebooks:
         nb_paths = []
+    focused = bool(target) and target in reference.exercises  # one exercise: its verdict_tests
     if ws is None:  # the reference: one pytest run for everything
-        outcomes = run_checks(root, selected, nb_paths, timeout)
+        outcomes = run_checks(root, selected, nb_paths, timeout, focused=focused)
         cells = {node: o for node, o in outcomes.items() if node.split("::")[0].endswith(".ipynb")}
         rows = [exercise_row(ex, {n: o for n, o in outcomes.items() if n not in cells}, cells) for ex in selected]
     else:
-        rows = grade_in_workspace(root, ws, selected, reference.exercises, timeout)
+        rows = grade_in_workspace(root, ws, selected, reference.exercises, timeout, focused)
         cells = grade_notebooks(root, ws, nb_paths, timeout)
     try:
         used = load_state(root)["hints"]

@@ -5,9 +5,9 @@
     python -m megalab.lab.mutants --file tests/mistakes/ch03_dp_tp.py --json results.json
 
 A mistake (tests/mistakes/__init__.py) is a typical wrong body for one exercise region. For each one the
-runner puts that body in the region, runs the exercise's tests the way `megalab grade` does (those marked
-`@pytest.mark.exercise(ID)`, in file order, stopping at the first failure) and reads the grader's one-line
-verdict (grading.failure_line). All of them run in ONE pytest session (collected once; every fixture torn
+runner puts that body in the region, runs the exercise's tests the way `megalab grade ID` does (those marked
+`@pytest.mark.exercise(ID)` but not `integration`, in file order, stopping at the first failure) and reads the
+grader's one-line verdict (grading.failure_line). All of them run in ONE pytest session (collected once; every fixture torn
 down between two mistakes), so a mistake costs what its failing test costs. The verdict must fail and contain the mistake's `says`:
 
     caught + named       failed, and the verdict names the mistake
@@ -217,7 +217,7 @@ def run_fresh(root: Path, registry, m) -> Result:
         env.pop(ENV, None)
         code = ("import json; from pathlib import Path; from megalab.lab.exercises import load; "
                 "from megalab.lab.mutants import run_tests; root = Path.cwd(); "
-                f"ex = load(root).exercises[{m.exercise!r}]; "
+                f"ex = load(root).exercises[{m.exercise!r}]; ex.tests = ex.verdict_tests; "
                 "print('\\n' + json.dumps(run_tests(root, [(ex, lambda: (lambda: None))])[0]))")
         proc = subprocess.run([sys.executable, "-c", code], cwd=tmp, env=env, capture_output=True, text=True,
                               timeout=TEST_TIMEOUT * (len(ex.tests) + 1))
@@ -240,9 +240,9 @@ def run(root: Path, mistakes: list, first_test_only: bool = False, echo: bool = 
 
     from megalab.lab.exercises import load
 
-    registry = load(root)
-    if first_test_only:
-        registry.exercises.update({k: replace(ex, tests=ex.tests[:1]) for k, ex in registry.exercises.items()})
+    registry = load(root)  # the tests of `megalab grade ID`: its verdict_tests (not the integration ones)
+    registry.exercises.update({k: replace(ex, tests=ex.verdict_tests[: 1 if first_test_only else None])
+                               for k, ex in registry.exercises.items()})
     results: dict[int, Result] = {}
     live = []
     for i, m in enumerate(mistakes):
