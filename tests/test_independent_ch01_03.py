@@ -3,8 +3,9 @@ and the grader's verdict names what the code did in at least 80 % of them, in ea
 
 Which verdicts name their mistake was judged by reading each verdict against the answer's `expect`; the judgement
 is kept in tests/independent/ch01_03_verdicts.py as a phrase of the verdict (SAYS), so a later change to a test's
-message that drops the name fails here. The sweep grades 146 answers (one 2-rank launch for each multi-rank one):
-about 40 minutes on 2 loaded cores (load 15-25), so it runs only on demand: MEGALAB_INDEPENDENT=1 pytest tests/test_independent_ch01_03.py.
+message that drops the name fails here. The sweep grades 146 answers on their exercises' focused checks (what
+`megalab grade ID` runs: threaded worlds, single processes; 18 s of checks, minutes in all on 2 cores
+at load 5; with the end-to-end launches it took 40 minutes), on demand: MEGALAB_INDEPENDENT=1 pytest tests/test_independent_ch01_03.py.
 """
 
 import json
@@ -55,7 +56,7 @@ def rates(results: list[dict], says: dict) -> dict:
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not os.environ.get("MEGALAB_INDEPENDENT"), reason="on demand (about 30 min): MEGALAB_INDEPENDENT=1")
+@pytest.mark.skipif(not os.environ.get("MEGALAB_INDEPENDENT"), reason="on demand (minutes): MEGALAB_INDEPENDENT=1")
 def test_every_blind_wrong_answer_fails_and_most_are_named(tmp_path):
     out = tmp_path / "results.json"
     proc = subprocess.run([sys.executable, "-m", "megalab.lab.mutants", "--wrong", FILE, "--json", str(out)],
