@@ -160,11 +160,12 @@ def test_block_backward_equals_autograd():
 
 
 def test_formulas():
-    # ring: cp-1 K/V blocks forward; cp-1 K/V + cp dK/dV backward; all-gather: cp-1 each way
+    # ring: cp-1 K/V blocks forward; cp-1 K/V + cp dK/dV backward; Megatron's all_gather (TE's): cp-1 forward,
+    # K/V gathered again and dK/dV reduce-scattered in backward
     block = 2 * 2 * (64 // 4) * 2 * 8 * 4
     assert calc.context_parallel_communication_per_layer(64, 2, 2, 8, 4) == dict(
         forward=3 * block, backward=7 * block, total=10 * block)
-    assert calc.context_parallel_communication_per_layer(64, 2, 2, 8, 4, "all_gather")["total"] == 6 * block
+    assert calc.context_parallel_communication_per_layer(64, 2, 2, 8, 4, "all_gather")["total"] == 9 * block
     assert calc.context_parallel_communication_per_layer(64, 2, 2, 8, 1)["total"] == 0
     # ring: q, out [b, np, s/cp, hn], k, v [b, ng, s/cp, hn], lse [b, np, s/cp] fp32; all-gather: k, v of all s, mask
     assert calc.context_parallel_attention_memory(64, 2, 4, 2, 8, 4) == 4 * (2 * 2 * 16 * 4 * 8 + 2 * 2 * 16 * 2 * 8 + 2 * 4 * 16)
@@ -307,8 +308,8 @@ def test_cp_comm_type_formulas():
     s, b, np_, ng, hn, cp = 64, 2, 8, 4, 8, 4
     block, per_head = 2 * b * (s // cp) * ng * hn * 4, b * (s // cp) * hn * 4
     f = lambda variant, **kw: cpm.communication_per_layer(s, b, np_, ng, hn, cp, variant, **kw)  # noqa: E731
-    for variant in ("p2p", "all_gather"):  # the same as calc's
-        assert f(variant) == calc.context_parallel_communication_per_layer(s, b, ng, hn, cp, variant)
+    for ours, megatron in (("p2p", "p2p"), ("all_gather_te", "all_gather")):  # calc (the planner) uses Megatron's names
+        assert f(ours) == calc.context_parallel_communication_per_layer(s, b, ng, hn, cp, megatron)
     assert f("all_gather_te") == dict(forward=3 * block, backward=6 * block, total=9 * block)
     assert f("a2a")["forward"] == 3 / 4 * (2 * np_ + 2 * ng) * per_head == f("a2a")["backward"]
     two = 1 / 2 * (2 * np_ + 2 * ng) * per_head  # the a2a within 2 ranks, then a ring of 2
