@@ -65,13 +65,15 @@ def load_ipython_extension(ipython):
 
 
 def _show_needs(shell, etype, value, tb, tb_offset=None):
-    """The usual traceback of a blank exercise's NotImplementedError, then which exercise to implement, where."""
+    """A blank exercise's NotImplementedError: its line and which exercise to implement, where -- not the frames
+    that reached it (a cell of one notebook can reach another chapter's blank region). Any other: the traceback."""
     from megalab.lab.exercises import needs_first
 
-    shell.showtraceback((etype, value, tb), tb_offset=tb_offset)
     needs = needs_first(f"NotImplementedError: {value}")
     if needs:
-        print(needs)
+        shell._showtraceback(etype, value, [f"{etype.__name__}: {value}", needs])  # the cell's error output
+    else:
+        shell.showtraceback((etype, value, tb), tb_offset=tb_offset)
     return None
 
 

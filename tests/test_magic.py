@@ -53,15 +53,21 @@ BLANK = ("exercise parallel_state.create_groups: one group per slice of the rank
 
 
 def test_a_blank_exercise_reached_from_another_notebook_says_which_and_where(shell, capsys):
-    # 03.03's tp check reaching chapter 02's blank create_groups: the traceback, then what to do about it
-    shell.run_cell(f"raise NotImplementedError({BLANK!r})")
+    # 03.03's tp check reaching chapter 02's blank create_groups: the error line and what to do about it, never
+    # the other exercise's traceback (issue 34)
+    shell.run_cell(f"def check():\n    raise NotImplementedError({BLANK!r})\ncheck()")
     out = capsys.readouterr().out
-    assert "NotImplementedError" in out and ("This needs exercise parallel_state.create_groups first (taught in "
-                                             "course/02_core_architecture/02_parallel_state.ipynb)") in out, out
+    assert f"NotImplementedError: {BLANK}" in out and ("This needs exercise parallel_state.create_groups first "
+                                                       "(taught in course/02_core_architecture/02_parallel_state.ipynb)") in out, out
+    assert "Traceback" not in out and "check()" not in out, out  # no frames
     shell.run_cell("raise NotImplementedError('plain')")  # not an exercise: the traceback only
-    assert "This needs" not in capsys.readouterr().out
-    err = RankFailedError(0, "rank 0 failed: NotImplementedError", f"Traceback ...\nNotImplementedError: {BLANK}\n")
-    assert err._render_traceback_()[-1].startswith("This needs exercise parallel_state.create_groups first")
+    out = capsys.readouterr().out
+    assert "This needs" not in out and "Traceback" in out
+    err = RankFailedError(0, "rank 0 failed: NotImplementedError",
+                          f"Traceback ...\n  File \"cell\", line 3, in row_forward\nNotImplementedError: {BLANK}\n")
+    rendered = err._render_traceback_()
+    assert rendered[1:] == [f"NotImplementedError: {BLANK}", rendered[-1]] and "line 3" not in "\n".join(rendered)
+    assert rendered[-1].startswith("This needs exercise parallel_state.create_groups first")
 
 
 def test_slurm_status_line_counts_every_nodes_ranks_and_names_the_step(shell, monkeypatch):

@@ -98,7 +98,10 @@ class _RankError(RuntimeError):
         from megalab.lab.exercises import needs_first
 
         needs = needs_first(self.details)
-        return [f"{type(self).__name__}: {self}", *self.details.rstrip().splitlines(), *([needs] if needs else [])]
+        if needs:  # a blank exercise region raised: its line and where it is taught, not the frames that reached it
+            raised = [line for line in self.details.splitlines() if "NotImplementedError: exercise " in line][-1:]
+            return [f"{type(self).__name__}: {self}", *raised, needs]
+        return [f"{type(self).__name__}: {self}", *self.details.rstrip().splitlines()]
 
 
 class RankFailedError(_RankError):
