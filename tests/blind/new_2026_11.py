@@ -84,5 +84,8 @@ SOLUTIONS = [
     dict(exercise='moe.ep_overlap', name='first try', code=_EP_OVERLAP),
     dict(exercise='pp.layout_offset', name='first try', code=_LAYOUT_OFFSET),
     dict(exercise='mxfp8.quantize_rowwise', name='first try', code=_MXFP8),
+    # first try FAILS (2026-11-27): hint 2 says "refuse a block whose count is already 0 (a double free)" and names no
+    # exception (the notebook and the docstring do not mention a double free); this raises ValueError, the grader
+    # wants another type (RuntimeError passes): the text or the grader is to be fixed, the first try kept.
     dict(exercise='inference.release_blocks', name='first try', code=_RELEASE),
 ]
