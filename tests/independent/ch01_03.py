@@ -2030,4 +2030,102 @@ WRONG = [{'exercise': 'dist.shard_bounds',
   'expect': 'tp*pp*cp*dp = 128, not 64',
   'words': ['64', 'product'],
   'code': 'layout = Layout(tp=8, pp=4, cp=2, dp=2)\n',
+  'half': 'held'},
+ {'exercise': 'cp.a2a_communicate',
+  'name': 'received chunks left rank-major',
+  'expect': "no reorder after the all-to-all: the chunks stay in source-rank order (rank j's two chunks side by "
+            'side), not sequence order; right only for the plain split',
+  'words': ['order', 'reorder', 'seq_chunk_ids', 'rank-major', 'zigzag'],
+  'code': 'hl = h // cp\n'
+          'send = x.reshape(b, cp, hl, s_local, hn).movedim(1, 0).contiguous()  # [cp, b, h/cp, s/cp, hn]\n'
+          'recv = torch.empty_like(send)\n'
+          'dist.all_to_all_single(recv, send, group=group)\n'
+          'return recv.movedim(0, 2).reshape(b, hl, cp * s_local, hn)\n',
+  'half': 'dev'},
+ {'exercise': 'cp.a2a_communicate',
+  'name': 'head blocks strided',
+  'expect': 'rank j gets heads j, j+cp, j+2cp, ... (the head dim cut as [h/cp, cp]), not the contiguous block '
+            'j·h/cp .. (j+1)·h/cp − 1',
+  'words': ['head', 'block', '2r, 2r+1', 'strided'],
+  'code': 'hl = h // cp\n'
+          'send = x.reshape(b, hl, cp, s_local, hn).movedim(2, 0).contiguous()  # [cp, b, h/cp, s/cp, hn]\n'
+          'recv = torch.empty_like(send)\n'
+          'dist.all_to_all_single(recv, send, group=group)\n'
+          'chunks = recv.movedim(0, 2).reshape(b, hl, 2 * cp, s_local // 2, hn)\n'
+          'ids = torch.tensor(seq_chunk_ids_for_a2a(cp, True, zigzag), device=x.device)\n'
+          'return chunks.index_select(2, ids).reshape(b, hl, cp * s_local, hn)\n',
+  'half': 'held'},
+ {'exercise': 'moe.ep_overlap',
+  'name': 'every all-to-all waited at once',
+  'expect': "each pending waited right after it started, before the other micro-batch's compute: right gradients, "
+            'nothing hidden',
+  'words': ['hidden', 'waited', 'overlap', 'exposed'],
+  'code': 'x, g = f_input, b_grad\n'
+          'if b_layer is not None:\n'
+          '    g = b_layer.moe_combine.backward(g).wait()\n'
+          'if f_layer is not None:\n'
+          '    x = f_layer.pre_dispatch.forward(x)\n'
+          'if f_layer is not None:\n'
+          '    x = f_layer.moe_dispatch.forward(x).wait()\n'
+          'if b_layer is not None:\n'
+          '    g = b_layer.mlp.backward(g)\n'
+          'if b_layer is not None:\n'
+          '    g = b_layer.moe_dispatch.backward(g).wait()\n'
+          'if f_layer is not None:\n'
+          '    x = f_layer.mlp.forward(x)\n'
+          'if f_layer is not None:\n'
+          '    x = f_layer.moe_combine.forward(x).wait()\n'
+          'if b_layer is not None:\n'
+          '    g = b_layer.pre_dispatch.backward(g)\n'
+          'return x, g\n',
+  'half': 'dev'},
+ {'exercise': 'moe.ep_overlap',
+  'name': "forward all-to-alls started after b's compute",
+  'expect': "rounds 2 and 4 run b's compute first, then start and wait f's dispatch / combine: the forward "
+            'all-to-alls (moe_dispatch F, moe_combine F) are not hidden, the backward ones are',
+  'words': ['moe_dispatch', 'moe_combine', 'forward', 'hidden'],
+  'code': 'x, g = f_input, b_grad\n'
+          'if b_layer is not None:\n'
+          '    pending_b = b_layer.moe_combine.backward(g)\n'
+          'if f_layer is not None:\n'
+          '    x = f_layer.pre_dispatch.forward(x)\n'
+          'if b_layer is not None:\n'
+          '    g = pending_b.wait()\n'
+          'if b_layer is not None:\n'
+          '    g = b_layer.mlp.backward(g)\n'
+          'if f_layer is not None:\n'
+          '    x = f_layer.moe_dispatch.forward(x).wait()\n'
+          'if b_layer is not None:\n'
+          '    pending_b = b_layer.moe_dispatch.backward(g)\n'
+          'if f_layer is not None:\n'
+          '    x = f_layer.mlp.forward(x)\n'
+          'if b_layer is not None:\n'
+          '    g = pending_b.wait()\n'
+          'if b_layer is not None:\n'
+          '    g = b_layer.pre_dispatch.backward(g)\n'
+          'if f_layer is not None:\n'
+          '    x = f_layer.moe_combine.forward(x).wait()\n'
+          'return x, g\n',
+  'half': 'held'},
+ {'exercise': 'pp.layout_offset',
+  'name': "this stage's own layers counted too",
+  'expect': 'pp_rank + 1 ranks of this chunk counted (<= where < belongs): every offset is one stage late, the '
+            'first stage does not start at 0',
+  'words': ['own', 'one stage', 'off by', 'includ', 'itself'],
+  'code': 'pp = self.pipeline_model_parallel_size\n'
+          'offset = 0\n'
+          'for v in range(vp_stage):\n'
+          '    for r in range(pp):\n'
+          '        offset += self.layout[r][v].count(layer_type)\n'
+          'for r in range(pp_rank + 1):\n'
+          '    offset += self.layout[r][vp_stage].count(layer_type)\n'
+          'return offset\n',
+  'half': 'dev'},
+ {'exercise': 'pp.layout_offset',
+  'name': 'virtual stage index rank-major',
+  'expect': "this stage's place in model order taken as pp_rank * v + vp_stage (rank-major), not vp_stage * pp + "
+            'pp_rank: right for v = 1 only',
+  'words': ['virtual', 'vp_stage * p', 'model order', 'rank'],
+  'code': 'k = pp_rank * self.virtual_pipeline_model_parallel_size + vp_stage  # this stage in model order\n'
+          'return sum(self.layers_per_stage(layer_type)[:k])\n',
   'half': 'held'}]

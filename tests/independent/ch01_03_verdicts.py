@@ -188,4 +188,13 @@ SAYS = {('dist.shard_bounds', 'extra items on the last ranks'): 'gave the extra 
  ('planner.activation_memory', 'context parallelism ignored'): 'context parallelism ignored (each rank holds s/cp '
                                                                'tokens)',
  ('planner.llama3_70b_layout', 'pure data parallelism'): 'the layout does not fit in 80 GB (with 10% kept free)',
- ('planner.llama3_70b_layout', '128 GPUs'): 'the sizes multiply to 128 GPUs, not 64'}
+ ('planner.llama3_70b_layout', '128 GPUs'): 'the sizes multiply to 128 GPUs, not 64',
+ # added 2026-11 (blind wrong answers of cp.a2a_communicate, moe.ep_overlap, pp.layout_offset)
+ ('cp.a2a_communicate', 'received chunks left rank-major'): 'chunks left in arrival order (rank by rank): not '
+                                                            'reordered',
+ ('cp.a2a_communicate', 'head blocks strided'): 'rank j got the strided heads j, j + cp, ... instead of the c',
+ ('moe.ep_overlap', 'every all-to-all waited at once'): 'none of the four all-to-alls is hidden: each was waited for',
+ ('moe.ep_overlap', "forward all-to-alls started after b's compute"): "exposed: [('moe_combine', 'F'), "
+                                                                       "('moe_dispatch', 'F')]",
+ ('pp.layout_offset', "this stage's own layers counted too"): "included the stage's own layers",
+ ('pp.layout_offset', 'virtual stage index rank-major'): None}

@@ -720,6 +720,44 @@ WRONG = [
       "    tokens[row, :n], labels[row, :n], loss_mask[row, :n] = d[:-1], d[:-1], 1.0\n"
       "position_ids = torch.arange(seq_length).expand(len(docs), seq_length).clone()\n"
       "return dict(tokens=tokens, labels=labels, loss_mask=loss_mask, position_ids=position_ids)\n"),
+    # ------------------------------------------------------------------ 06 · mxfp8.quantize_rowwise (added 2026-11)
+    W("mxfp8.quantize_rowwise", "exponent rounded to nearest",
+      "the E8M0 exponent from torch's cast to float8_e8m0fnu (round to nearest), not rounded up: blocks whose "
+      "amax / fp8_max lies below the midpoint get too small a scale and their largest values saturate",
+      r"round|nearest|saturat|power of two >=",
+      "\nblocks = x.float().reshape(M, K // MXFP8_BLOCK_SCALING_SIZE, MXFP8_BLOCK_SCALING_SIZE)\n"
+      "amax = blocks.abs().amax(dim=-1)\n"
+      "scale_inv = (amax * max_norm_rcp(fp8_dtype)).to(torch.float8_e8m0fnu).view(torch.uint8)\n"
+      "scale = exp2f_rcp(scale_inv)\nfp8_max = torch.finfo(fp8_dtype).max\n"
+      "data = (blocks * scale.unsqueeze(-1)).clamp(-fp8_max, fp8_max).to(fp8_dtype).reshape(M, K)\n"),
+    W("mxfp8.quantize_rowwise", "multiplied by the dequantization scale",
+      "the block multiplied by 2^(e - 127) (e8m0_to_float, the scale back) instead of 2^(127 - e) (exp2f_rcp): "
+      "the data is scaled the wrong way (tiny values, or saturated)",
+      r"2\^\(?127|2\^\(?e|inverse|wrong way|exp2f_rcp|e8m0_to_float|dequantiz",
+      "\nblocks = x.float().reshape(M, K // MXFP8_BLOCK_SCALING_SIZE, MXFP8_BLOCK_SCALING_SIZE)\n"
+      "amax = blocks.abs().amax(dim=-1)\n"
+      "scale_inv = float_to_e8m0(amax * max_norm_rcp(fp8_dtype))\n"
+      "scale = e8m0_to_float(scale_inv)\nfp8_max = torch.finfo(fp8_dtype).max\n"
+      "data = (blocks * scale.unsqueeze(-1)).clamp(-fp8_max, fp8_max).to(fp8_dtype).reshape(M, K)\n"),
+    # ------------------------------------------------------------------ 06 · inference.release_blocks (added 2026-11)
+    W("inference.release_blocks", "count set to 0, not decremented",
+      "a released block's reference count set to 0: a block another request still holds (a shared prefix) is "
+      "cached or freed under it",
+      r"reference|ref count|ref_count|shared|still hold|holds",
+      "\nfor b in blocks:\n    if self.block_ref_counts[b] <= 0:\n"
+      "        raise RuntimeError(f\"block {b} released but nobody holds it (a double free)\")\n"
+      "    self.block_ref_counts[b] = 0\n"
+      "    if self.block_hashes[b] is not None and self.prefix_caching_eviction_policy == \"lru\":\n        continue\n"
+      "    if self.block_hashes[b] is not None:\n        self._deregister(b)\n    self.free_blocks.append(b)\n"),
+    W("inference.release_blocks", "hash kept under ref_zero",
+      "under ref_zero a block at count 0 goes back to the free list but keeps its hash: a later request matches "
+      "a block that is free (or reused)",
+      r"hash|forg|deregister|ref_zero",
+      "\nfor b in blocks:\n    if self.block_ref_counts[b] <= 0:\n"
+      "        raise RuntimeError(f\"block {b} released but nobody holds it (a double free)\")\n"
+      "    self.block_ref_counts[b] -= 1\n    if self.block_ref_counts[b] == 0:\n"
+      "        if self.block_hashes[b] is not None and self.prefix_caching_eviction_policy == \"lru\":\n"
+      "            continue\n        self.free_blocks.append(b)\n"),
 ]
 
 NOT_WRONG = {("speedup.remove_hotspots", "backend not switched to sdpa")}  # right after all: see its `expect`
