@@ -361,7 +361,7 @@ def _pow2_at_least(v):
     return torch.ldexp(torch.ones_like(v), torch.where(m == 0.5, e - 1, e))
 
 
-def _mx_reference(x, dtype, *, block_dim=-1, amax="block", pow2="up"):
+def _mx_reference(x, dtype, *, block_dim=-1, amax="block", pow2="up", multiply=False):
     """MXFP8 rowwise data (as floats) and dequantization scales [M, K/32], or what one typical mistake gives."""
     fmax = torch.finfo(dtype).max
     xt = x.float() if block_dim == -1 else x.float().t()
@@ -374,7 +374,8 @@ def _mx_reference(x, dtype, *, block_dim=-1, amax="block", pow2="up"):
         s_inv = (a / fmax).to(torch.float8_e8m0fnu).float()
     else:  # fp8_max / amax itself, no power of two
         s_inv = a / fmax
-    data = (blocks / s_inv[..., None]).clamp(-fmax, fmax).to(dtype).float().reshape(M, K)
+    scaled = blocks * s_inv[..., None] if multiply else blocks / s_inv[..., None]  # multiply: the inverted slip
+    data = scaled.clamp(-fmax, fmax).to(dtype).float().reshape(M, K)
     return (data, s_inv) if block_dim == -1 else (data.t(), s_inv)
 
 
@@ -408,6 +409,8 @@ def test_mxfp8_rowwise_block_scales_and_names_the_mistake():
                       "the last dim)": wrong_dim,
                       "rounded the exponent to nearest (a plain cast to float8_e8m0fnu) instead of up: the block's "
                       "largest values saturate": lambda: _mx_reference(x, E4M3, pow2="nearest")[0],
+                      "multiplied by the dequantization scale 2^e instead of dividing by it (the quantization "
+                      "scale is its reciprocal: TE's exp2f_rcp)": lambda: _mx_reference(x, E4M3, multiply=True)[0],
                   }))
     require(close(mx.e8m0_to_float(scale_inv), expected_s, "the scales 2^(scale_inv - 127) (E8M0 biased exponents "
                                                              "of the power of two >= block amax / 448)", rtol=0,

@@ -38,7 +38,9 @@ def _wrong_offsets(layout, keys) -> dict:
              for r, v in keys],
             "counted 'E', 'L' and 'm' as transformer layers": [before((r, v), True) for r, v in keys],
             "counted only this rank's earlier chunks": [sum(count(r, vv) for vv in range(v)) for r, v in keys],
-            "included the stage's own layers": [before((r, v)) + count(r, v) for r, v in keys]}
+            "included the stage's own layers": [before((r, v)) + count(r, v) for r, v in keys],
+            "took the stage's place in model order as pp_rank * v + vp_stage (rank-major), not vp_stage * pp + pp_rank":
+            [sum(count(*s) for s in order[:r * layout.virtual_pipeline_model_parallel_size + v]) for r, v in keys]}
 
 
 def check_layout_offsets() -> Verdict:

@@ -197,4 +197,4 @@ SAYS = {('dist.shard_bounds', 'extra items on the last ranks'): 'gave the extra 
  ('moe.ep_overlap', "forward all-to-alls started after b's compute"): "exposed: [('moe_combine', 'F'), "
                                                                        "('moe_dispatch', 'F')]",
  ('pp.layout_offset', "this stage's own layers counted too"): "included the stage's own layers",
- ('pp.layout_offset', 'virtual stage index rank-major'): None}
+ ('pp.layout_offset', 'virtual stage index rank-major'): 'rank-major'}
