@@ -256,3 +256,11 @@ def test_a_diagram_whose_labels_stay_english_gets_a_gloss():
     assert with_glosses(glossed, words) == glossed  # the translation's own gloss is kept, never doubled
     nb = translated(REPO, "course/03_parallelism/01_data_parallel.ipynb", "zh")
     assert any(f"*{GLOSS}" in c.source and "bucket 桶" in c.source for c in nb.cells if c.cell_type == "markdown")
+
+
+def test_the_rare_grade_details_are_said_in_chinese_too():
+    from megalab.lab.i18n import diagnosis
+
+    assert diagnosis("every test was skipped (3 tests): needs a CUDA GPU", "zh") == "所有测试都被跳过了（3 tests）：needs a CUDA GPU"
+    said = diagnosis('no test ran: mark its tests @pytest.mark.exercise("x.y")', "zh")
+    assert said == '没有测试运行：给它的测试加上 @pytest.mark.exercise("x.y")'
