@@ -3,15 +3,17 @@ import os
 import pytest
 
 
-def _threads_per_worker() -> int:
+def _threads_per_worker(workers: int | None = None) -> int:
     """Cores per pytest worker: `make test` runs 2 workers on 2 cores, and two processes with 2 OpenMP threads
     each spin on each other's cores (a tiny model's training step took 4x the CPU time with 2 threads as with 1)."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return max(1, cores // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
+    return max(1, cores // int(workers or os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
 
 
 # Set before torch loads here, and inherited by what the tests start: notebook kernels, graders, launches
-# (their ranks already get cores // ranks).
+# (their ranks already get cores // ranks). The xdist controller sets it again for its workers in
+# pytest_configure (they inherit its environment, and it has no PYTEST_XDIST_WORKER_COUNT).
+_USER_OMP = "OMP_NUM_THREADS" in os.environ
 os.environ.setdefault("OMP_NUM_THREADS", str(_threads_per_worker()))
 
 import torch  # noqa: E402
@@ -36,6 +38,13 @@ LONGEST_FIRST = (
     "course/03_parallelism/09_moe_and_expert_parallel.ipynb",  # 99
     "course/01_foundations/02_collectives.ipynb",  # 87
 )
+
+
+def pytest_configure(config):
+    """Under xdist (`-n N`), this is the controller: its N workers start after this, with its environment."""
+    workers = getattr(config.option, "numprocesses", None)
+    if isinstance(workers, int) and workers > 0 and not _USER_OMP and "PYTEST_XDIST_WORKER" not in os.environ:
+        os.environ["OMP_NUM_THREADS"] = str(_threads_per_worker(workers))
 
 
 def pytest_collection_modifyitems(config, items):
