@@ -1,0 +1,155 @@
+"""The RL systems loop on one process: rollouts from the engine, the train/serve check, GRPO, refit.
+
+    for each step:
+      1. rollouts     P prompts x G samples from the InferenceEngine (temperature sampling, log-probs returned)
+      2. rewards      the agent grades each response (ArithmeticAgent: single-digit addition)
+      3. check        the trainer recomputes the sampled tokens' log-probs: they must equal the engine's
+                      (logprob_check.TOLERANCE) or the step stops with a TrainServeMismatch naming the cause
+      4. GRPO         group-relative advantages; num_updates optimizer steps on the clipped objective,
+                      the loss normalised per token as Megatron's (rl_utils.py)
+      5. refit        the trainer's weights into the engine (engine.update_weights; across layouts and
+                      ranks: megalab.core.resharding.swap_model_weights)
+
+The policy is the course's tiny GPT (megalab/extras/tiny_gpt.py: 2 layers, hidden 64, 4 heads) with the task's
+16-token vocabulary, trained from scratch by RL alone. Megatron: train_rl.py and megatron/rl/rl_utils.py
+(collect rollouts, compute_logprobs_batch, calculate_grpo_advantages, calculate_grpo_loss, the refit through
+megatron/core/resharding/).
+
+    python -m megalab.train_rl --steps 30
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import random
+import time
+from dataclasses import dataclass
+
+import torch
+
+from megalab.core.inference import InferenceEngine, PagedKVCache, SamplingParams
+from megalab.core.models.gpt.gpt_model import GPTModel
+from megalab.core.transformer.transformer_config import TransformerConfig
+from megalab.extras.tiny_gpt import TINY_CONFIG
+from megalab.rl.agent.arithmetic_agent import PROMPT_LENGTH, VOCAB_SIZE, ArithmeticAgent
+from megalab.rl.logprob_check import TOLERANCE, TrainServeMismatch, compare_logprobs, diagnose
+from megalab.rl.rl_utils import calculate_grpo_advantages, calculate_grpo_loss, compute_logprobs, reduce_loss
+
+
+@dataclass
+class GRPOConfig:
+    num_prompts: int = 8  # per step
+    group_size: int = 8  # rollouts per prompt
+    num_tokens_to_generate: int = 1
+    temperature: float = 1.0
+    lr: float = 3e-3
+    num_updates: int = 2  # optimizer steps per batch of rollouts: from the 2nd the ratio leaves 1 and the clip acts
+    clamp_eps: float = 0.2
+    kl_beta: float = 0.0
+    normalization: str = "token"  # Megatron's
+    tolerance: float = TOLERANCE
+    seed: int = 0
+
+
+def build_policy(seed: int = 0) -> GPTModel:
+    """The tiny GPT's architecture over the task's vocabulary."""
+    torch.manual_seed(seed)
+    return GPTModel(TransformerConfig(**{**TINY_CONFIG, "vocab_size": VOCAB_SIZE, "seq_length": 8}))
+
+
+def build_engine(model: GPTModel, config: GRPOConfig) -> InferenceEngine:
+    """An engine with its own copy of the weights (refit keeps it in step), room for one step's rollouts."""
+    n = config.num_prompts * config.group_size
+    length = PROMPT_LENGTH + config.num_tokens_to_generate
+    cache = PagedKVCache(model.config, num_blocks=n * -(-length // 4), block_size=4)
+    return InferenceEngine(copy.deepcopy(model).eval(), cache, max_batch_size=n, max_tokens=n * length)
+
+
+@dataclass
+class Rollouts:
+    tokens: torch.Tensor  # [P * G, prompt + response]
+    loss_mask: torch.Tensor  # [P * G, prompt + response - 1]: 1 where a response token is predicted
+    engine_logprobs: torch.Tensor  # [number of response tokens], in loss_mask order
+    rewards: torch.Tensor  # [P, G]
+
+
+def collect_rollouts(engine: InferenceEngine, agent: ArithmeticAgent, rng: random.Random, config: GRPOConfig,
+                     step: int) -> Rollouts:
+    prompts = [agent.get_prompt(rng) for _ in range(config.num_prompts)]
+    params = [SamplingParams(temperature=config.temperature, num_tokens_to_generate=config.num_tokens_to_generate,
+                             return_log_probs=True, seed=config.seed * 1_000_003 + step * 10_007 + i)
+              for i in range(config.num_prompts * config.group_size)]
+    requests = engine.generate([p.tokens for p in prompts for _ in range(config.group_size)], params)
+    if any(len(r.generated_tokens) != config.num_tokens_to_generate for r in requests):
+        raise RuntimeError("a rollout stopped early: this loop expects fixed-length responses")
+    tokens = torch.tensor([r.prompt_tokens + r.generated_tokens for r in requests])
+    loss_mask = torch.zeros(tokens.shape[0], tokens.shape[1] - 1)
+    loss_mask[:, PROMPT_LENGTH - 1:] = 1  # position t predicts token t + 1: the response starts at PROMPT_LENGTH
+    rewards = torch.tensor([[agent.get_reward(p, requests[i * config.group_size + j].generated_tokens)
+                             for j in range(config.group_size)] for i, p in enumerate(prompts)])
+    engine_logprobs = torch.tensor([lp for r in requests for lp in r.generated_log_probs])
+    return Rollouts(tokens, loss_mask, engine_logprobs, rewards)
+
+
+def grpo_step(model, optimizer, engine, agent, rng, config: GRPOConfig, step: int, refit: bool = True) -> dict:
+    """One step of the loop; returns its measurements."""
+    start = time.perf_counter()
+    batch = collect_rollouts(engine, agent, rng, config, step)
+    model.eval()
+    with torch.no_grad():
+        old_logprobs = compute_logprobs(model, batch.tokens)  # [b, s - 1]
+    comparison = compare_logprobs(old_logprobs[batch.loss_mask.bool()], batch.engine_logprobs, config.tolerance)
+    if not comparison.ok:
+        causes = diagnose(model, engine, batch.tokens, batch.loss_mask, old_logprobs[batch.loss_mask.bool()],
+                          batch.engine_logprobs, config.temperature, trainer_version=step)
+        raise TrainServeMismatch(f"step {step}: trainer and engine log-probs differ by up to "
+                                 f"{comparison.max_abs_diff:.3g} (tolerance {config.tolerance:g}); causes: "
+                                 + ("; ".join(f"{c} ({r}): {e}" for c, r, e in causes) or "none identified"))
+    advantages = calculate_grpo_advantages(batch.rewards).flatten()  # [P * G]
+    model.train()
+    for _ in range(config.num_updates):
+        current = compute_logprobs(model, batch.tokens)
+        per_token, _, _ = calculate_grpo_loss(current, old_logprobs, advantages, config.clamp_eps, config.clamp_eps,
+                                              config.kl_beta)
+        loss = reduce_loss(per_token, batch.loss_mask, config.normalization)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    model.eval()
+    if refit:
+        engine.update_weights(model.state_dict())
+    return dict(step=step, reward=float(batch.rewards.mean()), loss=float(loss),
+                max_logprob_diff=comparison.max_abs_diff, seconds=time.perf_counter() - start)
+
+
+def train_rl(steps: int, config: GRPOConfig | None = None, log=None) -> list[dict]:
+    """Run the loop from a fresh policy; one dict of measurements per step."""
+    config = config or GRPOConfig()
+    model = build_policy(config.seed)
+    engine = build_engine(model, config)
+    optimizer = torch.optim.Adam(model.parameters(), lr=config.lr)
+    agent, rng = ArithmeticAgent(), random.Random(config.seed)
+    history = []
+    for step in range(steps):
+        history.append(grpo_step(model, optimizer, engine, agent, rng, config, step))
+        if log:
+            log(history[-1])
+    return history
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m megalab.train_rl", description=__doc__.split("\n")[0])
+    parser.add_argument("--steps", type=int, default=30)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    history = train_rl(args.steps, log=lambda h: print(
+        f"step {h['step']:3d}  reward {h['reward']:.3f}  loss {h['loss']:+.4f}  "
+        f"max |logp diff| {h['max_logprob_diff']:.1e}  {h['seconds']:.2f} s", flush=True))
+    first, last = history[: len(history) // 4 or 1], history[-(len(history) // 4 or 1):]
+    print(f"mean reward: first quarter {sum(h['reward'] for h in first) / len(first):.3f}, "
+          f"last quarter {sum(h['reward'] for h in last) / len(last):.3f}")
+
+
+if __name__ == "__main__":
+    main()

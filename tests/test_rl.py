@@ -1,0 +1,95 @@
+"""GRPO and the train/serve check (megalab/rl/, megalab/train_rl.py): Megatron's advantages and per-token loss, a
+tiny run whose reward goes up, and the detector naming each planted systems bug with its public report."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from megalab.rl.agent.arithmetic_agent import ArithmeticAgent
+from megalab.rl.logprob_check import TrainServeMismatch, check_loss_normalization, diagnose
+from megalab.rl.rl_utils import calculate_grpo_advantages, calculate_grpo_loss, compute_logprobs, reduce_loss
+from megalab.train_rl import GRPOConfig, build_engine, build_policy, collect_rollouts, grpo_step, train_rl
+
+
+def test_advantages_and_clipped_loss_as_megatron():
+    adv = calculate_grpo_advantages(torch.tensor([[-1.0, 1.0], [4.0, 4.0]]))  # Megatron's docstring example
+    assert torch.allclose(adv, torch.tensor([[-1.0, 1.0], [0.0, 0.0]]), atol=1e-3)
+    old = torch.zeros(2, 1)
+    current = torch.log(torch.tensor([[1.5], [0.5]])).requires_grad_()  # ratios 1.5 and 0.5
+    loss, _, ratios = calculate_grpo_loss(current, old, torch.tensor([1.0, -1.0]), 0.2, 0.2)
+    assert torch.allclose(loss, torch.tensor([[-1.2], [0.8]]))  # both clipped: -min(r A, clip(r) A)
+    loss.sum().backward()
+    assert torch.equal(current.grad, torch.zeros(2, 1))  # a clipped token pushes no further
+    per_token = torch.tensor([[2.0, 2, 2, 2, 2], [10, 3, 4, 5, 2]])
+    mask = torch.tensor([[1, 1, 1, 1, 1], [1, 0, 0, 0, 0]])
+    assert reduce_loss(per_token, mask, "token") == pytest.approx(20 / 6)  # Megatron: Σ / tokens
+    assert reduce_loss(per_token, mask, "sequence") == pytest.approx(6.0)
+
+
+def test_reward_goes_up():
+    history = train_rl(24, GRPOConfig(seed=0))
+    first = sum(h["reward"] for h in history[:6]) / 6
+    last = sum(h["reward"] for h in history[-6:]) / 6
+    assert last > first + 0.15, f"mean reward {first:.3f} (first 6 steps) -> {last:.3f} (last 6)"
+    assert max(h["max_logprob_diff"] for h in history) < 1e-4
+
+
+def _trained_pair():
+    config = GRPOConfig(num_prompts=4, group_size=4)
+    model, rng = build_policy(0), random.Random(0)
+    engine = build_engine(model, config)
+    optimizer = torch.optim.Adam(model.parameters(), lr=config.lr)
+    grpo_step(model, optimizer, engine, ArithmeticAgent(), rng, config, 0)
+    return config, model, engine, optimizer, rng
+
+
+def _next_step_error(config, model, engine, optimizer, rng) -> str:
+    with pytest.raises(TrainServeMismatch) as info:
+        grpo_step(model, optimizer, engine, ArithmeticAgent(), rng, config, 1)
+    return str(info.value)
+
+
+def test_detector_names_weight_bugs():
+    config, model, engine, optimizer, rng = _trained_pair()
+    grpo_step(model, optimizer, engine, ArithmeticAgent(), rng, config, 1, refit=False)  # refit skipped
+    assert "stale weights (trl #5312)" in _next_step_error(config, model, engine, optimizer, rng)
+
+    config, model, engine, optimizer, rng = _trained_pair()
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    w = state["decoder.layers.0.mlp.linear_fc1.weight"]  # column-parallel: tp2 shards are its halves along dim 0
+    state["decoder.layers.0.mlp.linear_fc1.weight"] = torch.cat(w.chunk(2)[::-1])
+    engine.update_weights(state)
+    assert "wrong slice (AReaL #1560)" in _next_step_error(config, model, engine, optimizer, rng)
+
+    config, model, engine, optimizer, rng = _trained_pair()
+    engine.update_weights({k: v.bfloat16().float() for k, v in model.state_dict().items()})  # a refit in bf16
+    assert "precision (trl #3867)" in _next_step_error(config, model, engine, optimizer, rng)
+
+
+def test_detector_names_temperature_and_normalization_bugs():
+    config, model, engine, _, rng = _trained_pair()
+    config.temperature = 0.7
+    batch = collect_rollouts(engine, ArithmeticAgent(), rng, config, 1)
+    mask = batch.loss_mask.bool()
+    with torch.no_grad():
+        raw, tempered = compute_logprobs(model, batch.tokens)[mask], compute_logprobs(model, batch.tokens, 0.7)[mask]
+    assert diagnose(model, engine, batch.tokens, batch.loss_mask, raw, batch.engine_logprobs, 0.7, 1) == []
+    engine_side = diagnose(model, engine, batch.tokens, batch.loss_mask, raw, tempered, 0.7, 1)
+    assert [c for c, _, _ in engine_side] == ["temperature (engine side only)"]
+    trainer_side = diagnose(model, engine, batch.tokens, batch.loss_mask, tempered, batch.engine_logprobs, 0.7, 1)
+    assert [(c, r) for c, r, _ in trainer_side] == [("temperature (trainer side only)", "vllm #42259")]
+    assert check_loss_normalization(lambda t, m: reduce_loss(t, m, "token")) == []
+    found = check_loss_normalization(lambda t, m: reduce_loss(t, m, "sequence"))
+    assert [(c, r) for c, r, _ in found] == [("per-sequence normalization", "Megatron-LM #4590")]
+
+
+def test_reward_function_that_raises_is_named():
+    agent = ArithmeticAgent(reward_fn=lambda prompt, response: 1 / 0)
+    prompt = agent.get_prompt(random.Random(0))
+    with pytest.raises(RuntimeError, match=f"reward function raised on prompt '{prompt.text()}'.*ZeroDivisionError"):
+        agent.get_reward(prompt, [3])
+    with pytest.raises(RuntimeError, match="returned None"):
+        ArithmeticAgent(reward_fn=lambda p, r: None).get_reward(prompt, [3])
