@@ -48,14 +48,14 @@ def _trained_pair():
 
 def _next_step_error(config, model, engine, optimizer, rng) -> str:
     with pytest.raises(TrainServeMismatch) as info:
-        grpo_step(model, optimizer, engine, ArithmeticAgent(), rng, config, 1)
+        grpo_step(model, optimizer, engine, ArithmeticAgent(), rng, config, 2)  # the engine should have 2 refits
     return str(info.value)
 
 
 def test_detector_names_weight_bugs():
     config, model, engine, optimizer, rng = _trained_pair()
     grpo_step(model, optimizer, engine, ArithmeticAgent(), rng, config, 1, refit=False)  # refit skipped
-    assert "stale weights (trl #5312)" in _next_step_error(config, model, engine, optimizer, rng)
+    assert "stale weights (trl #5312): the engine has had 1 refits, the trainer expects 2" in _next_step_error(config, model, engine, optimizer, rng)
 
     config, model, engine, optimizer, rng = _trained_pair()
     state = {k: v.clone() for k, v in model.state_dict().items()}

@@ -7,7 +7,7 @@
                       is left waiting in a send that never comes)
     2. plan           build_local_reshard_plan (once; pass it back in as `plan` to skip the gather)
     3. move           execute_reshard_plan into staging buffers (gloo point-to-point, same-rank copies)
-    4. install        only after every receive completed: engine.update_weights (which refuses missing or
+    4. install        only after EVERY rank says its receives completed (all_gather_object again): engine.update_weights (which refuses missing or
                       mis-shaped tensors) or a copy into the model's parameters; the engine's
                       weights_version goes up by one, so a stale engine is visible
 
@@ -52,11 +52,19 @@ def swap_model_weights(src_model, target, refit_method: str = "gloo", src_tp_gro
     src_params = {r: p for r, _, p in named_resolved_params(src_model)} if src_model is not None else {}
     dst_local = {r: (n, p) for r, n, p in named_resolved_params(dst_model)} if dst_model is not None else {}
     staging = {r: torch.empty_like(p, device="cpu") for r, (_, p) in dst_local.items()}
-    stats = execute_reshard_plan(plan, src_params, staging, group)
-    covered = {op.param_name for op in plan.recv_ops}
-    if covered != set(staging):  # a plan for other models (a stale cached plan): never install partial weights
-        raise ReshardError(f"the plan fills {len(covered)} of this rank's {len(staging)} parameters "
-                           f"(missing {sorted(set(staging) - covered)[:3]}): rebuild it for these models")
+    stats, error = None, None
+    try:
+        stats = execute_reshard_plan(plan, src_params, staging, group)
+        covered = {op.param_name for op in plan.recv_ops}
+        if covered != set(staging):  # a plan for other models (a stale cached plan)
+            raise ReshardError(f"the plan fills {len(covered)} of this rank's {len(staging)} parameters "
+                               f"(missing {sorted(set(staging) - covered)[:3]}): rebuild it for these models")
+    except Exception as exc:  # told to every rank below, then raised on every rank
+        error = f"rank {dist.get_rank()}: {type(exc).__name__}: {exc}"
+    errors = [None] * dist.get_world_size(group)
+    dist.all_gather_object(errors, error, group=group)  # install only if EVERY rank received everything
+    if any(errors):
+        raise ReshardError("refit failed, no weight changed: " + "; ".join(e for e in errors if e))
     if target is not None:
         install(target, {dst_local[r][0]: t for r, t in staging.items()})
     stats.seconds = time.perf_counter() - start
