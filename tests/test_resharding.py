@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megalab.core.inference import InferenceEngine, PagedKVCache, SamplingParams
+from megalab.core.inference import InferenceEngine, PagedKVCache, SamplingParams, generate_by_recompute
 from megalab.core.models.gpt.gpt_layer_specs import tensor_parallel_layer_spec
 from megalab.core.models.gpt.gpt_model import GPTModel, build_gpt_stages
 from megalab.core.resharding import ReshardError, build_plan_from_rosters, swap_model_weights
@@ -80,6 +80,8 @@ def _refit_body(engine_tp: int):
                      if torch.equal(p, full_shard_of(ref[n], p, rank % 2 if engine_tp == 2 else 0,
                                                      getattr(p, "partition_stride", 1)))]
             out.append((stats, equal, engine.weights_version))
+        greedy = SamplingParams(num_tokens_to_generate=4, top_k=1)
+        generated = engine.generate([[1, 2, 3]], greedy)[0].generated_tokens  # the engine runs on what it received
         held = set()  # the engine's names of what this rank's trainer stage holds (its layers renumbered)
         for n, _ in chunk.named_parameters():
             if n.startswith("decoder.layers."):
@@ -88,23 +90,27 @@ def _refit_body(engine_tp: int):
             held.add(n)
         engine_params = dict(engine_model.named_parameters())
         expected_received = _bytes(engine_params.values()) - _bytes(p for n, p in engine_params.items() if n in held)
-        return out, sorted(engine_params), expected_received
+        return out, sorted(engine_params), expected_received, generated
 
-    return threaded_world.run(4, body)
+    reference = GPTModel(TransformerConfig(**CONFIG))
+    reference.load_state_dict(refs[-1])
+    expected = generate_by_recompute(reference, [1, 2, 3], SamplingParams(num_tokens_to_generate=4, top_k=1))
+    return threaded_world.run(4, body), expected
 
 
 @pytest.mark.parametrize("engine_tp", [1, 2])
 def test_refit_tp2pp2_to_engine_is_bit_equal(engine_tp):
-    results = _refit_body(engine_tp)
-    for rank, (out, names, expected_received) in results.items():
+    results, expected_tokens = _refit_body(engine_tp)
+    for rank, (out, names, expected_received, generated) in results.items():
+        assert generated == expected_tokens, f"rank {rank}: the engine generated {generated}, the trainer's model {expected_tokens}"
         for step, (stats, equal, version) in enumerate(out):
             assert equal == names, f"rank {rank}, refit {step + 1}: not bit-equal: {sorted(set(names) - set(equal))}"
             assert version == step + 1, f"rank {rank}: weights_version {version} after {step + 1} refits"
             assert stats.bytes_received == expected_received, (
                 f"rank {rank}: received {stats.bytes_received} bytes, expected {expected_received} "
                 "(the engine's weights minus what this rank's trainer stage already holds)")
-    sent = sum(stats.bytes_sent for out, _, _ in results.values() for stats, _, _ in out)
-    received = sum(stats.bytes_received for out, _, _ in results.values() for stats, _, _ in out)
+    sent = sum(stats.bytes_sent for out, *_ in results.values() for stats, _, _ in out)
+    received = sum(stats.bytes_received for out, *_ in results.values() for stats, _, _ in out)
     assert sent == received > 0
 
 
