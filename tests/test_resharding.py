@@ -76,20 +76,17 @@ def _refit_body(engine_tp: int):
             _load_shards(whole, ref, tp_rank)  # the optimizer step (the same modules the chunk holds)
             stats, plan = swap_model_weights(chunk, engine, src_tp_group=tp_group, dst_tp_group=engine_group,
                                              plan=plan)
-            equal = [n for n, p in engine_model.named_parameters()
+            equal = sorted(n for n, p in engine_model.named_parameters()
                      if torch.equal(p, full_shard_of(ref[n], p, rank % 2 if engine_tp == 2 else 0,
-                                                     getattr(p, "partition_stride", 1)))]
+                                                     getattr(p, "partition_stride", 1))))
             out.append((stats, equal, engine.weights_version))
         greedy = SamplingParams(num_tokens_to_generate=4, top_k=1)
         generated = engine.generate([[1, 2, 3]], greedy)[0].generated_tokens  # the engine runs on what it received
-        held = set()  # the engine's names of what this rank's trainer stage holds (its layers renumbered)
-        for n, _ in chunk.named_parameters():
-            if n.startswith("decoder.layers."):
-                _, _, i, rest = n.split(".", 3)
-                n = f"decoder.layers.{chunk.decoder.layers[int(i)].layer_number - 1}.{rest}"
-            held.add(n)
+        # what this rank's trainer stage holds is copied locally (its share of each TP split, whole replicated
+        # tensors; not the last stage's copy of the tied embeddings); the rest of the engine's weights comes over gloo
+        held = _bytes(p for n, p in chunk.named_parameters() if n != "word_embeddings.weight")
         engine_params = dict(engine_model.named_parameters())
-        expected_received = _bytes(engine_params.values()) - _bytes(p for n, p in engine_params.items() if n in held)
+        expected_received = _bytes(engine_params.values()) - held
         return out, sorted(engine_params), expected_received, generated
 
     reference = GPTModel(TransformerConfig(**CONFIG))
