@@ -15,7 +15,7 @@ The policy is the course's tiny GPT (megalab/extras/tiny_gpt.py: 2 layers, hidde
 (collect rollouts, compute_logprobs_batch, calculate_grpo_advantages, calculate_grpo_loss, the refit through
 megatron/core/resharding/).
 
-    python -m megalab.train_rl --steps 30
+    python -m megalab.train_rl --steps 40      # ~0.2 s a step on one core: mean reward ~0.12 -> ~0.28
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from megalab.rl.rl_utils import calculate_grpo_advantages, calculate_grpo_loss, 
 
 @dataclass
 class GRPOConfig:
-    num_prompts: int = 8  # per step
+    num_prompts: int = 16  # per step
     group_size: int = 8  # rollouts per prompt
     num_tokens_to_generate: int = 1
     temperature: float = 1.0
@@ -119,7 +119,7 @@ def grpo_step(model, optimizer, engine, agent, rng, config: GRPOConfig, step: in
     model.eval()
     if refit:
         engine.update_weights(model.state_dict())
-    return dict(step=step, reward=float(batch.rewards.mean()), loss=float(loss),
+    return dict(step=step, reward=float(batch.rewards.mean()), loss=float(loss.detach()),
                 max_logprob_diff=comparison.max_abs_diff, seconds=time.perf_counter() - start)
 
 
@@ -140,7 +140,7 @@ def train_rl(steps: int, config: GRPOConfig | None = None, log=None) -> list[dic
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m megalab.train_rl", description=__doc__.split("\n")[0])
-    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--steps", type=int, default=40)
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     history = train_rl(args.steps, log=lambda h: print(
