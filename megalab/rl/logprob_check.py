@@ -3,10 +3,12 @@
 The engine sampled each response token from its own distribution and returned its log-prob; the trainer
 recomputes the same token's log-prob with its own forward. Same weights, same math: they differ only by
 float rounding (the engine attends over a KV cache one new token at a time, the trainer runs causal attention
-over the whole sequence, so sums run in another order). In float32 on this tiny model that is ~1e-6;
-TOLERANCE = 1e-4 leaves 100x headroom and is still far below what each systems bug below produces (measured
-in tests/test_rl.py). In bf16 the honest gap is ~1e-2 and Megatron corrects for it with an importance weight
-(calculate_grpo_loss's inference_logprobs, is_truncation_coef) instead of refusing the batch.
+over the whole sequence, so sums run in another order). Measured on the GRPO loop's policy (float32, one
+training step in): 2.4e-7 at most. TOLERANCE = 1e-4 leaves ~400x headroom and is still below every planted
+bug: a refit sent in bf16 1.8e-3, a column-parallel weight's TP halves swapped 0.13, the trainer applying
+temperature 0.7 0.38, a skipped refit 0.59 (max |difference| over a batch). An honest bf16 engine sits near the
+bf16 number: Megatron then corrects with an importance weight (calculate_grpo_loss's inference_logprobs,
+is_truncation_coef) instead of refusing the batch.
 
 `diagnose` names the cause of a mismatch by testing one hypothesis at a time:
 
