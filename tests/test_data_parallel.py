@@ -459,15 +459,8 @@ def _quick_zero_step(rank, world, group):
                 "not copied back": [b.float() for b in before]}
     out["bf16"] = _attempt(bf16_step)
 
-    def stage3_step():  # stage 3 gathers on demand: the step updates the shards and gathers nothing
-        ddp = DistributedDataParallel(_tiny(), group=group, bucket_size=10, zero_stage=3)
-        optimizer = DistributedOptimizer(ddp, torch.optim.SGD, lr=0.1)
-        _step_grads(ddp, rank, world)
-        optimizer.step()
-        _gathered_views_backed(ddp)
-        got = ddp.full_parameters()
-        return {"params": [got[n] for n, _ in ddp.module.named_parameters()], "expected": _sgd_expected()}
-    out[3] = _attempt(stage3_step)
+    # stage 3 gathers on demand: the step updates the shards and gathers nothing
+    out[3] = _attempt(lambda: _zero3_sgd_step(rank, world, group))
     return out
 
 
@@ -496,16 +489,19 @@ def _quick_zero3_gather(rank, world, group):
                 "expected": [p.detach() + 1.0 for p in _tiny().parameters()],
                 "own": {n: _own_mask(ddp, p, rank) for n, p in ddp.module.named_parameters()}}
 
-    def gather():
-        ddp = DistributedDataParallel(_tiny(), group=group, bucket_size=10, zero_stage=3)
-        optimizer = DistributedOptimizer(ddp, torch.optim.SGD, lr=0.1)
-        _step_grads(ddp, rank, world)
-        optimizer.step()
-        _gathered_views_backed(ddp)
-        got = ddp.full_parameters()
-        return {"params": [got[n] for n, _ in ddp.module.named_parameters()], "expected": _sgd_expected(),
-                "shard elements": sum(b.param_shard.numel() for b in ddp.buckets)}
-    return {"shards changed": _attempt(shards_changed), "one step": _attempt(gather)}
+    return {"shards changed": _attempt(shards_changed), "one step": _attempt(lambda: _zero3_sgd_step(rank, world, group))}
+
+
+def _zero3_sgd_step(rank, world, group) -> dict:
+    """One ZeRO-3 SGD step on the tiny model, then every bucket gathered: the parameters and what they should be."""
+    ddp = DistributedDataParallel(_tiny(), group=group, bucket_size=10, zero_stage=3)
+    optimizer = DistributedOptimizer(ddp, torch.optim.SGD, lr=0.1)
+    _step_grads(ddp, rank, world)
+    optimizer.step()
+    _gathered_views_backed(ddp)
+    got = ddp.full_parameters()
+    return {"params": [got[n] for n, _ in ddp.module.named_parameters()], "expected": _sgd_expected(),
+            "shard elements": sum(b.param_shard.numel() for b in ddp.buckets)}
 
 
 def _own_mask(ddp, param, rank) -> torch.Tensor:
