@@ -9,7 +9,7 @@ import re
 import pytest
 import torch
 
-from megalab.rl.agent.arithmetic_agent import ArithmeticAgent
+from megalab.rl.agent.arithmetic_agent import END_OF_ANSWER, MAX_RESPONSE_LENGTH, PROMPT_LENGTH, ArithmeticAgent
 from megalab.rl.logprob_check import TrainServeMismatch, check_loss_normalization, diagnose
 from megalab.rl.rl_utils import calculate_grpo_advantages, calculate_grpo_loss, compute_logprobs, reduce_loss
 from megalab.train_rl import GRPOConfig, build_engine, build_policy, collect_rollouts, grpo_step, train_rl
@@ -34,13 +34,45 @@ def test_reward_goes_up():
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the fastest on a busy 2-core machine
     try:
-        history = train_rl(40, GRPOConfig(seed=0))  # measured, seeds 0/1/2: 0.13/0.13/0.12 -> 0.28/0.27/0.32
+        history = train_rl(24, GRPOConfig(seed=0))  # measured, seeds 0/1/2: 0.12/0.11/0.14 -> 0.40/0.42/0.43 (first 6 -> last 6 steps)
     finally:
         torch.set_num_threads(threads)
-    first = sum(h["reward"] for h in history[:10]) / 10
-    last = sum(h["reward"] for h in history[-10:]) / 10
-    assert last > first + 0.1, f"mean reward {first:.3f} (first 10 steps) -> {last:.3f} (last 10)"
+    first = sum(h["reward"] for h in history[:6]) / 6
+    last = sum(h["reward"] for h in history[-6:]) / 6
+    assert last > first + 0.15, f"mean reward {first:.3f} (first 6 steps) -> {last:.3f} (last 6)"
     assert max(h["max_logprob_diff"] for h in history) < 1e-4
+
+
+def test_ragged_rollouts_and_normalization():
+    """Responses of 1-3 tokens (digits, then END_OF_ANSWER): the mask keeps exactly each response's tokens, the
+    engine's log-probs line up with the trainer's, and per-token vs per-sequence normalisation then differ."""
+    config = GRPOConfig(num_prompts=8, group_size=4)
+    model = build_policy(0)
+    engine = build_engine(model, config)
+    batch = collect_rollouts(engine, ArithmeticAgent(), random.Random(0), config, 0)
+    lengths = batch.response_lengths
+    assert sorted(set(lengths.tolist())) == [1, 2, 3], f"response lengths {lengths.tolist()}: not ragged"
+    assert torch.equal(batch.loss_mask.sum(-1).long(), lengths)
+    for row, n in enumerate(lengths.tolist()):  # a response ends at END_OF_ANSWER or at the longest allowed
+        response = batch.tokens[row, PROMPT_LENGTH:PROMPT_LENGTH + n].tolist()
+        assert response[-1] == END_OF_ANSWER or n == MAX_RESPONSE_LENGTH
+        assert END_OF_ANSWER not in response[:-1]
+    with torch.no_grad():
+        trainer = compute_logprobs(model, batch.tokens)[batch.loss_mask.bool()]
+    assert (trainer - batch.engine_logprobs).abs().max() < 1e-4
+    advantages = calculate_grpo_advantages(batch.rewards).flatten()
+    grads, losses = {}, {}
+    for normalization in ("token", "sequence"):
+        model.zero_grad()
+        current = compute_logprobs(model, batch.tokens)
+        per_token, _, _ = calculate_grpo_loss(current, current.detach(), advantages)
+        loss = reduce_loss(per_token, batch.loss_mask, normalization)
+        loss.backward()
+        losses[normalization] = float(loss.detach())
+        grads[normalization] = torch.cat([p.grad.flatten() for p in model.parameters()])
+    assert abs(losses["token"] - losses["sequence"]) > 1e-3, losses
+    gap = float((grads["token"] - grads["sequence"]).norm() / grads["token"].norm())  # measured: 0.19
+    assert gap > 0.1, f"per-token and per-sequence gradients differ by only {gap:.3f} of their norm"
 
 
 def _trained_pair():
@@ -95,7 +127,14 @@ def test_detector_names_temperature_and_normalization_bugs():
 def test_reward_function_that_raises_is_named():
     agent = ArithmeticAgent(reward_fn=lambda prompt, response: 1 / 0)
     prompt = agent.get_prompt(random.Random(0))
-    with pytest.raises(RuntimeError, match=re.escape(f"raised on prompt {prompt.text()!r}, response [3]: ZeroDivisionError")):
+    with pytest.raises(RuntimeError, match=re.escape(f"agent 'arithmetic': the reward function raised on prompt "
+                                                     f"{prompt.text()!r}, response [3]: ZeroDivisionError")):
         agent.get_reward(prompt, [3])
     with pytest.raises(RuntimeError, match="returned None"):
         ArithmeticAgent(reward_fn=lambda p, r: None).get_reward(prompt, [3])
+    config, model, engine, optimizer, rng = _trained_pair()  # inside the loop: the step stops before any update
+    before = {n: p.clone() for n, p in model.named_parameters()}
+    with pytest.raises(RuntimeError, match=r"agent 'arithmetic': the reward function raised on prompt '\d\+\d='"):
+        grpo_step(model, optimizer, engine, agent, rng, config, 1)
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+    assert engine.weights_version == 1 and not engine.has_unfinished_requests()
