@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import os
 import random
 import time
 from dataclasses import dataclass
@@ -55,10 +56,15 @@ class GRPOConfig:
     seed: int = 0
 
 
+def policy_config() -> TransformerConfig:
+    """The tiny GPT's architecture over the task's vocabulary (prompt + the longest response fit in 8)."""
+    return TransformerConfig(**{**TINY_CONFIG, "vocab_size": VOCAB_SIZE, "seq_length": 8})
+
+
 def build_policy(seed: int = 0) -> GPTModel:
     """The tiny GPT's architecture over the task's vocabulary."""
     torch.manual_seed(seed)
-    return GPTModel(TransformerConfig(**{**TINY_CONFIG, "vocab_size": VOCAB_SIZE, "seq_length": 8}))
+    return GPTModel(policy_config())
 
 
 def build_engine(model: GPTModel, config: GRPOConfig) -> InferenceEngine:
@@ -78,32 +84,45 @@ class Rollouts:
     response_lengths: torch.Tensor | None = None  # [P * G]: 1 .. num_tokens_to_generate
 
 
+def rollout_sampling_params(config: GRPOConfig, step: int, index: int) -> SamplingParams:
+    """Rollout `index` of step `step`: its own seed, so any engine replica that generates it samples the same."""
+    return SamplingParams(temperature=config.temperature, num_tokens_to_generate=config.num_tokens_to_generate,
+                          return_log_probs=True, termination_id=END_OF_ANSWER,
+                          seed=config.seed * 1_000_003 + step * 10_007 + index)
+
+
 def collect_rollouts(engine: InferenceEngine, agent: ArithmeticAgent, rng: random.Random, config: GRPOConfig,
                      step: int) -> Rollouts:
     """P prompts x G samples; a response ends at END_OF_ANSWER (included, it is a sampled token) or at
     num_tokens_to_generate tokens. Ragged rows are padded; the loss mask keeps exactly the response tokens."""
     prompts = [agent.get_prompt(rng) for _ in range(config.num_prompts)]
-    params = [SamplingParams(temperature=config.temperature, num_tokens_to_generate=config.num_tokens_to_generate,
-                             return_log_probs=True, termination_id=END_OF_ANSWER,
-                             seed=config.seed * 1_000_003 + step * 10_007 + i)
-              for i in range(config.num_prompts * config.group_size)]
+    params = [rollout_sampling_params(config, step, i) for i in range(config.num_prompts * config.group_size)]
     requests = engine.generate([p.tokens for p in prompts for _ in range(config.group_size)], params)
     failed = [r for r in requests if r.finish_reason not in ("stop", "length")]
     if failed:
         raise RuntimeError(f"step {step}: {len(failed)} rollouts failed in the engine (first: {failed[0].error}): "
                            f"no weight was updated")
-    lengths = torch.tensor([len(r.generated_tokens) for r in requests])  # [P * G]
+    rewards = [[agent.get_reward(p, requests[i * config.group_size + j].generated_tokens)
+                for j in range(config.group_size)] for i, p in enumerate(prompts)]
+    return assemble_rollouts([p.tokens for p in prompts for _ in range(config.group_size)],
+                             [r.generated_tokens for r in requests], [r.generated_log_probs for r in requests],
+                             rewards)
+
+
+def assemble_rollouts(prompt_tokens: list[list[int]], responses: list[list[int]], log_probs: list[list[float]],
+                      rewards: list[list[float]]) -> Rollouts:
+    """Rows of prompt + ragged response, padded with END_OF_ANSWER; the loss mask keeps each response's tokens.
+    prompt_tokens / responses / log_probs: one list per rollout (P * G, grouped by prompt); rewards [P][G]."""
+    lengths = torch.tensor([len(r) for r in responses])  # [P * G]
     width = PROMPT_LENGTH + int(lengths.max())
-    tokens = torch.full((len(requests), width), END_OF_ANSWER)
-    for row, r in enumerate(requests):
-        tokens[row, :PROMPT_LENGTH + len(r.generated_tokens)] = torch.tensor(r.prompt_tokens + r.generated_tokens)
+    tokens = torch.full((len(responses), width), END_OF_ANSWER)
+    for row, (prompt, response) in enumerate(zip(prompt_tokens, responses)):
+        tokens[row, :PROMPT_LENGTH + len(response)] = torch.tensor(prompt + response)
     # position t predicts token t + 1: row i's response tokens are predicted at PROMPT_LENGTH - 1 .. + length_i - 1
     positions = torch.arange(width - 1)
     loss_mask = ((positions >= PROMPT_LENGTH - 1) & (positions < PROMPT_LENGTH - 1 + lengths[:, None])).float()
-    rewards = torch.tensor([[agent.get_reward(p, requests[i * config.group_size + j].generated_tokens)
-                             for j in range(config.group_size)] for i, p in enumerate(prompts)])
-    engine_logprobs = torch.tensor([lp for r in requests for lp in r.generated_log_probs])  # row-major = mask order
-    return Rollouts(tokens, loss_mask, engine_logprobs, rewards, lengths)
+    engine_logprobs = torch.tensor([lp for row in log_probs for lp in row])  # row-major = the mask's order
+    return Rollouts(tokens, loss_mask, engine_logprobs, torch.tensor(rewards), lengths)
 
 
 def grpo_step(model, optimizer, engine, agent, rng, config: GRPOConfig, step: int, refit: bool = True) -> dict:
@@ -156,12 +175,21 @@ def train_rl(steps: int, config: GRPOConfig | None = None, log=None) -> list[dic
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m megalab.train_rl", description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=24)
+    parser.add_argument("--tp", type=int, default=1, help="the trainer's tensor parallel size")
+    parser.add_argument("--pp", type=int, default=1, help="the trainer's pipeline parallel size")
+    parser.add_argument("--engine-tp", type=int, default=1, help="the engine's tensor parallel size")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
-    history = train_rl(args.steps, log=lambda h: print(
-        f"step {h['step']:3d}  reward {h['reward']:.3f}  exact {h['accuracy']:.3f}  "
-        f"length {h['response_length']:.2f}  loss {h['loss']:+.4f}  "
-        f"max |logp diff| {h['max_logprob_diff']:.1e}  {h['seconds']:.2f} s", flush=True))
+    if args.tp * args.pp > 1 or "WORLD_SIZE" in os.environ:  # under torchrun: megalab/rl/parallel.py
+        from megalab.rl.parallel import run
+        history = run(args.steps, args.tp, args.pp, args.engine_tp, verbose=True)
+        if torch.distributed.get_rank() != 0:
+            return
+    else:
+        history = train_rl(args.steps, log=lambda h: print(
+            f"step {h['step']:3d}  reward {h['reward']:.3f}  exact {h['accuracy']:.3f}  "
+            f"length {h['response_length']:.2f}  loss {h['loss']:+.4f}  "
+            f"max |logp diff| {h['max_logprob_diff']:.1e}  {h['seconds']:.2f} s", flush=True))
     first, last = history[: len(history) // 4 or 1], history[-(len(history) // 4 or 1):]
     print(f"mean reward: first quarter {sum(h['reward'] for h in first) / len(first):.3f}, "
           f"last quarter {sum(h['reward'] for h in last) / len(last):.3f}")
