@@ -97,7 +97,11 @@ def collect_rollouts(engine: InferenceEngine, agent: ArithmeticAgent, rng: rando
     num_tokens_to_generate tokens. Ragged rows are padded; the loss mask keeps exactly the response tokens."""
     prompts = [agent.get_prompt(rng) for _ in range(config.num_prompts)]
     params = [rollout_sampling_params(config, step, i) for i in range(config.num_prompts * config.group_size)]
-    requests = engine.generate([p.tokens for p in prompts for _ in range(config.group_size)], params)
+    try:
+        requests = engine.generate([p.tokens for p in prompts for _ in range(config.group_size)], params)
+    except Exception:  # a refused request (too long, out of KV memory): leave no request half-admitted
+        engine.abort_all()
+        raise
     failed = [r for r in requests if r.finish_reason not in ("stop", "length")]
     if failed:
         raise RuntimeError(f"step {step}: {len(failed)} rollouts failed in the engine (first: {failed[0].error}): "
