@@ -94,20 +94,21 @@ def build_layout(tp: int, pp: int, engine_tp: int) -> RLLayout:
                     rank % engine_tp, rank // engine_tp, world // engine_tp)
 
 
-def build_trainer(layout: RLLayout, seed: int = 0) -> GPTModel:
-    """This rank's pipeline stage of the TP model (every rank draws the same full model, keeps its slices)."""
+def build_trainer(layout: RLLayout, seed: int = 0, model_config=None) -> GPTModel:
+    """This rank's pipeline stage of the TP model (every rank draws the same full model, keeps its slices).
+    model_config: the policy's (train_rl.policy_config) unless given."""
     torch.manual_seed(seed)
     spec = tensor_parallel_layer_spec(layout.tp_group) if layout.tp_group is not None else None
-    whole = GPTModel(policy_config(), spec)
+    whole = GPTModel(model_config or policy_config(), spec)
     (chunk,) = build_gpt_stages(whole, layout.pp, layout.pp_rank)
     return chunk
 
 
-def build_engine_replica(layout: RLLayout, config: GRPOConfig) -> InferenceEngine:
+def build_engine_replica(layout: RLLayout, config: GRPOConfig, model_config=None) -> InferenceEngine:
     """This rank's slice of an engine replica, room for its share of one step's rollouts. Its weights are
     random (another seed) until the first refit."""
     torch.manual_seed(10_000 + layout.engine_replica)
-    model_config = policy_config()
+    model_config = model_config or policy_config()
     spec = tensor_parallel_layer_spec(layout.engine_group) if layout.engine_group is not None else None
     n = -(-config.num_prompts * config.group_size // layout.num_engine_replicas)
     length = PROMPT_LENGTH + config.num_tokens_to_generate
