@@ -3,10 +3,12 @@
 The engine sampled each response token from its own distribution and returned its log-prob; the trainer
 recomputes the same token's log-prob with its own forward. Same weights, same math: they differ only by
 float rounding (the engine attends over a KV cache one new token at a time, the trainer runs causal attention
-over the whole sequence, so sums run in another order). Measured on the GRPO loop's policy (float32, one
-training step in): 2.4e-7 at most. TOLERANCE = 1e-4 leaves ~400x headroom and is still below every planted
-bug: a refit sent in bf16 1.8e-3, a column-parallel weight's TP halves swapped 0.13, the trainer applying
-temperature 0.7 0.38, a skipped refit 0.59 (max |difference| over a batch). An honest bf16 engine sits near the
+over the whole sequence, so sums run in another order). Measured on the GRPO loop's policy (float32, ragged
+1-3 token responses, three training steps in): 4.8e-7 at most, on one process and with the trainer at tp2·pp2
+against an engine at tp1 or tp2 (megalab/rl/parallel.py). TOLERANCE = 1e-4 leaves ~200x headroom and is still
+below every planted bug: a refit sent in bf16 1.2e-3, a column-parallel weight's TP halves swapped 1.6, the
+trainer applying temperature 0.7 0.48, the engine still on the initial weights 1.3 (max |difference| over a
+batch). An honest bf16 engine sits near the
 bf16 number: Megatron then corrects with an importance weight (calculate_grpo_loss's inference_logprobs,
 is_truncation_coef) instead of refusing the batch.
 
