@@ -30,11 +30,11 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
-@pytest.mark.parametrize("engine_tp", [1, 2])
-def test_tp2pp2_loop_refits_bit_equal_and_matches_one_process(engine_tp):
-    config = GRPOConfig(**SMALL)
+@pytest.mark.parametrize("engine_tp,normalization", [(1, "token"), (2, "sequence")])
+def test_tp2pp2_loop_refits_bit_equal_and_matches_one_process(engine_tp, normalization):
+    config = GRPOConfig(**SMALL, normalization=normalization)
     histories = threaded_world.run(4, lambda rank, group: parallel.train_rl_parallel(2, config, 2, 2, engine_tp))
-    single = train_rl(1, GRPOConfig(**SMALL))
+    single = train_rl(1, GRPOConfig(**SMALL, normalization=normalization))
     strip = lambda history: [{k: v for k, v in h.items() if k != "seconds"} for h in history]  # noqa: E731
     assert all(strip(h) == strip(histories[0]) for h in histories.values()), "the ranks disagree about the steps"
     history = histories[0]
