@@ -36,10 +36,12 @@ MODELS = {"policy": {}, "wide": dict(num_layers=4, hidden_size=256, num_attentio
 
 
 def model_config(name: str):
-    from megalab.train_rl import policy_config
+    """The RL policy's config (train_rl.policy_config) with MODELS[name]'s sizes (the derived sizes recomputed)."""
+    from megalab.core.transformer.transformer_config import TransformerConfig
+    from megalab.extras.tiny_gpt import TINY_CONFIG
+    from megalab.rl.agent.arithmetic_agent import VOCAB_SIZE
 
-    from dataclasses import replace
-    return replace(policy_config(), **MODELS[name])
+    return TransformerConfig(**{**TINY_CONFIG, "vocab_size": VOCAB_SIZE, "seq_length": 8, **MODELS[name]})
 
 
 def _max_over_ranks(seconds: float) -> float:
@@ -121,7 +123,7 @@ def rank_main(models: list[str], repeats: int) -> dict:
     n = config.num_prompts * config.group_size
     mine = [i for i in range(n) if i % layout.num_engine_replicas == layout.engine_replica]
     times = []
-    for repeat in range(max(1, repeats // 2)):
+    for _ in range(max(1, repeats // 2)):
         dist.barrier()
         start = time.perf_counter()
         requests = engine.generate([prompts[i // config.group_size].tokens for i in mine],

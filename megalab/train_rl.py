@@ -40,8 +40,13 @@ from megalab.core.inference import InferenceEngine, PagedKVCache, SamplingParams
 from megalab.core.models.gpt.gpt_model import GPTModel
 from megalab.core.transformer.transformer_config import TransformerConfig
 from megalab.extras.tiny_gpt import TINY_CONFIG
-from megalab.rl.agent.arithmetic_agent import (END_OF_ANSWER, MAX_RESPONSE_LENGTH, PROMPT_LENGTH, VOCAB_SIZE,
-                                               ArithmeticAgent)
+from megalab.rl.agent.arithmetic_agent import (
+    END_OF_ANSWER,
+    MAX_RESPONSE_LENGTH,
+    PROMPT_LENGTH,
+    VOCAB_SIZE,
+    ArithmeticAgent,
+)
 from megalab.rl.logprob_check import TOLERANCE, TrainServeMismatch, compare_logprobs, diagnose
 from megalab.rl.rl_utils import calculate_grpo_advantages, calculate_grpo_loss, compute_logprobs, reduce_loss
 

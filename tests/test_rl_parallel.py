@@ -4,6 +4,7 @@ real torchrun launch of the entry point, marked integration)."""
 
 from __future__ import annotations
 
+import copy
 import random
 
 import pytest
@@ -16,6 +17,8 @@ from megalab.core.transformer.transformer_config import TransformerConfig
 from megalab.lab import launch
 from megalab.rl import parallel
 from megalab.rl.agent.arithmetic_agent import ArithmeticAgent
+from megalab.rl.logprob_check import compare_logprobs
+from megalab.rl.rl_utils import compute_logprobs
 from megalab.train_rl import GRPOConfig, build_engine, build_policy, collect_rollouts, train_rl
 from tests import threaded_world
 
@@ -103,6 +106,7 @@ def test_refit_between_incompatible_models_is_refused_before_any_weight_changes(
 
 
 def test_engine_out_of_kv_memory_and_prompt_longer_than_the_context():
+    """A request that can never fit is refused with the cause; a pool too small for the batch only pauses."""
     config = GRPOConfig(num_prompts=2, group_size=2)
     model = build_policy(0)
     engine = InferenceEngine(model, PagedKVCache(model.config, num_blocks=2, block_size=2))  # 4 tokens of K/V
@@ -110,6 +114,16 @@ def test_engine_out_of_kv_memory_and_prompt_longer_than_the_context():
                                          "alone: 2 blocks of 2 tokens.: make the cache larger"):
         collect_rollouts(engine, ArithmeticAgent(), random.Random(0), config, 0)
     assert not engine.has_unfinished_requests()  # nothing left half-admitted: the next refit can go ahead
+    # a pool far smaller than the step's rollouts: requests paused, evicted and resumed; the same batch
+    config, ample = GRPOConfig(**SMALL), build_engine(model, GRPOConfig(**SMALL))
+    tight = InferenceEngine(copy.deepcopy(model), PagedKVCache(model.config, num_blocks=6, block_size=4),
+                            max_batch_size=32, max_tokens=256)
+    a, b = (collect_rollouts(e, ArithmeticAgent(), random.Random(0), config, 0) for e in (ample, tight))
+    assert tight.pause_count > 0 and tight.evicted_request_count > 0, "no memory pressure: make the pool smaller"
+    assert torch.equal(a.tokens, b.tokens) and torch.equal(a.rewards, b.rewards)
+    with torch.no_grad():
+        trainer = compute_logprobs(model, b.tokens)[b.loss_mask.bool()]
+    assert compare_logprobs(trainer, b.engine_logprobs).ok  # other batches, other rounding: within TOLERANCE
     long = GRPOConfig(num_prompts=2, group_size=2, num_tokens_to_generate=5)
     with pytest.raises(ValueError, match="prompt .4 tokens. \\+ num_tokens_to_generate .5. = 9 exceeds the model's "
                                          "seq_length 8: shorten the prompt or generate fewer tokens"):
