@@ -46,7 +46,7 @@ from megalab.core.tensor_parallel.layers import full_shard_of
 from megalab.rl.agent.arithmetic_agent import PROMPT_LENGTH, ArithmeticAgent
 from megalab.rl.logprob_check import TrainServeMismatch, compare_logprobs
 from megalab.rl.rl_utils import calculate_grpo_advantages, calculate_grpo_loss
-from megalab.train_rl import GRPOConfig, Rollouts, assemble_rollouts, policy_config, rollout_sampling_params
+from megalab.rl.rollouts import GRPOConfig, Rollouts, assemble_rollouts, policy_config, rollout_sampling_params
 
 
 class StaleWeightsError(RuntimeError):
