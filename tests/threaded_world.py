@@ -8,7 +8,7 @@ records streams):
 
     point-to-point   isend, irecv, send, recv, P2POp, batch_isend_irecv   (gloo-like: sends never block;
                      FIFO per (src, dst, tag); use p2p_model to check NCCL's stricter rules)
-    collectives      all_gather, all_gather_single (= all_gather_into_tensor), all_to_all_single, all_reduce
+    collectives      all_gather, all_gather_object, all_gather_single (= all_gather_into_tensor), all_to_all_single, all_reduce
                      (SUM, AVG, MAX, MIN, PRODUCT), reduce_scatter_single (= reduce_scatter_tensor), broadcast,
                      barrier; every rank's k-th call on a group meets the others' k-th call, as gloo matches them
     groups, queries  new_group, get_rank, get_world_size, get_process_group_ranks, get_global_rank,
@@ -28,6 +28,7 @@ grader's CPU limit): no rank thread outlives `run`. No wall-clock limit: a loade
 from __future__ import annotations
 
 import contextlib
+import copy
 import ctypes
 import sys
 import threading
@@ -212,6 +213,11 @@ class World:
                     t.copy_(got[i])
             return _Request() if async_op else None
 
+        def all_gather_object(object_list, obj, group=None):
+            got = world._exchange(world._group(group), copy.deepcopy(obj), "all_gather_object")
+            for i in range(len(object_list)):
+                object_list[i] = copy.deepcopy(got[i])
+
         def all_reduce(tensor, op=None, group=None, async_op=False):
             got = world._exchange(world._group(group), tensor.detach().clone(), "all_reduce")
             with torch.no_grad():
@@ -285,7 +291,7 @@ class World:
             get_group_rank=lambda group, global_rank: world._group(group).ranks.index(global_rank),
             get_backend=lambda group=None: "gloo", is_initialized=lambda: True, is_available=lambda: True,
             isend=isend, irecv=irecv, send=send, recv=recv, P2POp=_P2POp, batch_isend_irecv=batch_isend_irecv,
-            all_gather=all_gather, all_reduce=all_reduce, broadcast=broadcast, all_to_all_single=all_to_all_single,
+            all_gather=all_gather, all_gather_object=all_gather_object, all_reduce=all_reduce, broadcast=broadcast, all_to_all_single=all_to_all_single,
             barrier=barrier, all_gather_single=all_gather_single, all_gather_into_tensor=all_gather_single,
             reduce_scatter_single=reduce_scatter_single, reduce_scatter_tensor=reduce_scatter_single,
             new_group=new_group,

@@ -1,0 +1,1 @@
+"""Environments that hand out prompts and grade responses. Megatron: megatron/rl/agent/ (RewardOnlyAgent)."""
