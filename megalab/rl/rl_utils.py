@@ -10,8 +10,9 @@ Normalisation (the choice Megatron-LM #4590 is about): PER TOKEN over the whole 
 its token count when --calculate-per-token-loss is set, which every examples/rl/ configuration sets
 (examples/rl/README.md). A long response thus weighs in proportion to its length; the per-sequence
 alternative (GRPO paper: mean over each response, then over responses) gives each response the same weight,
-so each token of a short response counts more. `grpo_loss(..., normalization="sequence")` computes that one
-for comparison.
+so each token of a short response counts more.
+
+For comparison, ours also computes that one: reduce_loss(per_token, loss_mask, "sequence").
 
 Megatron: megatron/rl/rl_utils.py (calculate_grpo_advantages: population std, +1e-4; calculate_grpo_loss: the
 k3 KL estimator exp(d) - d - 1 with d = logp_ref - logp, the importance weight exp(logp_old - logp_inference)

@@ -1,8 +1,9 @@
 """The plan's data: what each rank holds (ParameterMetadata) and what it sends or receives (TransferOp).
 
 Megatron: megatron/core/resharding/utils.py (TransferOp, ParameterMetadata, ReshardPlan; the resolved_name
-that maps a pipeline stage's local layer numbers to global ones). The `model_signature` check is ours:
-Megatron's planner compares shapes only, which lets a model with other heads but the same matrix shapes
+that maps a pipeline stage's local layer numbers to global ones).
+
+The model_signature check is ours: Megatron's planner compares shapes only, which lets a model with other heads but the same matrix shapes
 through; here two models with a different architecture never exchange weights.
 """
 
