@@ -91,6 +91,25 @@ def diagnose(trainer_model, engine, tokens: torch.Tensor, loss_mask: torch.Tenso
 
     tokens [b, s], loss_mask [b, s - 1] (the response positions); trainer_logprobs / engine_logprobs: the values
     at those positions, flat [n]. trainer_version: how many refits the engine should have had."""
+    # EXERCISE rl.diagnose: test the weights first (stale, wrong slice, bf16), then temperature on either side; one (cause, REPORTS[cause], evidence) per hit
+    ### BEGIN SOLUTION
+    # HINT 1: Same weights and same math give the same log-probs, so look at the weights before the log-probs.
+    #         A refit counter behind the trainer's, or weights that are simply other values, is stale. Weights
+    #         that hold exactly the trainer's values but in another order are a wrong slice (a permutation
+    #         keeps the sorted values). Weights equal to the trainer's rounded to bfloat16 are a precision bug.
+    #         Only when every weight is equal can the log-probs differ by sampling parameters: recompute the
+    #         trainer's log-probs at temperature 1 (Megatron's: raw logits) and at `temperature`, and see which
+    #         side matches which.
+    # HINT 2: Compare engine.model's and trainer_model's named_parameters with torch.equal. Order of the
+    #         tests: weights_version != trainer_version (when given) -> "stale weights"; else a parameter in
+    #         another dtype -> "precision"; then, on the first parameter that differs: equal to the trainer's
+    #         .bfloat16() -> "precision", same sorted values -> "wrong slice"; any difference left unexplained
+    #         -> "stale weights". Return as soon as a weight cause is found.
+    # HINT 3: compute_logprobs(trainer_model, tokens, T)[loss_mask.bool()] gives the response tokens' log-probs
+    #         in the order of the flat inputs. The engine side is at fault when its log-probs are NOT close to
+    #         the temperature-1 ones but ARE close to the tempered ones (_close with `tolerance`); the same
+    #         test on trainer_logprobs names the trainer side. Each hit is (cause, REPORTS[cause], a sentence of
+    #         evidence); a batch with no explanation gives [].
     found = []
     trainer_params = dict(trainer_model.named_parameters())
     engine_params = dict(engine.model.named_parameters())
@@ -122,6 +141,7 @@ def diagnose(trainer_model, engine, tokens: torch.Tensor, loss_mask: torch.Tenso
         found.append(("temperature (trainer side only)", REPORTS["temperature (trainer side only)"],
                       f"the trainer's log-probs are those of logits / {temperature}"))
     return found
+    ### END SOLUTION
 
 
 def check_loss_normalization(loss_fn) -> list[tuple[str, str, str]]:

@@ -30,10 +30,19 @@ def calculate_grpo_advantages(rewards: torch.Tensor) -> torch.Tensor:
     """rewards [num_groups, group_size] -> advantages [num_groups, group_size]: each group's rewards minus the
     group's mean, over (1e-4 + the group's population std). A group whose rollouts all scored the same teaches
     nothing (advantages 0)."""
+    # EXERCISE rl.calculate_grpo_advantages: each reward minus its group's mean, over 1e-4 + the group's population std
+    ### BEGIN SOLUTION
+    # HINT 1: GRPO has no value network: a rollout is good or bad only relative to the other G rollouts of the
+    #         SAME prompt (one row of `rewards`). Centre each row on its own mean and scale it by its own spread;
+    #         the small constant keeps a row of equal rewards (spread 0) at advantage 0 instead of 0/0.
+    # HINT 2: Along the last dimension (keepdim, so the row's statistics broadcast over the row): the mean, and the
+    #         POPULATION standard deviation (divide by G, not G - 1: torch's std needs correction=0). Then
+    #         (reward - mean) / (1e-4 + std), computed in float64 and returned as float32.
     rewards = rewards.double()
     mean = rewards.mean(-1, keepdim=True)
     std = rewards.std(-1, keepdim=True, correction=0)
     return ((rewards - mean) / (1e-4 + std)).float()
+    ### END SOLUTION
 
 
 def calculate_grpo_loss(current_logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
@@ -60,12 +69,22 @@ def calculate_grpo_loss(current_logprobs: torch.Tensor, old_logprobs: torch.Tens
 def reduce_loss(per_token: torch.Tensor, loss_mask: torch.Tensor, normalization: str = "token") -> torch.Tensor:
     """per_token [b, s] and loss_mask [b, s] (1 on response tokens) -> the scalar loss.
     "token" (Megatron's): Σ masked / Σ mask. "sequence": each row's masked mean, then the mean over rows."""
+    if normalization not in ("token", "sequence"):
+        raise ValueError(f"normalization must be 'token' (Megatron's) or 'sequence', got {normalization!r}")
+    # EXERCISE rl.reduce_loss: "token": masked sum over the batch / number of response tokens; "sequence": mean over rows of each row's masked mean
+    ### BEGIN SOLUTION
+    # HINT 1: Only response tokens count (mask 1); prompt and padding positions (mask 0) add nothing to the sum
+    #         and nothing to the count. Megatron normalises PER TOKEN over the whole batch: every response token
+    #         has the same weight, so a long response weighs in proportion to its length. "sequence" (the GRPO
+    #         paper's) gives every response the same weight instead: its own mean, then the mean of those.
+    # HINT 2: Cast the mask to the loss's dtype and multiply. "token": the batch's masked sum divided by the
+    #         mask's total (clamped to at least 1: a batch with no response token gives 0, not NaN). "sequence":
+    #         each row's masked sum over that row's count (each clamped to at least 1), then the mean over rows.
     mask = loss_mask.to(per_token.dtype)
     if normalization == "token":
         return (per_token * mask).sum() / mask.sum().clamp(min=1)
-    if normalization == "sequence":
-        return ((per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1)).mean()
-    raise ValueError(f"normalization must be 'token' (Megatron's) or 'sequence', got {normalization!r}")
+    return ((per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1)).mean()
+    ### END SOLUTION
 
 
 def compute_logprobs(model, tokens: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:

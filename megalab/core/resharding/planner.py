@@ -69,6 +69,19 @@ def lcm_tiles(full_len: int, src_world: int, src_stride: int, dst_world: int, ds
     lcm = math.lcm(ns, nd)
     if full_len % lcm:
         raise ReshardError(f"{name}: length {full_len} of its TP dimension is not divisible by lcm({ns}, {nd})")
+    # EXERCISE resharding.lcm_tiles: cut the dimension into lcm units; for each unit of this destination shard, its source rank and offsets; merge neighbours
+    ### BEGIN SOLUTION
+    # HINT 1: With stride k and world w the full dimension is k·w segments, and segment s lives on TP rank s % w, as
+    #         that rank's local segment s // w. Cut the dimension into `lcm` equal units: every unit then lies inside
+    #         one source segment and one destination segment, so it is one copy. Each unit's answer is a tuple
+    #         (source TP rank, start in that rank's LOCAL shard, start in the destination's local shard, length).
+    # HINT 2: A unit is full_len / lcm elements; a source segment holds lcm // ns units, a destination segment
+    #         lcm // nd. Walk the destination's units in its local order (its segments k = 0 .. dst_stride - 1,
+    #         each of them unit by unit): a unit's index in the full dimension gives its source segment, and that
+    #         segment gives the source rank and where the segment starts in that rank's shard.
+    # HINT 3: Merge a unit into the previous tile when it comes from the same source rank and continues the
+    #         previous tile on BOTH sides (source start + length == its source start, and the same for the
+    #         destination): tp2 -> tp1 at stride 1 is two tiles, one per source rank, not lcm of them.
     unit = full_len // lcm
     per_src, per_dst = lcm // ns, lcm // nd  # units per source segment, per destination segment
     tiles: list[list[int]] = []
@@ -84,6 +97,7 @@ def lcm_tiles(full_len: int, src_world: int, src_stride: int, dst_world: int, ds
             else:
                 tiles.append([src_rank, src_start, dst_start, unit])
     return [tuple(t) for t in tiles]
+    ### END SOLUTION
 
 
 def _select_source(candidates: list[ParameterMetadata], dst_rank: int) -> list[ParameterMetadata]:

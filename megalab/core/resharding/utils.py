@@ -3,8 +3,7 @@
 Megatron: megatron/core/resharding/utils.py (TransferOp, ParameterMetadata, ReshardPlan; the resolved_name
 that maps a pipeline stage's local layer numbers to global ones).
 
-The `model_signature` check is ours:
-Megatron's planner compares shapes only, which lets a model with other heads but the same matrix shapes
+The model_signature check is ours: Megatron's planner compares shapes only, which lets a model with other heads but the same matrix shapes
 through; here two models with a different architecture never exchange weights.
 """
 
@@ -84,6 +83,17 @@ def named_resolved_params(model_chunks):
     (one pipeline stage) has no such copy.
     """
     chunks = model_chunks if isinstance(model_chunks, (list, tuple)) else [model_chunks]
+    # EXERCISE resharding.named_resolved_params: every chunk's parameters under their global names (layer_number), without the last stage's tied embedding copy
+    ### BEGIN SOLUTION
+    # HINT 1: Two pipeline stages both hold a `decoder.layers.0`: the local number says where a layer sits in its
+    #         chunk, not which layer of the model it is. Each TransformerLayer knows its global number,
+    #         `layer_number`, counted from 1 as in Megatron; a resolved name counts from 0, like the whole
+    #         model's own parameter names (GPTModel(config).named_parameters()).
+    # HINT 2: For each chunk, for each (name, parameter) of chunk.named_parameters(): skip the name
+    #         "word_embeddings.weight" (the last stage's copy of the tied embedding); if the name starts with
+    #         `decoder.layers.<i>.` (the _LAYER pattern), look up chunk.decoder.layers[i].layer_number and
+    #         rebuild the name with that number minus one; other names stay as they are. Yield
+    #         (resolved name, local name, parameter).
     for chunk in chunks:
         layers = chunk.decoder.layers
         for name, p in chunk.named_parameters():
@@ -92,6 +102,7 @@ def named_resolved_params(model_chunks):
             m = _LAYER.match(name)
             resolved = f"decoder.layers.{layers[int(m.group(1))].layer_number - 1}." + name[m.end():] if m else name
             yield resolved, name, p
+    ### END SOLUTION
 
 
 def extract_param_metadata(model_chunks, owner_rank: int, tp_group=None) -> dict[str, ParameterMetadata]:
