@@ -87,7 +87,11 @@ def _close(a: torch.Tensor, b: torch.Tensor, tolerance: float) -> bool:
 def diagnose(trainer_model, engine, tokens: torch.Tensor, loss_mask: torch.Tensor, trainer_logprobs: torch.Tensor,
              engine_logprobs: torch.Tensor, temperature: float, trainer_version: int | None = None,
              tolerance: float = TOLERANCE) -> list[tuple[str, str, str]]:
-    """(cause, public report, evidence) for each hypothesis that explains the mismatch; [] if there is none.
+    """What explains the mismatch, as (cause, public report, evidence) tuples; [] if nothing does.
+
+    The weights are tested first, and the first weight cause found is returned alone (stale weights, wrong
+    slice or precision: different weights explain any log-prob gap). Only when every weight equals the
+    trainer's are the log-probs tested: one tuple per side whose log-probs are the tempered ones.
 
     tokens [b, s], loss_mask [b, s - 1] (the response positions); trainer_logprobs / engine_logprobs: the values
     at those positions, flat [n]. trainer_version: how many refits the engine should have had."""

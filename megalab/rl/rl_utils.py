@@ -68,7 +68,8 @@ def calculate_grpo_loss(current_logprobs: torch.Tensor, old_logprobs: torch.Tens
 
 def reduce_loss(per_token: torch.Tensor, loss_mask: torch.Tensor, normalization: str = "token") -> torch.Tensor:
     """per_token [b, s] and loss_mask [b, s] (1 on response tokens) -> the scalar loss.
-    "token" (Megatron's): Σ masked / Σ mask. "sequence": each row's masked mean, then the mean over rows."""
+    "token" (Megatron's): Σ masked / Σ mask. "sequence": each row's masked mean, then the mean over rows (a row
+    with no response token has mean 0 and still counts as a row)."""
     if normalization not in ("token", "sequence"):
         raise ValueError(f"normalization must be 'token' (Megatron's) or 'sequence', got {normalization!r}")
     # EXERCISE rl.reduce_loss: "token": masked sum over the batch / number of response tokens; "sequence": mean over rows of each row's masked mean

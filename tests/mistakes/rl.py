@@ -173,4 +173,24 @@ if found:
 """ + _DIAGNOSE_TEMPERATURE + """
 return found
 """),
+    Mistake("rl.diagnose", "the refit counter never compared (only the weights)", says="weights_version never compared",
+            code=_DIAGNOSE_WEIGHTS.replace(
+                "if trainer_version is not None and engine.weights_version != trainer_version:\n"
+                "    found.append((\"stale weights\", REPORTS[\"stale weights\"], \"refit counter behind\"))\nelif",
+                "if") + """
+for n in different:
+    mine, theirs = engine_params[n].float(), trainer_params[n].float()
+    if torch.equal(mine, theirs.bfloat16().float()):
+        found.append(("precision", REPORTS["precision"], "bf16"))
+        break
+    if torch.equal(mine.flatten().sort().values, theirs.flatten().sort().values):
+        found.append(("wrong slice", REPORTS["wrong slice"], "another order"))
+        break
+if different and not found:
+    found.append(("stale weights", REPORTS["stale weights"], "weights differ"))
+if found:
+    return found
+""" + _DIAGNOSE_TEMPERATURE + _DIAGNOSE_TEMPERATURE_TRAINER + """
+return found
+"""),
 ]
