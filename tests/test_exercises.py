@@ -326,7 +326,7 @@ def test_student_workspace_differs_only_in_the_regions(student):
                 checked += 1
                 continue
             assert (tag, i1, i2, j2 - j1) == ("replace", begin, end + 1, 1), f"{rel}: change {tag} at {i1} is not {ex.id}"
-            assert stu_lines[j1] == f'{ex.indent}raise NotImplementedError("{ex.message()}")'
+            assert stu_lines[j1] == f"{ex.indent}raise NotImplementedError({json.dumps(ex.message(), ensure_ascii=False)})"
             checked += 1
     assert checked == len(registry.exercises)
 

@@ -22,7 +22,6 @@ from megalab.lab.checks import close, equal, mistake, require, wrong
 from megalab.rl.logprob_check import REPORTS, diagnose
 from megalab.rl.rl_utils import calculate_grpo_advantages, compute_logprobs, reduce_loss
 
-
 # --------------------------------------------------------------------------- resharding.lcm_tiles
 
 def _owner(g: int, full_len: int, world: int, stride: int) -> tuple[int, int]:
@@ -64,7 +63,7 @@ def test_lcm_tiles_cover_each_destination_shard_from_the_right_source_slices():
             tiles = [tuple(int(x) for x in t) for t in lcm_tiles(full_len, src_tp, stride, dst_tp, stride, d, "w")]
             if stride > 1 and sorted(tiles) == sorted(_reference_tiles(full_len, src_tp, 1, dst_tp, 1, d)):
                 require(mistake("the stride ignored: each rank's shard taken as one contiguous block of the full "
-                                f"dimension", f"{case}: with stride {stride} a rank holds its slice of each of the "
+                                "dimension", f"{case}: with stride {stride} a rank holds its slice of each of the "
                                 f"{stride} parts"))
             expected = torch.stack([full[g] for g in range(full_len) if _owner(g, full_len, dst_tp, stride)[0] == d])
             got = torch.full_like(expected, float("nan"))
@@ -164,7 +163,7 @@ def test_grpo_advantages_are_group_relative():
 # --------------------------------------------------------------------------- rl.reduce_loss
 
 def _loss_loop(per_token, mask, normalization):
-    rows = [(sum(l for l, m in zip(lr, mr) if m), sum(mr)) for lr, mr in zip(per_token.tolist(), mask.tolist())]
+    rows = [(sum(x for x, m in zip(lr, mr) if m), sum(mr)) for lr, mr in zip(per_token.tolist(), mask.tolist())]
     if normalization == "token":
         return sum(s for s, _ in rows) / max(sum(c for _, c in rows), 1)
     return statistics.fmean(s / max(c, 1) for s, c in rows)

@@ -176,12 +176,12 @@ def pipeline_logprobs(chunk: GPTModel, tokens: torch.Tensor, layout: RLLayout) -
     b, s = inputs.shape
     x = inputs
     if layout.pp_rank > 0:
-        x = torch.empty(s, b, chunk.config.hidden_size)
+        x = torch.empty(s, b, chunk.config.hidden_size, device=tokens.device)
         dist.recv(x, layout.pp_ranks[layout.pp_rank - 1])
     out = chunk(x)
     if layout.pp_rank < layout.pp - 1:
         dist.send(out.contiguous(), layout.pp_ranks[layout.pp_rank + 1])
-        logprobs = torch.empty(b, s)
+        logprobs = torch.empty(b, s, device=tokens.device)
     else:
         logprobs = token_logprobs(out, labels, layout.tp_group)
     if layout.pp > 1:
@@ -213,7 +213,8 @@ def train_on_rollouts(chunk: GPTModel, optimizer, batch: Rollouts, old_logprobs:
         return ((per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1)).sum() / num_rows * m
 
     chunk.train()
-    loss = torch.zeros((), dtype=torch.float64)
+    dev = next(chunk.parameters()).device
+    loss = torch.zeros((), dtype=torch.float64, device=dev)
     for _ in range(config.num_updates):
         optimizer.zero_grad()
         microbatches = split(inputs)
@@ -224,7 +225,8 @@ def train_on_rollouts(chunk: GPTModel, optimizer, batch: Rollouts, old_logprobs:
         if layout.embedding_group is not None and chunk.config.share_embeddings_and_output_weights:
             allreduce_word_embedding_grads(chunk, layout.embedding_group)
         optimizer.step()
-        loss = torch.tensor(sum(result.losses) / m if layout.pp_rank == layout.pp - 1 else 0.0, dtype=torch.float64)
+        loss = torch.tensor(sum(result.losses) / m if layout.pp_rank == layout.pp - 1 else 0.0, dtype=torch.float64,
+                            device=dev)
     if layout.pp > 1:
         dist.broadcast(loss, layout.pp_ranks[-1], group=layout.pp_group)
     chunk.eval()
@@ -266,7 +268,7 @@ def refit(chunk, engine, layout: RLLayout, plan=None):
     Returns (bytes over the wire summed over ranks, the slowest rank's seconds, the plan)."""
     stats, plan = swap_model_weights(chunk, engine, src_tp_group=layout.tp_group, dst_tp_group=layout.engine_group,
                                      plan=plan)
-    moved = torch.tensor([float(stats.bytes_sent), stats.seconds], dtype=torch.float64)
+    moved = torch.tensor([float(stats.bytes_sent), stats.seconds], dtype=torch.float64, device=next(chunk.parameters()).device)
     totals = moved.clone()
     dist.all_reduce(totals[:1])
     dist.all_reduce(totals[1:], op=dist.ReduceOp.MAX)

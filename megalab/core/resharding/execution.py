@@ -54,7 +54,7 @@ def execute_reshard_plan(plan: ReshardPlan, src_params: dict[str, torch.Tensor],
             target[op.my_slice].copy_(local.pop(op.task_id))
             stats.bytes_local += op.nbytes
             continue
-        buffer = torch.empty(target[op.my_slice].shape, dtype=target.dtype)
+        buffer = torch.empty(target[op.my_slice].shape, dtype=target.dtype, device=target.device)
         requests.append(dist.irecv(buffer, op.peer_rank, group=group))
         received.append((op, buffer))
         stats.bytes_received += op.nbytes
