@@ -17,7 +17,7 @@ from megalab.core.transformer.transformer_config import TransformerConfig
 from megalab.lab import launch
 from megalab.rl import parallel
 from megalab.rl.agent.arithmetic_agent import ArithmeticAgent
-from megalab.rl.logprob_check import compare_logprobs
+from megalab.rl.logprob_check import TrainServeMismatch, compare_logprobs
 from megalab.rl.rl_utils import compute_logprobs
 from megalab.train_rl import GRPOConfig, build_engine, build_policy, collect_rollouts, train_rl
 from tests import threaded_world
@@ -144,6 +144,32 @@ def test_a_raising_reward_stops_every_rank_naming_the_agent_and_prompt():
         return all(torch.equal(p, before[n]) for n, p in chunk.named_parameters()), engine.has_unfinished_requests()
 
     assert threaded_world.run(4, body) == {r: (True, False) for r in range(4)}
+
+
+def test_a_stale_engine_replica_stops_every_rank_naming_the_cause(monkeypatch):
+    """Replica 1's engine keeps its old weights through the first step's refit (its weights_version still goes
+    up, as in trl #5312): the log-prob check fails and every rank's error names stale weights on replica 1."""
+    real_refit = parallel.refit
+
+    def refit_dropped_on_replica_1(chunk, engine, layout, plan=None):
+        before = {n: p.clone() for n, p in engine.model.named_parameters()}
+        result = real_refit(chunk, engine, layout, plan)
+        if plan is not None and layout.engine_replica == 1:  # the refit after step 0 installs nothing
+            with torch.no_grad():
+                for n, p in engine.model.named_parameters():
+                    p.copy_(before[n])
+        return result
+
+    monkeypatch.setattr(parallel, "refit", refit_dropped_on_replica_1)
+
+    def body(rank, group):
+        with pytest.raises(TrainServeMismatch, match="step 1: .*causes: ") as caught:
+            parallel.train_rl_parallel(2, GRPOConfig(**SMALL), 2, 2, engine_tp=2)
+        return str(caught.value).split("causes: ")[1]
+
+    causes = threaded_world.run(4, body)
+    assert all(c == causes[0] for c in causes.values()), "the ranks disagree about the causes"
+    assert causes[0].startswith("replica 1: stale weights (trl #5312): ") and "replica 0" not in causes[0], causes[0]
 
 
 @pytest.mark.integration

@@ -10,7 +10,9 @@
                        them; all_gather_object gives every rank the whole batch. A rank whose engine is not
                        at the expected weights_version (a refit failed, skipped) refuses, and every rank stops
       2. check         the trainer's log-probs (a forward-only pass through the stages, the last stage's
-                       vocab-parallel log-softmax broadcast over the pipeline) against the engine's
+                       vocab-parallel log-softmax broadcast over the pipeline) against the engine's; on a
+                       mismatch each replica's first rank runs logprob_check.diagnose on whole-model copies
+                       (the trainer's weights and its replica's, gathered) and every rank raises naming the causes
       3. GRPO          num_updates steps of forward_backward_pipelining (chapter 03's 1F1B, micro-batches)
                        on the clipped loss, normalised per token over the whole batch; the tied word
                        embeddings' gradient summed between the first and last stage; Adam on each rank
@@ -44,7 +46,7 @@ from megalab.core.resharding.utils import named_resolved_params
 from megalab.core.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from megalab.core.tensor_parallel.layers import full_shard_of
 from megalab.rl.agent.arithmetic_agent import PROMPT_LENGTH, ArithmeticAgent
-from megalab.rl.logprob_check import TrainServeMismatch, compare_logprobs
+from megalab.rl.logprob_check import TrainServeMismatch, compare_logprobs, diagnose
 from megalab.rl.rl_utils import calculate_grpo_advantages, calculate_grpo_loss
 from megalab.rl.rollouts import GRPOConfig, Rollouts, assemble_rollouts, policy_config, rollout_sampling_params
 
@@ -278,6 +280,60 @@ def refit(chunk, engine, layout: RLLayout, plan=None):
     return int(totals[0]), float(totals[1]), plan
 
 
+def gather_engine_weights(engine: InferenceEngine, layout: RLLayout) -> dict[str, torch.Tensor]:
+    """Collective over the engine group: this rank's engine replica's full weights (name -> tensor)."""
+    mine = {n: (p.detach().clone(), bool(getattr(p, "tensor_model_parallel", False)) and layout.engine_tp > 1,
+                getattr(p, "partition_dim", 0), getattr(p, "partition_stride", 1))
+            for n, p in engine.model.named_parameters()}
+    if layout.engine_group is None:
+        return {n: tensor for n, (tensor, *_) in mine.items()}
+    everyone = [None] * layout.engine_tp
+    dist.all_gather_object(everyone, mine, group=layout.engine_group)  # engine-TP order
+    return {n: unshard([shards[n][0] for shards in everyone], dim, stride) if is_tp else tensor
+            for n, (tensor, is_tp, dim, stride) in mine.items()}
+
+
+def _whole_model(weights: dict[str, torch.Tensor], model_config) -> GPTModel:
+    """A one-process GPTModel holding `weights` (their dtypes kept), for diagnose."""
+    with torch.random.fork_rng(devices=[]):  # building draws random weights: leave the loop's RNG alone
+        model = GPTModel(model_config).eval()
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            p.data = weights[n].clone()
+    return model.to(next(iter(weights.values())).device)
+
+
+class _EngineView:
+    """What diagnose reads of an engine: its (whole) model and its refit count."""
+
+    def __init__(self, model: GPTModel, weights_version: int):
+        self.model, self.weights_version = model, weights_version
+
+
+def diagnose_parallel(chunk: GPTModel, engine: InferenceEngine, batch: Rollouts, trainer_logprobs: torch.Tensor,
+                      temperature: float, trainer_version: int, layout: RLLayout, model_config=None) -> list[str]:
+    """Collective: logprob_check.diagnose for every engine replica, the same list of causes on every rank
+    ("replica r: cause (report): evidence"). Each replica's first rank tests the trainer's weights (gathered)
+    against its replica's (gathered) on the rollouts that replica generated.
+    trainer_logprobs: flat [n] over batch.loss_mask, as batch.engine_logprobs."""
+    trainer_full = gather_trainer_weights(chunk, layout)
+    engine_full = gather_engine_weights(engine, layout)
+    causes = []
+    if layout.engine_tp_rank == 0:
+        config = model_config or policy_config()
+        mask = batch.loss_mask.bool()  # [b, s - 1]
+        rows = torch.arange(mask.shape[0], device=mask.device) % layout.num_engine_replicas == layout.engine_replica
+        flat = rows[:, None].expand_as(mask)[mask]  # [n]: is this response token from this replica's rollouts
+        found = diagnose(_whole_model(trainer_full, config),
+                         _EngineView(_whole_model(engine_full, config), engine.weights_version),
+                         batch.tokens[rows], batch.loss_mask[rows], trainer_logprobs[flat],
+                         batch.engine_logprobs[flat], temperature, trainer_version)
+        causes = [f"replica {layout.engine_replica}: {c} ({r}): {e}" for c, r, e in found]
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, causes)
+    return [c for rank_causes in everyone for c in rank_causes]
+
+
 def train_rl_parallel(steps: int, config: GRPOConfig | None = None, tp: int = 2, pp: int = 2, engine_tp: int = 1,
                       log=None) -> list[dict]:
     """Collective (every rank of a world of tp·pp ranks): the loop from a fresh policy; one dict per step
@@ -296,8 +352,11 @@ def train_rl_parallel(steps: int, config: GRPOConfig | None = None, tp: int = 2,
         old_logprobs = pipeline_logprobs(chunk, batch.tokens, layout)  # [b, s - 1]
         comparison = compare_logprobs(old_logprobs[batch.loss_mask.bool()], batch.engine_logprobs, config.tolerance)
         if not comparison.ok:
+            causes = diagnose_parallel(chunk, engine, batch, old_logprobs[batch.loss_mask.bool()],
+                                       config.temperature, version, layout)
             raise TrainServeMismatch(f"step {step}: trainer (tp{tp}·pp{pp}) and engine (tp{engine_tp}) log-probs "
-                                     f"differ by up to {comparison.max_abs_diff:.3g} (tolerance {config.tolerance:g})")
+                                     f"differ by up to {comparison.max_abs_diff:.3g} (tolerance {config.tolerance:g}); "
+                                     "causes: " + ("; ".join(causes) or "none identified"))
         advantages = calculate_grpo_advantages(batch.rewards).flatten()
         loss = train_on_rollouts(chunk, optimizer, batch, old_logprobs, advantages, layout, config)
         refit_bytes, refit_seconds, plan = refit(chunk, engine, layout, plan)
