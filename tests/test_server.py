@@ -7,6 +7,7 @@ import json
 import httpx
 import pytest
 import torch
+from fastapi.testclient import TestClient
 
 from megalab.core.inference import InferenceEngine, PagedKVCache, SamplingParams
 from megalab.core.inference.text_generation_server.text_generation_server import ServerThread, create_app, load_test
@@ -39,6 +40,15 @@ def _expected(prompt, **params):
 def test_binds_loopback_and_reports_health(server):
     assert server.host == "127.0.0.1"
     assert httpx.get(server.url + "/health").json()["status"] == "ok"
+    config = TransformerConfig(**CONFIG)  # an engine out of KV blocks: 3 requests, room for 2 to grow
+    engine = InferenceEngine(GPTModel(config), PagedKVCache(config, 3, 4))
+    for _ in range(3):
+        engine.add_request([1, 2, 3], SamplingParams(num_tokens_to_generate=8))
+    for _ in range(3):
+        engine.step()
+    health = TestClient(create_app(engine, ByteTokenizer())).get("/health").json()  # no lifespan: no engine thread
+    assert (health["active"], health["waiting"], health["paused"]) == (1, 1, 1) == (
+        len(engine.active), len(engine.waiting), len(engine.paused))
 
 
 @pytest.mark.parametrize("sampling", [dict(temperature=0), dict(temperature=0.8, top_p=0.9, top_k=20, seed=7)])

@@ -273,7 +273,8 @@ def create_app(engine: InferenceEngine, tokenizer, model_name: str = "megalab-gp
 
     @app.get("/health")
     async def health():
-        return {"status": "ok", "model": model_name, "active": len(engine.active), "waiting": len(engine.waiting)}
+        return {"status": "ok", "model": model_name, "active": len(engine.active), "waiting": len(engine.waiting),
+                "paused": len(engine.paused)}  # out of KV blocks, resumed as blocks free up
 
     @app.post("/v1/completions")
     async def completions(http: Request):
