@@ -32,6 +32,11 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
+from megalab.core.transformer.pipeline_parallel_layer_layout import (
+    CHAR_TO_LAYER_TYPE,
+    LayerType,
+    PipelineParallelLayerLayout,
+)
 from megalab.core.transformer.transformer_config import TransformerConfig
 from megalab.extras import calc, step_time
 from megalab.extras.pipeline_sim import bubble_fraction
@@ -251,31 +256,30 @@ def parse_pipeline_layout(layout: str, pp: int, num_layers: int | None = None) -
     (transformer layers on each of the pp ranks, vpp). Stages are separated by "|" in virtual order
     (stage i runs on rank i % pp, chunk i // pp); "E" embedding, "L" loss, "t" a transformer layer,
     "m" an MTP layer (not counted); "x*n" and "(...)*n" repeat, commas are cosmetic. With `num_layers`, a
-    layout that does not place exactly that many "t" is refused. A small reading of
-    megatron/core/transformer/pipeline_parallel_layer_layout.py (parse_str_to_list) for the planner."""
-    import re
-
-    text = layout.replace(",", "")
-    for pattern in (r"\(([^)]+)\)\*(\d+)", r"(.)\*(\d+)"):
-        text = re.sub(pattern, lambda g: g.group(1) * int(g.group(2)), text)
-    stages = text.split("|")
-    bad = sorted(set(text) - set("ELtm|"))
+    layout that does not place exactly that many "t" is refused. Parsed by
+    core/transformer/pipeline_parallel_layer_layout.py's PipelineParallelLayerLayout (Megatron's parser) with
+    the planner's checks: MTP layers are not checked against a model here."""
+    text = PipelineParallelLayerLayout.unroll_str(layout)
+    bad = sorted(set(text) - set(CHAR_TO_LAYER_TYPE) - {"|"})
     if bad:
         raise ValueError(f"pipeline layout {layout!r}: unknown characters {bad}; use E (embedding), L (loss), "
                          "t (transformer layer), m (MTP layer), | between stages, x*n and (...)*n to repeat")
+    stages = PipelineParallelLayerLayout.parse_str_to_list(layout)  # [virtual stage][layer]: LayerTypes
     if len(stages) % pp:
         raise ValueError(f"pipeline layout {layout!r} has {len(stages)} stages, not a multiple of pp={pp}: "
                          "give pp x vpp stages separated by |")
-    if text.count("E") != 1 or not stages[0].startswith("E") or text.count("L") != 1 or not stages[-1].endswith("L"):
+    parsed = PipelineParallelLayerLayout(stages, pp)
+    count = parsed.flatten_layout.count
+    if (count(LayerType.embedding) != 1 or stages[0][:1] != [LayerType.embedding] or count(LayerType.loss) != 1
+            or stages[-1][-1:] != [LayerType.loss]):
         raise ValueError(f"pipeline layout {layout!r}: the first stage must start with E (embedding) and the last "
                          "end with L (loss), each once")
-    if num_layers is not None and text.count("t") != num_layers:
-        raise ValueError(f"pipeline layout {layout!r} places {text.count('t')} transformer layers (t), the model has "
-                         f"{num_layers}: add or remove t's so that the stages cover every layer once")
-    per_rank = [0] * pp
-    for i, stage in enumerate(stages):
-        per_rank[i % pp] += stage.count("t")
-    return tuple(per_rank), len(stages) // pp
+    if num_layers is not None and count(LayerType.decoder) != num_layers:
+        raise ValueError(f"pipeline layout {layout!r} places {count(LayerType.decoder)} transformer layers (t), the "
+                         f"model has {num_layers}: add or remove t's so that the stages cover every layer once")
+    per_rank = tuple(sum(parsed.get_num_layers_to_build(LayerType.decoder, vp, rank)
+                         for vp in range(parsed.virtual_pipeline_model_parallel_size)) for rank in range(pp))
+    return per_rank, parsed.virtual_pipeline_model_parallel_size
 
 
 @dataclass

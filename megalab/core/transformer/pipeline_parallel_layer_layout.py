@@ -79,13 +79,18 @@ class PipelineParallelLayerLayout:
 
     # ------------------------------------------------------------------ the string
     @staticmethod
-    def parse_str_to_list(layout_str: str) -> list[list[LayerType]]:
-        """"Ettt|(tt|)*2,L" -> [[E, t, t, t], [t, t], [t, t], [L]]: unroll "(...)*n" then "x*n", split at "|"."""
+    def unroll_str(layout_str: str) -> str:
+        """"Et*2|(tt|)*2,L" -> "Ett|tt|tt|L": commas dropped, "(...)*n" then "x*n" unrolled (Megatron does this
+        inside parse_str_to_list; here it is its own step so the planner can read the characters too)."""
         text = layout_str.replace(",", "")  # commas are cosmetic
         text = re.sub(r"\(([^)]+)\)\*(\d+)", lambda g: g.group(1) * int(g.group(2)), text)
-        text = re.sub(r"(.)\*(\d+)", lambda g: g.group(1) * int(g.group(2)), text)
+        return re.sub(r"(.)\*(\d+)", lambda g: g.group(1) * int(g.group(2)), text)
+
+    @staticmethod
+    def parse_str_to_list(layout_str: str) -> list[list[LayerType]]:
+        """"Ettt|(tt|)*2,L" -> [[E, t, t, t], [t, t], [t, t], [L]]: unroll "(...)*n" then "x*n", split at "|"."""
         stages = []
-        for stage in text.split("|"):
+        for stage in PipelineParallelLayerLayout.unroll_str(layout_str).split("|"):
             bad = sorted(set(stage) - set(CHAR_TO_LAYER_TYPE))
             if bad:
                 raise ValueError(f"the layout {layout_str!r} has the character(s) {bad} in stage {stage!r}; a layout "
