@@ -40,6 +40,7 @@ from megalab.core.distributed.finalize_model_grads import allreduce_word_embeddi
 from megalab.core.inference import InferenceEngine, PagedKVCache
 from megalab.core.models.gpt.gpt_layer_specs import tensor_parallel_layer_spec
 from megalab.core.models.gpt.gpt_model import GPTModel, build_gpt_stages
+from megalab.core.pipeline_parallel import p2p_communication
 from megalab.core.pipeline_parallel.schedules import forward_backward_pipelining
 from megalab.core.resharding import swap_model_weights
 from megalab.core.resharding.utils import named_resolved_params
@@ -176,13 +177,11 @@ def pipeline_logprobs(chunk: GPTModel, tokens: torch.Tensor, layout: RLLayout) -
     chunk.eval()
     inputs, labels = tokens[:, :-1], tokens[:, 1:]
     b, s = inputs.shape
-    x = inputs
-    if layout.pp_rank > 0:
-        x = torch.empty(s, b, chunk.config.hidden_size, device=tokens.device)
-        dist.recv(x, layout.pp_ranks[layout.pp_rank - 1])
+    p2p = dict(group=layout.pp_group, device=tokens.device)
+    x = inputs if layout.pp_rank == 0 else p2p_communication.recv_forward((s, b, chunk.config.hidden_size), **p2p)
     out = chunk(x)
     if layout.pp_rank < layout.pp - 1:
-        dist.send(out.contiguous(), layout.pp_ranks[layout.pp_rank + 1])
+        p2p_communication.send_forward(out.contiguous(), **p2p)
         logprobs = torch.empty(b, s, device=tokens.device)
     else:
         logprobs = token_logprobs(out, labels, layout.tp_group)

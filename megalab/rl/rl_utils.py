@@ -7,8 +7,10 @@
 
 Normalisation (the choice Megatron-LM #4590 is about): PER TOKEN over the whole batch. train_rl.py's
 `loss_func` returns [Σ masked per-token losses, number of tokens] and the schedule divides the batch's sum by
-its token count when --calculate-per-token-loss is set, which every examples/rl/ configuration sets
-(examples/rl/README.md). A long response thus weighs in proportion to its length; the per-sequence
+its token count when --calculate-per-token-loss is set. megatron/core/pipeline_parallel/schedules.py
+(forward_step), without the flag, divides each micro-batch's sum by that micro-batch's tokens, then by the
+number of micro-batches: still per token, within a micro-batch. The flag is in examples/rl/README.md's command
+and in 7 of the 14 model configs at the pin (the Qwen2.5 and Nemotron-5 ones). A long response thus weighs in proportion to its length; the per-sequence
 alternative (GRPO paper: mean over each response, then over responses) gives each response the same weight,
 so each token of a short response counts more.
 

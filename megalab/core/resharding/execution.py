@@ -1,7 +1,7 @@
-"""Run a ReshardPlan: post the sends, post the receives, copy same-rank slices directly.
+"""Run a ReshardPlan: every send and receive of this rank in one batch_isend_irecv, same-rank slices copied directly.
 
-Sends go out in task_id order and receives are posted in task_id order, so between two ranks the k-th
-message sent is the k-th one expected (gloo matches point-to-point messages of one tag in order). A
+Sends are listed in task_id order and receives in task_id order, so between two ranks the k-th message sent is
+the k-th one expected (gloo matches point-to-point messages of one tag in order). A
 receive lands in a staging buffer, never in the live weights: the caller installs them only once every
 receive has completed (refit.py), so a failed refit leaves the old weights whole.
 
@@ -37,14 +37,14 @@ def execute_reshard_plan(plan: ReshardPlan, src_params: dict[str, torch.Tensor],
     this rank's source tensor) as the plan says. Returns the bytes moved."""
     rank, stats = plan.rank, RefitStats()
     local = {}
-    requests = []
+    ops = []  # [dist.P2POp]: posted together (batch_isend_irecv), so no rank waits on a send before its receives
     for op in plan.send_ops:
         piece = src_params[op.param_name][op.my_slice].detach()
         if op.peer_rank == rank:
             local[op.task_id] = piece
             continue
         piece = piece.to(op.dtype).contiguous().cpu()  # the wire carries the destination's dtype
-        requests.append(dist.isend(piece, op.peer_rank, group=group))
+        ops.append(dist.P2POp(dist.isend, piece, op.peer_rank, group))
         stats.bytes_sent += op.nbytes
         stats.num_sends += 1
     received = []
@@ -55,11 +55,11 @@ def execute_reshard_plan(plan: ReshardPlan, src_params: dict[str, torch.Tensor],
             stats.bytes_local += op.nbytes
             continue
         buffer = torch.empty(target[op.my_slice].shape, dtype=target.dtype, device=target.device)
-        requests.append(dist.irecv(buffer, op.peer_rank, group=group))
+        ops.append(dist.P2POp(dist.irecv, buffer, op.peer_rank, group))
         received.append((op, buffer))
         stats.bytes_received += op.nbytes
         stats.num_recvs += 1
-    for request in requests:
+    for request in dist.batch_isend_irecv(ops) if ops else []:
         request.wait()
     for op, buffer in received:
         dst_buffers[op.param_name][op.my_slice].copy_(buffer)
